@@ -1,0 +1,119 @@
+"""The contract between web and worker: the job payload, the event schema and the Redis keys.
+
+Torch-free and JSON-only, so the web tier can import it. Everything that crosses Redis is
+defined here and nowhere else.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+# rq queue per served model; the job function is named by dotted path so web never imports it.
+QUEUE_PREFIX = "completions:"
+JOB_FUNCTION = "worker.consumer.run_completion"
+
+# How long finished streams and results stay readable (seconds).
+STREAM_TTL = 600
+RESULT_TTL = 600
+
+
+def queue_name(model_id: str) -> str:
+    return f"{QUEUE_PREFIX}{model_id}"
+
+
+def stream_key(job_id: str) -> str:
+    """Redis Stream holding every event of one job, in order; entry ids double as SSE ids."""
+    return f"nanoserve:stream:{job_id}"
+
+
+def cancel_key(job_id: str) -> str:
+    """Set (to any value) to ask the engine to drop a job; checked once per engine step."""
+    return f"nanoserve:cancel:{job_id}"
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+class CompletionJob(BaseModel):
+    """What web enqueues: a validated, tokenized completions request.
+
+    `choices` are numbered prompt-major: choice `prompt_index * n + j`.
+    `seed` is always set (web draws one when the client gave none) so a retried job
+    reproduces the tokens its first attempt already streamed.
+    """
+
+    id: str
+    model: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    prompts: list[list[int]]
+    max_tokens: int | None = 16  # None: generate up to the end of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int
+    n: int = 1
+    best_of: int | None = None  # None: same as n
+    stop: list[str] = Field(default_factory=list)
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+    def to_payload(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> "CompletionJob":
+        return cls.model_validate(payload)
+
+
+# ---- events: one Redis Stream entry each, fields {"type": <EventType>, "data": <json>} ----
+
+EventType = Literal["delta", "finish", "usage", "done", "error", "cancelled"]
+TERMINAL_EVENTS = ("done", "error", "cancelled")
+# delta:     {"index": int, "text": str, "token_ids": [int], "logprobs": Logprobs-fragment | null}
+#            the logprobs fragment has OpenAI's four lists for exactly the tokens of this delta
+# finish:    {"index": int, "finish_reason": "stop" | "length"}
+# usage:     {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int}
+# done:      {"completion": <the final OpenAI completion object>}
+# error:     {"error": {"message", "type", "param", "code"}}
+# cancelled: {}
+
+
+def encode_event(event_type: str, data: dict[str, Any]) -> dict[str, str]:
+    return {"type": event_type, "data": json.dumps(data, separators=(",", ":"))}
+
+
+def decode_event(fields: dict) -> tuple[str, dict[str, Any]]:
+    """Inverse of encode_event; accepts bytes or str field names and values."""
+    norm = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in fields.items()}
+    return norm["type"], json.loads(norm["data"])
+
+
+def completion_object(job: CompletionJob, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    """The OpenAI `text_completion` object for a finished job."""
+    return {
+        "id": job.id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "system_fingerprint": None,
+        "choices": sorted(choices, key=lambda c: c["index"]),
+        "usage": usage,
+    }
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope; all four keys are always present."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
