@@ -1,0 +1,66 @@
+"""A static key/value cache for serving: one fixed row of positions per sequence slot.
+
+Memory: 2 (keys and values) * n_layer * max_slots * max_len * n_embd * bytes per element.
+GPT-2 small (12 layers, 768 wide) in float32 holds 2 * 12 * 768 * 4 B = 72 KiB per token, so
+32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer key and value tensors of shape (max_slots, n_head, max_len, head_dim).
+
+    Which positions of a slot are valid is the caller's bookkeeping (the engine knows how many
+    tokens each sequence has); a slot is reused by simply writing from position 0 again. Zeros
+    at start so that positions never written stay finite (masked attention still multiplies them by 0).
+    """
+
+    def __init__(self, config, max_slots: int, max_len: int, device="cpu", dtype=torch.float32):
+        head_dim = config.n_embd // config.n_head
+        shape = (max_slots, config.n_head, max_len, head_dim)
+        self.max_slots, self.max_len = max_slots, max_len
+        with torch.inference_mode(False):  # ordinary tensors even if made under inference_mode,
+            # so that forward_cached (under no_grad) may write them
+            self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+            self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+
+    @staticmethod
+    def bytes_per_token(config, dtype=torch.float32) -> int:
+        """Cache bytes one position of one slot costs (keys and values of every layer)."""
+        return 2 * config.n_layer * config.n_embd * torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class CacheWindow:
+    """How one ragged batch meets the cache: where its new keys/values are written, and which
+    cached positions each query may attend to. Built once per forward, shared by every layer.
+
+    tokens of row b sit at positions start_pos[b] .. start_pos[b] + lengths[b] - 1 of slot slots[b];
+    the rest of the row is padding, which is never written to the cache.
+    """
+
+    def __init__(self, slots, start_pos, lengths, T: int, max_len: int):
+        device = slots.device
+        self.positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
+        self.valid = torch.arange(T, device=device) < lengths[:, None]        # (B, T) real tokens
+        # attention reads only the cache positions some real query of this batch can see
+        self.span = max(1, int((start_pos + lengths).max()))
+        if self.span > max_len:
+            raise ValueError(f"batch reaches position {self.span - 1}, the cache holds {max_len} positions")
+        rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
+        self.write_at = (slots[rows], self.positions[rows, cols])  # (slot, position) of each real token
+        self.write_from = (rows, cols)
+        self.slots = slots
+        keys = torch.arange(self.span, device=device)
+        self.mask = keys <= self.positions[:, None, :, None]  # (B, 1, T, span): key pos <= query pos
+
+    def update(self, cache_layer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return each row's
+        slot up to the batch's furthest position, (B, nh, span, hs)."""
+        slot, pos = self.write_at
+        cache_layer[slot, :, pos] = new.transpose(1, 2)[self.write_from]  # (N, nh, hs)
+        return cache_layer[self.slots, :, :self.span]
