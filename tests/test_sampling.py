@@ -1,0 +1,170 @@
+"""Sampling pieces against direct reference computations."""
+import math
+
+import pytest
+import torch
+
+from worker.logprobs import TokenLogprob, fragment, score
+from worker.sampling import (Sampler, SamplingParams, apply_penalties, inverse_cdf, reference_uniform,
+                             seeded_uniform, truncate_sorted)
+
+
+def test_seeded_uniform_is_the_reference_hash():
+    cases = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (2**63 - 1, 7, 100), (-5, 3, 2), (2**64 - 1, 0, 9),
+             (123456789, 127, 4095)]
+    seed = torch.tensor([((s + 2**63) % 2**64) - 2**63 for s, _, _ in cases])
+    choice = torch.tensor([c for _, c, _ in cases])
+    step = torch.tensor([t for _, _, t in cases])
+    got = seeded_uniform(seed, choice, step).tolist()
+    assert got == [reference_uniform(*c) for c in cases]
+    assert len(set(got)) == len(got)
+
+
+def test_seeded_uniform_is_uniform():
+    n = 20000
+    u = seeded_uniform(torch.full((n,), 42), torch.zeros(n, dtype=torch.long), torch.arange(n))
+    assert u.min() >= 0 and u.max() < 1
+    hist = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert (hist - n / 10).abs().max() < 5 * math.sqrt(n / 10)
+
+
+def test_penalties_follow_openais_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6)
+    counts = torch.tensor([[0, 1, 3, 0, 0, 2], [1, 0, 0, 0, 5, 0]], dtype=torch.float32)
+    presence, frequency = torch.tensor([0.5, -1.0]), torch.tensor([0.25, 2.0])
+    got = apply_penalties(logits, counts, presence, frequency)
+    for b in range(2):
+        for j in range(6):
+            c = counts[b, j].item()
+            want = logits[b, j].item() - c * frequency[b].item() - (1.0 if c > 0 else 0.0) * presence[b].item()
+            assert got[b, j].item() == pytest.approx(want, abs=1e-6)
+
+
+def test_truncate_sorted_top_k_then_top_p():
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    got = truncate_sorted(p, torch.tensor([0, 2, 3]), torch.tensor([0.65, 1.0, 0.5]))
+    # row 0: top_p 0.65 keeps 0.4 + 0.3 (0.4 alone is short of it)
+    # row 1: top_k 2 keeps 0.4, 0.3 renormalised; row 2: top_k 3 -> (4, 3, 2)/9, top_p 0.5 keeps 4/9 + 3/9
+    want = torch.tensor([[0.4, 0.3, 0, 0], [4 / 7, 3 / 7, 0, 0], [4 / 9, 3 / 9, 0, 0]])
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_inverse_cdf_picks_the_interval_of_u():
+    p = torch.tensor([[0.5, 0.0, 0.25, 0.25]] * 5)
+    u = torch.tensor([0.0, 0.49, 0.5, 0.8, 0.9999999999], dtype=torch.float64)
+    assert inverse_cdf(p, u).tolist() == [0, 0, 2, 3, 3]
+
+
+def make_sampler(rows, V=8):
+    s = Sampler(len(rows), V)
+    for slot, params in enumerate(rows):
+        s.assign(slot, params, choice=slot)
+    return s
+
+
+def test_greedy_takes_argmax_after_bias_and_penalties():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert make_sampler([SamplingParams(temperature=0)], 4).sample(logits, [0]).tolist() == [1]
+    biased = make_sampler([SamplingParams(temperature=0, logit_bias={3: 10.0})], 4)
+    assert biased.sample(logits, [0]).tolist() == [3]
+    banned = make_sampler([SamplingParams(temperature=0, logit_bias={1: -100.0})], 4)
+    assert banned.sample(logits, [0]).tolist() == [2]
+    # frequency penalty 0.6: token 1 (3.0) keeps winning over token 2 (2.0) while used at most once
+    s = make_sampler([SamplingParams(temperature=0, frequency_penalty=0.6)], 4)
+    assert [s.sample(logits, [0]).item() for _ in range(3)] == [1, 1, 2]
+
+
+def test_history_counts_for_penalties():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    s = Sampler(1, 4)
+    s.assign(0, SamplingParams(temperature=0, frequency_penalty=0.6), choice=0, history=[1, 1])
+    assert s.sample(logits, [0]).tolist() == [2]  # 3 - 1.2 = 1.8 < 2
+    s.assign(0, SamplingParams(temperature=0, presence_penalty=1.5), choice=0, history=[1])
+    assert s.sample(logits, [0]).tolist() == [2]  # 3 - 1.5 < 2
+    assert s.sample(logits, [0]).tolist() == [1]  # 3 - 1.5 = 1.5 > 2 - 1.5
+    assert s.counts[0, :3].tolist() == [0, 2, 1]  # history 1, then 2, then 1
+
+
+def test_adjusted_logits_match_direct_computation():
+    torch.manual_seed(1)
+    V = 10
+    logits = torch.randn(3, V)
+    params = [SamplingParams(presence_penalty=0.3, frequency_penalty=0.7, logit_bias={2: 5.0, 9: -100.0}),
+              SamplingParams(), SamplingParams(frequency_penalty=-0.5)]
+    s = Sampler(3, V)
+    history = [[2, 2, 4], [1], [9, 9, 9]]
+    for slot, (p, h) in enumerate(zip(params, history)):
+        s.assign(slot, p, choice=slot, history=h)
+    got = s.adjusted_logits(logits, torch.tensor([0, 1, 2]), params)
+    want = logits.clone()
+    for b, (p, h) in enumerate(zip(params, history)):
+        for j in range(V):
+            c = h.count(j)
+            want[b, j] += p.logit_bias.get(j, 0.0) - c * p.frequency_penalty - (c > 0) * p.presence_penalty
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8, seed=3),
+                                    SamplingParams(top_k=3, seed=3)])
+def test_draws_follow_the_distribution(params):
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    n = 4000
+    s = Sampler(n, 5)
+    for slot in range(n):
+        s.assign(slot, params, choice=slot)
+    tokens = s.sample(logits.expand(n, 5).contiguous(), list(range(n)))
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    p = torch.softmax(logits / params.temperature, -1).double()
+    p_sorted, order = p.sort(descending=True)
+    kept = truncate_sorted(p_sorted[None].float(), torch.tensor([params.top_k]), torch.tensor([params.top_p]))[0]
+    want = torch.zeros(5, dtype=torch.float64)
+    want[order] = kept.double() / kept.sum()
+    assert (freq - want).abs().max() < 0.03
+    assert freq[want == 0].sum() == 0
+
+
+def test_draw_depends_only_on_the_row():
+    torch.manual_seed(2)
+    V = 50
+    alone_logits = torch.randn(1, V) * 3
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    alone = Sampler(1, V)
+    alone.assign(0, p, choice=4)
+    want = [alone.sample(alone_logits, [0]).item() for _ in range(20)]
+
+    others = [SamplingParams(temperature=0), SamplingParams(seed=5), SamplingParams(top_k=2, seed=1, presence_penalty=1.0),
+              SamplingParams(temperature=2.0, logit_bias={0: 50.0}, seed=0)]
+    busy = Sampler(8, V)
+    for slot, q in zip([0, 1, 5, 7], others):
+        busy.assign(slot, q, choice=0)
+    busy.assign(3, p, choice=4)
+    got = []
+    for _ in range(20):
+        logits = torch.randn(5, V) * 3
+        logits[2] = alone_logits[0]
+        got.append(busy.sample(logits, [0, 1, 3, 5, 7])[2].item())
+    assert got == want
+    assert len(set(want)) > 1  # the step counter moves the draw
+
+
+def test_score_is_log_softmax_of_raw_logits():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 4, 30)
+    tokens = torch.randint(0, 30, (2, 4))
+    chosen, top_lp, top_ids = score(logits, tokens, 3)
+    lp = torch.log_softmax(logits, -1)
+    assert torch.allclose(chosen, lp.gather(-1, tokens[..., None])[..., 0])
+    assert torch.equal(top_ids, lp.topk(3).indices) and torch.allclose(top_lp, lp.topk(3).values)
+    assert score(logits, tokens, 0)[1].shape == (2, 4, 0)
+
+
+def test_fragment_top_dicts_hold_top_n_plus_chosen():
+    name = {1: "a", 2: "b", 3: "c"}.get
+    entries = [TokenLogprob(3, -2.5, [(1, -0.1), (2, -1.0)], 7), TokenLogprob(1, -0.2, [(1, -0.2)], 8),
+               TokenLogprob(2, None, None, 0), TokenLogprob(2, -float("inf"), [], 9)]
+    f = fragment(entries, name)
+    assert f == {"tokens": ["c", "a", "b", "b"], "token_logprobs": [-2.5, -0.2, None, -9999.0],
+                 "top_logprobs": [{"a": -0.1, "b": -1.0, "c": -2.5}, {"a": -0.2}, None, {"b": -9999.0}],
+                 "text_offset": [7, 8, 0, 9]}
