@@ -8,20 +8,50 @@ The completions/jobs routes call, in this order:
     settle(grant, used_tokens)                           # correct the token reservation
 and `rate_limit_headers(grant)` gives the `x-ratelimit-*` headers added to the response.
 `record_invalid(caller, user)` is called for every 400 so repeated invalid requests can earn a ban.
+`/metrics` calls `authorize_metrics(request)`.
 
-This module currently lets everyone in; the access-control implementation replaces the bodies
-without changing these signatures.
+Cost on the request path: `authenticate` is one Redis round trip when keys are required (none when
+not); `admit` is one (blocklist entries of the key and the user, and the rate-limit reservation, in
+one Lua script); `settle` is one. Nothing is cached in the process, so a revoked key or a new
+blocklist entry takes effect on the very next request in every web process. Redis being down raises
+redis.ConnectionError, which the app answers with 503.
+
+Settings (environment; a Flask config entry of the same name wins):
+    NANOSERVE_AUTH            required | disabled: require `Authorization: Bearer <key>` (default disabled)
+    NANOSERVE_METRICS_AUTH    required | disabled: the same for /metrics (default disabled)
+    NANOSERVE_KEY_RPM, NANOSERVE_KEY_TPM    limits of keys created without their own, and of
+                              anonymous callers (per client address)   (default 10000, 10000000)
+    NANOSERVE_USER_RPM, NANOSERVE_USER_TPM  limits per end user (`user` field)  (default 1000, 1000000)
+    0 means no limit. Abuse thresholds: see `web/abuse.py`.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
-from flask import Request
+import redis
+from flask import Flask, Request, current_app
+
+from web import abuse, blocklist, keys, ratelimit
+from web.errors import APIError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+EXTENSION = "nanoserve.access"
+
+MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
+               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY). An administrator can create one "
+               "with `flask --app wsgi keys create NAME`.")
 
 
 @dataclass
 class Caller:
     key_name: str | None = None  # None: anonymous (auth disabled)
+    rpm: int = 0  # this caller's limits (0: none)
+    tpm: int = 0
+    address: str | None = None  # anonymous callers are rate-limited per client address
 
 
 @dataclass
@@ -30,18 +60,160 @@ class Grant:
     user: str | None
     reserved_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
+    buckets: list[ratelimit.Bucket] = field(default_factory=list)
+    settled: bool = False
 
+
+@dataclass(frozen=True)
+class Settings:
+    auth_required: bool
+    metrics_auth_required: bool
+    key_rpm: int
+    key_tpm: int
+    user_rpm: int
+    user_tpm: int
+    abuse: abuse.AbusePolicy
+    redis_url: str
+
+    @classmethod
+    def load(cls, app: Flask) -> "Settings":
+        def get(name: str) -> str | None:
+            value = app.config.get(name)
+            return str(value) if value is not None else os.environ.get(name)
+
+        def switch(name: str) -> bool:
+            value = (get(name) or "disabled").lower()
+            if value not in ("required", "disabled"):
+                raise ValueError(f"{name} must be 'required' or 'disabled', not {value!r}")
+            return value == "required"
+
+        def limit(name: str, default: int) -> int:
+            value = get(name)
+            if value in (None, ""):
+                return default
+            if not value.isdigit():
+                raise ValueError(f"{name} must be a whole number (0: no limit), not {value!r}")
+            return int(value)
+
+        return cls(auth_required=switch("NANOSERVE_AUTH"),
+                   metrics_auth_required=switch("NANOSERVE_METRICS_AUTH"),
+                   key_rpm=limit("NANOSERVE_KEY_RPM", 10_000), key_tpm=limit("NANOSERVE_KEY_TPM", 10_000_000),
+                   user_rpm=limit("NANOSERVE_USER_RPM", 1_000), user_tpm=limit("NANOSERVE_USER_TPM", 1_000_000),
+                   abuse=abuse.AbusePolicy.from_env(get),
+                   redis_url=_redis_url(app, get))
+
+
+def _redis_url(app: Flask, get) -> str:
+    web_settings = app.extensions.get("nanoserve.settings")  # web/config.py, when create_app set it up
+    return web_settings.redis_url if web_settings else (get("REDIS_URL") or DEFAULT_REDIS_URL)
+
+
+@dataclass
+class _State:
+    settings: Settings
+    redis: redis.Redis
+
+
+def init_app(app: Flask) -> None:
+    """Read and check the settings and open the Redis client (done on first use otherwise)."""
+    settings = Settings.load(app)
+    app.extensions[EXTENSION] = _State(settings, redis.Redis.from_url(settings.redis_url, decode_responses=True))
+
+
+def _state() -> _State:
+    app = current_app._get_current_object()
+    if EXTENSION not in app.extensions:
+        init_app(app)
+    return app.extensions[EXTENSION]
+
+
+def redis_client() -> redis.Redis:
+    """This app's Redis client for access control (strings, not bytes)."""
+    return _state().redis
+
+
+def settings() -> Settings:
+    return _state().settings
+
+
+# ---- the seam ----
 
 def authenticate(request: Request) -> Caller:
-    return Caller()
+    state = _state()
+    if not state.settings.auth_required:
+        return Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=request.remote_addr)
+    token = _bearer_token(request)
+    if not token:
+        raise APIError(401, MISSING_KEY, "invalid_request_error")
+    record = keys.verify(state.redis, token)
+    if record is None:
+        raise APIError(401, f"Incorrect API key provided: {_mask(token)}. Ask an administrator for a valid key.",
+                       "invalid_request_error", code="invalid_api_key")
+    return Caller(record.name, _or_default(record.rpm, state.settings.key_rpm),
+                  _or_default(record.tpm, state.settings.key_tpm))
+
+
+def authorize_metrics(request: Request) -> None:
+    """401 unless /metrics is open or the request carries a valid key."""
+    state = _state()
+    if state.settings.metrics_auth_required:
+        token = _bearer_token(request)
+        if not token:
+            raise APIError(401, MISSING_KEY, "invalid_request_error")
+        if keys.verify(state.redis, token) is None:
+            raise APIError(401, f"Incorrect API key provided: {_mask(token)}.", "invalid_request_error",
+                           code="invalid_api_key")
 
 
 def admit(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
-    return Grant(caller, user, reserved_tokens)
+    state = _state()
+    subjects = _subjects(caller, user)
+    limits = _limits(caller, user, state.settings)
+    buckets = [bucket for bucket, _, _ in limits]
+    gates = [blocklist.entry_key(kind, name) for kind, name in subjects]
+    reservation = ratelimit.reserve(state.redis, buckets, reserved_tokens, gates)
+
+    if reservation.blocked_by is not None:
+        kind = subjects[reservation.blocked_by][0]
+        what = "This user is" if kind == "user" else "This API key is"
+        raise APIError(403, f"{what} blocked from using this service.", "permission_error", code="blocked")
+
+    headers = reservation.headers()
+    if not reservation.allowed:
+        named = {bucket.key: (label, subject) for bucket, label, subject in limits}
+        refused = reservation.refused
+        struck = [named[s.bucket.key][1] for s in refused if named[s.bucket.key][1]]
+        abuse.strike(state.redis, state.settings.abuse, "rate_limited", struck)
+        s = next((s for s in refused if s.refused == "too_large"), refused[0])
+        label = named[s.bucket.key][0]
+        if s.refused == "too_large":
+            # Can never fit: tell the client not to retry.
+            message = (f"Request too large for {label} on tokens per min (TPM): Limit {s.bucket.tpm}, "
+                       f"Requested {reserved_tokens}. Reduce the prompt or max_tokens in order to run successfully.")
+            raise APIError(429, message, "tokens", code="rate_limit_exceeded",
+                           headers={**headers, "x-should-retry": "false"})
+        retry_after = ratelimit.retry_after_seconds(reservation.retry_after_ms)
+        if s.refused == "requests":
+            message = (f"Rate limit reached for {label} on requests per min (RPM): Limit {s.bucket.rpm}, "
+                       f"Used {s.bucket.rpm - s.remaining_requests}, Requested 1.")
+        else:
+            message = (f"Rate limit reached for {label} on tokens per min (TPM): Limit {s.bucket.tpm}, "
+                       f"Used {s.bucket.tpm - s.remaining_tokens}, Requested {reserved_tokens}.")
+        raise APIError(429, f"{message} Please try again in {retry_after}s.", s.refused,
+                       code="rate_limit_exceeded", headers={**headers, "Retry-After": str(retry_after)})
+
+    return Grant(caller, user, reserved_tokens, headers, buckets)
 
 
 def settle(grant: Grant, used_tokens: int) -> None:
-    return None
+    if grant is None or grant.settled:
+        return
+    grant.settled = True
+    try:
+        ratelimit.settle(_state().redis, grant.buckets, grant.reserved_tokens - used_tokens)
+    except redis.RedisError:
+        # The response is already computed; an unsettled reservation only delays this caller a little.
+        log.warning("could not settle the token reservation of %s", grant.caller.key_name, exc_info=True)
 
 
 def rate_limit_headers(grant: Grant | None) -> dict[str, str]:
@@ -49,4 +221,52 @@ def rate_limit_headers(grant: Grant | None) -> dict[str, str]:
 
 
 def record_invalid(caller: Caller | None, user: str | None) -> None:
-    return None
+    state = _state()
+    subjects = _subjects(caller or Caller(), user)
+    # The narrowest known culprit: the end user if named, else the key.
+    try:
+        abuse.strike(state.redis, state.settings.abuse, "invalid", subjects[-1:])
+    except redis.RedisError:
+        log.warning("could not record an invalid request", exc_info=True)
+
+
+# ---- helpers ----
+
+def _subjects(caller: Caller, user: str | None) -> list[tuple[str, str]]:
+    """Who a request is accountable to, as blocklist (kind, name): its API key, then its end user."""
+    subjects = []
+    if caller.key_name:
+        subjects.append(("key", caller.key_name))
+    if user:
+        subjects.append(("user", user))
+    return subjects
+
+
+def _limits(caller: Caller, user: str | None, s: Settings) -> list[tuple[ratelimit.Bucket, str, tuple | None]]:
+    """The buckets a request draws from, each with the words naming it in a 429 and the subject that
+    earns a strike when it refuses (none for an anonymous client address)."""
+    limits = []
+    if caller.key_name:
+        limits.append((ratelimit.Bucket(f"nanoserve:ratelimit:key:{caller.key_name}", caller.rpm, caller.tpm),
+                       f"API key `{caller.key_name}`", ("key", caller.key_name)))
+    elif caller.address:
+        limits.append((ratelimit.Bucket(f"nanoserve:ratelimit:addr:{caller.address}", caller.rpm, caller.tpm),
+                       f"client {caller.address}", None))
+    if user:
+        limits.append((ratelimit.Bucket(f"nanoserve:ratelimit:user:{user}", s.user_rpm, s.user_tpm),
+                       f"user `{user}`", ("user", user)))
+    return limits
+
+
+def _bearer_token(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _mask(token: str) -> str:
+    return f"{token[:3]}***{token[-4:]}" if len(token) > 10 else "***"
+
+
+def _or_default(value: int | None, default: int) -> int:
+    return default if value is None else value
+

@@ -1,0 +1,188 @@
+"""Admin commands on `app.cli`: `flask --app wsgi keys …` and `flask --app wsgi blocklist …`.
+
+They talk to the Redis named by REDIS_URL (the same one the web processes use), so they work from
+any shell that can reach it, the docker-compose web container included. Every failure is a one-line
+`Error: …` and exit code 1, never a traceback.
+"""
+from __future__ import annotations
+
+import functools
+import getpass
+import time
+
+import click
+import redis
+from flask import Flask
+from flask.cli import AppGroup
+
+from web import abuse, access, blocklist, keys
+
+keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
+blocklist_cli = AppGroup("blocklist", help="Block end users (the `user` field) or API keys.")
+
+
+def register_cli(app: Flask) -> None:
+    app.cli.add_command(keys_cli)
+    app.cli.add_command(blocklist_cli)
+
+
+def admin_command(f):
+    """Turn Redis failures and bad settings into a clear message and exit code 1."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except redis.RedisError as exc:
+            kw = access.redis_client().connection_pool.connection_kwargs
+            where = kw.get("path") or f"{kw.get('host')}:{kw.get('port')}"
+            raise click.ClickException(f"Cannot use Redis at {where} (set REDIS_URL): {exc}") from None
+        except ValueError as exc:  # a malformed setting, e.g. NANOSERVE_ABUSE_BAN
+            raise click.ClickException(str(exc)) from None
+    return wrapper
+
+
+# ---- keys ----
+
+@keys_cli.command("create")
+@click.argument("name")
+@click.option("--rpm", type=click.IntRange(min=0), help="Requests per minute (0: no limit; default: server's).")
+@click.option("--tpm", type=click.IntRange(min=0), help="Tokens per minute (0: no limit; default: server's).")
+@admin_command
+def keys_create(name: str, rpm: int | None, tpm: int | None) -> None:
+    """Create an API key NAME and print it (it is shown only this once)."""
+    try:
+        token, record = keys.create(access.redis_client(), name, rpm=rpm, tpm=tpm)
+    except keys.ApiKeyError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(token)
+    click.echo(f"Created API key {name!r} ({_limits(record)}). Store it now: it cannot be shown again.", err=True)
+
+
+@keys_cli.command("list")
+@admin_command
+def keys_list() -> None:
+    """List API keys (names and limits; the keys themselves are not stored)."""
+    records = keys.list_keys(access.redis_client())
+    if not records:
+        click.echo("No API keys.")
+        return
+    _table(["NAME", "KEY", "RPM", "TPM", "CREATED"],
+           [[k.name, k.redacted, _limit(k.rpm), _limit(k.tpm), _when(k.created_at)] for k in records])
+
+
+@keys_cli.command("revoke")
+@click.argument("name")
+@admin_command
+def keys_revoke(name: str) -> None:
+    """Revoke the API key NAME at once."""
+    if not keys.revoke(access.redis_client(), name):
+        raise click.ClickException(f"No API key named {name!r} (see `keys list`).")
+    click.echo(f"Revoked API key {name!r}.")
+
+
+# ---- blocklist ----
+
+@blocklist_cli.command("add")
+@click.argument("name")
+@click.option("--reason", default="", help="Why (kept in the list and the log, never told to the client).")
+@click.option("--for", "duration", metavar="DURATION", help="Lift it automatically after e.g. 30m, 24h, 7d.")
+@click.option("--key", "is_key", is_flag=True, help="NAME is an API key name, not an end user.")
+@admin_command
+def blocklist_add(name: str, reason: str, duration: str | None, is_key: bool) -> None:
+    """Block the end user NAME (or, with --key, the API key NAME) at once, in every web process."""
+    seconds = _parse_duration(duration) if duration is not None else None
+    kind = "key" if is_key else "user"
+    entry = blocklist.add(access.redis_client(), kind, name, reason=reason, by=_admin(), duration=seconds)
+    until = f"until {_when(entry.expires_at)}" if entry.expires_at else "until removed"
+    click.echo(f"Blocked {_subject(kind, name)} {until}.")
+
+
+@blocklist_cli.command("remove")
+@click.argument("name")
+@click.option("--key", "is_key", is_flag=True, help="NAME is an API key name, not an end user.")
+@admin_command
+def blocklist_remove(name: str, is_key: bool) -> None:
+    """Unblock the end user NAME (or, with --key, the API key NAME), and clear its abuse strikes."""
+    kind = "key" if is_key else "user"
+    r = access.redis_client()
+    if not blocklist.remove(r, kind, name, by=_admin()):
+        raise click.ClickException(f"{_subject(kind, name).capitalize()} is not on the blocklist (see `blocklist list`).")
+    abuse.forgive(r, kind, name)
+    click.echo(f"Unblocked {_subject(kind, name)}.")
+
+
+@blocklist_cli.command("list")
+@admin_command
+def blocklist_list() -> None:
+    """Show who is blocked: user, reason, added by/at, expiry."""
+    entries = blocklist.entries(access.redis_client())
+    if not entries:
+        click.echo("The blocklist is empty.")
+        return
+    _table(["USER", "REASON", "ADDED BY", "ADDED AT", "EXPIRES"],
+           [[_label(e.kind, e.name), e.reason or "-", e.added_by, _when(e.added_at), _expiry(e.expires_at)]
+            for e in entries])
+
+
+@blocklist_cli.command("log")
+@click.option("-n", "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="How many changes.")
+@admin_command
+def blocklist_log(limit: int) -> None:
+    """Show the audit trail of blocklist changes, oldest first."""
+    rows = blocklist.log(access.redis_client(), limit)
+    if not rows:
+        click.echo("No blocklist changes recorded.")
+        return
+    _table(["TIME", "ACTION", "USER", "BY", "REASON", "EXPIRES"],
+           [[_when(float(row["time"])), row.get("action", ""), _label(row.get("kind", "user"), row.get("name", "")),
+             row.get("by", ""), row.get("reason") or "-",
+             _when(float(row["expires_at"])) if row.get("expires_at") else "-"] for row in rows])
+
+
+# ---- helpers ----
+
+def _parse_duration(text: str) -> float:
+    try:
+        return blocklist.parse_duration(text)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _admin() -> str:
+    """Who made a change, for the audit log: the OS user running the command."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry, e.g. in some containers
+        return "admin"
+
+
+def _subject(kind: str, name: str) -> str:
+    return f"user {name!r}" if kind == "user" else f"API key {name!r}"
+
+
+def _label(kind: str, name: str) -> str:
+    return name if kind == "user" else f"key:{name}"
+
+
+def _limit(value: int | None) -> str:
+    return "default" if value is None else ("none" if value == 0 else str(value))
+
+
+def _limits(record: keys.ApiKey) -> str:
+    return f"rpm {_limit(record.rpm)}, tpm {_limit(record.tpm)}"
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ts))
+
+
+def _expiry(expires_at: float | None) -> str:
+    if expires_at is None:
+        return "never"
+    return f"{_when(expires_at)} (in {blocklist.format_duration(expires_at - time.time())})"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    for row in [header, *rows]:
+        click.echo("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
