@@ -1,0 +1,163 @@
+"""The worker process: load each model once per device, run one batching engine per (model, device),
+and feed the engines from the models' rq queues.
+
+    python processor.py [--model NAME ...] [--device cpu|cuda:0|cuda:0,cuda:1|all]
+                        [--concurrency N] [--redis-url URL]
+
+Several processors (on one machine or many) may serve the same model: they share its queue.
+SIGTERM or Ctrl-C: take no new jobs, finish the running ones, exit 0 (a second signal exits at once;
+the jobs it interrupts are re-queued by rq once their heartbeats expire). Logs are JSON lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import redis
+
+from worker import protocol
+
+log = logging.getLogger("processor")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any `extra` fields."""
+
+    _plain = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                 "logger": record.name, "msg": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in self._plain})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # rq logs every job at INFO; ours already says what matters per job.
+    for name in ("rq.worker", "rq.job", "rq.queue"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+
+
+def parse_devices(value: str) -> list[str]:
+    """`cpu`, `cuda:0`, `cuda:0,cuda:1`, `all` (every visible GPU, else the CPU) or `auto`
+    (the first GPU, else the CPU)."""
+    if value in ("all", "auto"):
+        import torch
+
+        count = torch.cuda.device_count()
+        if not count:
+            return ["cpu"]
+        return [f"cuda:{i}" for i in range(count)] if value == "all" else ["cuda:0"]
+    return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", dest="models", metavar="NAME",
+                        help="model id or alias from the registry (repeatable; default: every model)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda:0, cuda:0,cuda:1, all or auto (default: the model's registry "
+                             "setting, whose default is auto: the first GPU, else the CPU)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="rq worker threads per engine = jobs one engine runs at once "
+                             "(default: the model's max_batch)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"))
+    parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
+    parser.add_argument("--heartbeat", type=float, default=5.0,
+                        help="seconds between job heartbeats; a job is re-queued after 3 missed beats")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics of the engines on this port")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def build_engine(spec, device: str, sink):
+    """Load the model and tokenizer onto one device and wrap them in a started engine."""
+    import torch
+
+    from models.tokenizer import load_tokenizer
+    from nanogpt.checkpoint import load_model
+    from worker.engine import Engine
+
+    # CPU runs float32 (the reference numerics); GPUs use the registry's dtype.
+    dtype = torch.float32 if device == "cpu" else getattr(torch, spec.dtype)
+    started = time.monotonic()
+    model = load_model(spec.checkpoint, device=device, dtype=dtype)
+    engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, event_sink=sink)
+    engine.start()
+    log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": str(dtype).removeprefix("torch."),
+                                    "max_batch": spec.max_batch,
+                                    "load_seconds": round(time.monotonic() - started, 2)})
+    return engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+
+    from models.registry import Registry
+    from worker.consumer import Binding, WorkerPool
+    from worker.events import StreamWriter
+
+    registry = Registry.from_file(args.models_file)
+    specs = [registry.get(name) for name in args.models] if args.models else registry.models()
+    targets = [(spec, device) for spec in specs for device in parse_devices(args.device or spec.device)]
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            log.warning("second signal: exiting without finishing running jobs")
+            os._exit(1)
+        log.info("shutting down: finishing running jobs", extra={"signal": signal.Signals(signum).name})
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    pool = WorkerPool(args.redis_url, heartbeat_interval=args.heartbeat)
+    engines = []
+    try:
+        for spec, device in targets:
+            if stop.is_set():  # asked to stop while models were loading
+                break
+            # The engine thread writes events itself: connect fast; a failed step is retried later.
+            client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
+            writer = StreamWriter(client)
+            engine = build_engine(spec, device, writer)
+            engines.append(engine)
+            concurrency = args.concurrency or spec.max_batch
+            pool.add(Binding(spec.id, engine, writer), device, concurrency)
+            log.info("serving", extra={"model": spec.id, "device": device,
+                                       "queue": protocol.queue_name(spec.id), "workers": concurrency})
+        if args.metrics_port:
+            from worker import metrics
+
+            metrics.start(engines, args.metrics_port)
+        while not stop.wait(0.5):
+            pass
+        pool.stop()
+        pool.join()
+    finally:
+        for engine in engines:
+            engine.stop()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

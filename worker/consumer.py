@@ -1,0 +1,332 @@
+"""The rq side of a worker process: `run_completion` (the job function) and the threads that feed
+jobs from rq to the engines.
+
+A process serves one engine per (model, device). Each engine gets `concurrency` rq `SimpleWorker`s,
+each on a thread of its own, all pulling from the model's queue: a job holds its thread while the
+engine runs it in the shared batch, so `concurrency` bounds how many of the queue's jobs one engine
+runs at once. rq's own bookkeeping (registries, results, `Retry`) is kept as is; added on top:
+
+- a heartbeat thread refreshing running jobs' StartedJobRegistry entries with a short TTL, so the
+  jobs of a worker that died (kill -9, OOM, lost machine) expire within seconds and are re-queued
+  (the jobs carry `Retry`) by any surviving worker's registry maintenance;
+- a retried job resumes from the tokens its earlier attempt already wrote to the job's stream;
+- when rq gives up on a job (no retries left), its stream gets an `error` event so readers stop.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+from rq import Queue, SimpleWorker, get_current_job
+from rq.job import Job
+from rq.timeouts import TimerDeathPenalty
+from rq.worker import WorkerStatus
+
+from worker import protocol
+from worker.events import StreamWriter, append_event, read_history
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Binding:
+    """The engine a worker thread feeds; `run_completion` finds it through the thread it runs on."""
+
+    model_id: str
+    engine: Any  # worker.engine.Engine
+    writer: StreamWriter
+
+
+_local = threading.local()
+
+
+def bind(binding: Binding) -> None:
+    _local.binding = binding
+
+
+# ---- the job function ----------------------------------------------------------------------
+
+def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """Run one completions job on this thread's engine; return the OpenAI completion object.
+
+    Requests the engine rejects get an `error` event and a normal return (retrying cannot help);
+    faults raise, so rq retries the job (which then resumes) or, out of retries, fails it.
+    """
+    binding: Binding = _local.binding
+    rq_job = get_current_job()
+    client = rq_job.connection
+    try:
+        job = protocol.CompletionJob.from_payload(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = f"Invalid job payload: {first['msg']} ({'.'.join(map(str, first['loc']))})."
+        append_event(client, rq_job.id, "error", protocol.error_body(message))
+        return None
+    if job.model != binding.model_id:
+        message = f"This worker serves '{binding.model_id}', not '{job.model}'."
+        append_event(client, job.id, "error", protocol.error_body(message, param="model"))
+        return None
+
+    history = read_history(client, job.id)
+    if history.terminal is not None:
+        # An earlier attempt finished the job but died before rq recorded it.
+        kind, data = history.terminal
+        return data.get("completion") if kind == "done" else None
+    if client.exists(protocol.cancel_key(job.id)):
+        append_event(client, job.id, "cancelled", {})
+        return None
+    resume = history.tokens or None
+
+    started = time.monotonic()
+    binding.writer.track(job.id)
+    try:
+        handle = binding.engine.submit(job, resume=resume)
+        try:
+            result = _wait(handle)
+        except BaseException:
+            # rq's job timeout (an exception raised into this thread) or a fault: free the slot.
+            handle.cancel()
+            raise
+    finally:
+        binding.writer.untrack(job.id)
+    completion = protocol.completion_object(job, result["choices"], result["usage"])
+    log.info("job finished", extra={
+        "job_id": job.id, "model": job.model, "seconds": round(time.monotonic() - started, 3),
+        "completion_tokens": result["usage"].get("completion_tokens"),
+        "resumed_tokens": sum(len(t) for t in (resume or {}).values())})
+    return completion
+
+
+def _wait(handle) -> dict[str, Any]:
+    # Wait in short slices: rq's TimerDeathPenalty raises its timeout into this thread, and Python
+    # delivers that only between bytecodes, never inside one long blocking wait.
+    while True:
+        try:
+            return handle.result(timeout=1.0)
+        except TimeoutError:
+            continue
+
+
+def report_given_up(job: Job, exc_type, exc_value, traceback) -> bool:
+    """rq exception handler: when a job fails for good (no retries left), end its stream with an
+    `error` event so readers stop waiting. Also called for jobs of dead workers (AbandonedJobError)."""
+    if job.should_retry:
+        return True
+    try:
+        if read_history(job.connection, job.id).terminal is None:
+            body = protocol.error_body("The server had an error while processing your request.",
+                                       "server_error")
+            append_event(job.connection, job.id, "error", body)
+    except redis.RedisError:
+        log.exception("could not record failure of job %s", job.id)
+    log.error("job failed", extra={"job_id": job.id, "error": f"{exc_type.__name__}: {exc_value}"})
+    return True
+
+
+# ---- the rq workers ------------------------------------------------------------------------
+
+class EngineWorker(SimpleWorker):
+    """An rq SimpleWorker that lives on a thread of its own (so many can share one engine).
+
+    - Job timeouts use a timer thread (SIGALRM only reaches the main thread).
+    - Signals belong to the main thread; it stops the workers through `request_stop`.
+    - Dequeue blocks at most `poll_interval` at a time, so a stop request is seen promptly.
+    - Running jobs' registry entries live `heartbeat_ttl` seconds; `beat()` refreshes them.
+    """
+
+    death_penalty_class = TimerDeathPenalty
+
+    def __init__(self, *args, heartbeat_ttl: int, poll_interval: int, **kwargs):
+        self.heartbeat_ttl = heartbeat_ttl
+        self.poll_interval = poll_interval
+        self._running: Job | None = None
+        self._running_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _install_signal_handlers(self) -> None:
+        pass
+
+    def subscribe(self) -> None:
+        # rq's pubsub commands (stop-job, shutdown) act through signals and forked horses, neither of
+        # which a worker thread has; skipping them saves a connection and a thread per worker.
+        pass
+
+    def request_stop(self, signum=None, frame=None) -> None:
+        """Take no new job; the running one finishes."""
+        self._stop_requested = True
+
+    def get_heartbeat_ttl(self, job: Job) -> int:
+        return self.heartbeat_ttl
+
+    def heartbeat(self, timeout=None, pipeline=None) -> None:
+        # rq keeps a worker's key `worker_ttl + 60` s past each beat; ours beat every few seconds,
+        # so a short TTL lets a dead process drop out of the queue's live workers (web's /ready).
+        super().heartbeat(self.heartbeat_ttl, pipeline=pipeline)
+
+    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
+        while not self._stop_requested:
+            result = super().dequeue_job_and_maintain_ttl(self.poll_interval, max_idle_time=self.poll_interval)
+            if result is None:
+                continue
+            if self._stop_requested:  # the stop came while we were blocked on the queue
+                self._put_back(*result)
+                return None
+            return result
+        return None
+
+    def _put_back(self, job: Job, queue: Queue) -> None:
+        """Return a just-dequeued job to the front of its queue for another worker."""
+        with self.connection.pipeline() as pipe:
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            queue.push_job_id(job.id, pipeline=pipe, at_front=True)
+            pipe.execute()
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        self.prepare_execution(job)
+        with self._running_lock:
+            self._running = job
+        try:
+            self.perform_job(job, queue)
+        finally:
+            self._stop_beating()
+        self.set_state(WorkerStatus.IDLE)
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        # Stop heartbeats before rq removes the job from the registries, so none re-creates them.
+        self._stop_beating()
+        super().handle_execution_ended(job, queue, heartbeat_ttl)
+
+    def _stop_beating(self) -> None:
+        with self._running_lock:
+            self._running = None
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def beat(self) -> None:
+        """Refresh the running job's registry entry, execution and this worker's key."""
+        with self._running_lock:
+            if self._running is not None:
+                self.maintain_heartbeats(self._running)
+
+
+class WorkerPool:
+    """Starts and stops the rq worker threads of every engine, plus the heartbeat thread."""
+
+    def __init__(self, redis_url: str, *, heartbeat_interval: float = 5.0, maintenance_interval: int = 5,
+                 poll_interval: int = 1, worker_ttl: int = 20):
+        self.redis_url = redis_url
+        self.heartbeat_interval = heartbeat_interval
+        self.maintenance_interval = maintenance_interval
+        self.poll_interval = poll_interval
+        self.worker_ttl = worker_ttl
+        self.workers: list[EngineWorker | None] = []
+        self.threads: list[threading.Thread] = []
+        self.stopping = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="rq-heartbeat", daemon=True)
+
+    def add(self, binding: Binding, device: str, concurrency: int) -> None:
+        """Start `concurrency` worker threads feeding this engine."""
+        queue = protocol.queue_name(binding.model_id)
+        for i in range(concurrency):
+            slot = len(self.workers)
+            self.workers.append(None)
+            name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{i}"
+            thread = threading.Thread(target=self._serve, args=(slot, name, queue, binding),
+                                      name=f"rq-{binding.model_id}-{device}-{i}", daemon=True)
+            self.threads.append(thread)
+            thread.start()
+        if not self._heartbeat.is_alive():
+            self._heartbeat.start()
+
+    def _new_worker(self, name: str, queue: str) -> EngineWorker:
+        connection = redis.Redis.from_url(self.redis_url)
+        return EngineWorker([queue], name=name, connection=connection, worker_ttl=self.worker_ttl,
+                            job_monitoring_interval=int(self.heartbeat_interval) or 1,
+                            maintenance_interval=self.maintenance_interval,
+                            exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
+                            poll_interval=self.poll_interval)
+
+    @property
+    def heartbeat_ttl(self) -> int:
+        # Three missed beats before a job counts as abandoned.
+        return max(3, int(3 * self.heartbeat_interval))
+
+    def _serve(self, slot: int, name: str, queue: str, binding: Binding) -> None:
+        """One worker thread: rq's work loop, restarted if it ends before we stop (rq leaves its
+        loop on some Redis errors, e.g. when Redis restarts in the middle of a job)."""
+        bind(binding)
+        generation = 0
+        while not self.stopping.is_set():
+            try:
+                worker = self._new_worker(f"{name}.{generation}", queue)
+                self.workers[slot] = worker
+                if self.stopping.is_set():
+                    break
+                worker.work(logging_level=None)
+            except Exception as exc:  # Redis unreachable: try again shortly
+                log.warning("rq worker loop failed", extra={"worker": name, "error": repr(exc)})
+            generation += 1
+            if not self.stopping.wait(2.0):
+                log.info("restarting rq worker", extra={"worker": name})
+
+    def _heartbeat_loop(self) -> None:
+        last_maintenance = time.monotonic()
+        failing = False
+        while not self.stopping.wait(self.heartbeat_interval) or self.busy():
+            errors = []
+            for worker in list(self.workers):
+                try:
+                    if worker is not None:
+                        worker.beat()
+                except redis.RedisError as exc:
+                    errors.append(str(exc))
+            if errors and not failing:
+                log.warning("job heartbeats failing", extra={"error": errors[0]})
+            failing = bool(errors)
+            if time.monotonic() - last_maintenance >= self.maintenance_interval:
+                last_maintenance = time.monotonic()
+                self._maintain()
+
+    def _maintain(self) -> None:
+        """Re-queue dead workers' jobs even when every thread here is busy with a long job."""
+        seen: set[str] = set()
+        for worker in list(self.workers):
+            if worker is None or worker.queues[0].name in seen:
+                continue
+            seen.add(worker.queues[0].name)
+            try:
+                worker.clean_registries()
+            except redis.RedisError as exc:
+                log.warning("registry maintenance failed", extra={"error": repr(exc)})
+
+    def busy(self) -> bool:
+        return any(w is not None and w.busy for w in self.workers)
+
+    def stop(self) -> None:
+        """Stop taking jobs; running ones finish (call `join` to wait for them)."""
+        self.stopping.set()
+        for worker in self.workers:
+            if worker is not None:
+                worker.request_stop()
+
+    def join(self, idle_timeout: float = 30.0) -> None:
+        """Wait for every thread; a thread stuck reconnecting to Redis is left after `idle_timeout`
+        unless it still runs a job."""
+        deadline = time.monotonic() + idle_timeout
+        for slot, thread in enumerate(self.threads):
+            while thread.is_alive():
+                thread.join(timeout=0.5)
+                worker = self.workers[slot]
+                if time.monotonic() > deadline and not (worker is not None and worker.busy):
+                    break
+        self._heartbeat.join(timeout=self.heartbeat_interval + 1)
+

@@ -1,0 +1,118 @@
+"""The Redis Stream side of a job: the engine's event sink, and reading a job's stream back.
+
+Every event of a job is one entry of `protocol.stream_key(job_id)`; web follows that stream for
+SSE, for the synchronous answer and for polling. The engine calls the sink once per step with the
+whole batch's events, so one step costs one round trip to Redis however many jobs are running.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import redis
+
+from worker import protocol
+
+log = logging.getLogger(__name__)
+
+Event = tuple[str, str, dict[str, Any]]  # (job_id, event_type, data)
+
+
+def append_event(client: redis.Redis, job_id: str, event_type: str, data: dict[str, Any]) -> None:
+    """Write one event outside the engine (a request the engine never saw, or one rq gave up on)."""
+    key = protocol.stream_key(job_id)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.xadd(key, protocol.encode_event(event_type, data))
+        pipe.expire(key, protocol.STREAM_TTL)
+        pipe.execute()
+
+
+class StreamWriter:
+    """The engine's `event_sink`: XADD every event of a step, refresh the streams' TTL and check the
+    cancel flags of every job this process is running, all in one MULTI/EXEC.
+
+    One transaction per step means a worker killed mid-write leaves each stream with a whole number
+    of steps, which is what a retried attempt resumes from. If Redis is unreachable the step's events
+    are kept and written, in order, before the next step's; the engine never sees the error.
+    """
+
+    def __init__(self, client: redis.Redis, max_pending: int = 100_000):
+        self.client = client
+        self.max_pending = max_pending
+        self._pending: list[Event] = []
+        self._active: set[str] = set()
+        self._failing_since: float | None = None  # when writes started failing (logged once)
+        self._lock = threading.Lock()  # guards _active (consumer threads) against the engine thread
+
+    def track(self, job_id: str) -> None:
+        """Check this job's cancel flag every step from now on."""
+        with self._lock:
+            self._active.add(job_id)
+
+    def untrack(self, job_id: str) -> None:
+        with self._lock:
+            self._active.discard(job_id)
+
+    def __call__(self, events: Iterable[Event]) -> set[str]:
+        self._pending.extend(events)
+        with self._lock:
+            active = sorted(self._active)
+        try:
+            cancelled = self._flush(active)
+        except redis.RedisError as exc:
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                log.warning("event stream writes failing; keeping events until Redis answers",
+                            extra={"error": str(exc)})
+            if len(self._pending) > self.max_pending:
+                # Redis has been gone for a long time: bound memory, the oldest events are lost.
+                del self._pending[: len(self._pending) - self.max_pending]
+            return set()
+        if self._failing_since is not None:
+            log.info("event stream writes recovered", extra={
+                "outage_seconds": round(time.monotonic() - self._failing_since, 1)})
+            self._failing_since = None
+        return cancelled
+
+    def _flush(self, active: list[str]) -> set[str]:
+        events = self._pending
+        with self.client.pipeline(transaction=True) as pipe:
+            for job_id, event_type, data in events:
+                pipe.xadd(protocol.stream_key(job_id), protocol.encode_event(event_type, data))
+            for job_id in {job_id for job_id, _, _ in events}:
+                pipe.expire(protocol.stream_key(job_id), protocol.STREAM_TTL)
+            for job_id in active:
+                pipe.exists(protocol.cancel_key(job_id))
+            replies = pipe.execute()
+        self._pending = []
+        flags = replies[len(replies) - len(active):] if active else []
+        return {job_id for job_id, flag in zip(active, flags) if flag}
+
+
+@dataclass
+class History:
+    """What earlier attempts of a job already wrote to its stream."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # choice index -> token ids emitted
+    finished: set[int] = field(default_factory=set)  # choices whose `finish` event was written
+    usage_written: bool = False
+    terminal: tuple[str, dict[str, Any]] | None = None  # (done | error | cancelled, data)
+
+
+def read_history(client: redis.Redis, job_id: str) -> History:
+    """Replay a job's stream (empty for a first attempt)."""
+    history = History()
+    for _entry_id, fields in client.xrange(protocol.stream_key(job_id)):
+        event_type, data = protocol.decode_event(fields)
+        if event_type == "delta":
+            history.tokens.setdefault(data["index"], []).extend(data.get("token_ids") or [])
+        elif event_type == "finish":
+            history.finished.add(data["index"])
+        elif event_type == "usage":
+            history.usage_written = True
+        elif event_type in protocol.TERMINAL_EVENTS:
+            history.terminal = (event_type, data)
+    return history
