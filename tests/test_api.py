@@ -1,0 +1,469 @@
+"""The HTTP face through Flask's test client against a real redis-server: validation and its OpenAI
+errors, models, the queue (503 without a worker, 429 when full), the synchronous and SSE answers,
+jobs, cancellation.
+
+No model runs here: a `ScriptedWorker` stands in for processor.py. It registers as a real rq worker
+on the model's queue, takes each job from the real queue and writes scripted events to the job's
+real Redis Stream, so everything the web tier does is exercised for real. The real worker, gunicorn
+and the `openai` client are in test_e2e_openai.py.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable, Iterable
+
+import pytest
+import redis
+from rq import Queue, Worker
+from rq.exceptions import DequeueTimeout
+from rq.job import Job, JobStatus
+
+from models.tokenizer import load_tokenizer
+from tests.conftest import write_gpt2_tokenizer
+from web.app import create_app
+from web.local_redis import free_port
+from worker import protocol
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """What the web tier reads of a GPT-2 checkpoint: its config and the real GPT-2 vocabulary
+    (the web tier never loads weights)."""
+    directory = write_gpt2_tokenizer(tmp_path_factory.mktemp("tiny-web"))
+    (directory / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_positions": CONTEXT, "vocab_size": 50257, "eos_token_id": 50256}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint_dir):
+    return load_tokenizer(checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def models_file(checkpoint_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("registry") / "models.toml"
+    path.write_text(f'[models.tiny]\ncheckpoint = "{checkpoint_dir}"\naliases = ["tiny-alias"]\n\n'
+                    f'[models."org/idle"]\ncheckpoint = "{checkpoint_dir}"\n')
+    return path
+
+
+SETTINGS = {"keepalive_s": 0.2, "sync_timeout_s": 5, "max_queue_depth": 3, "max_body_bytes": 8192}
+
+
+@pytest.fixture()
+def app(redis_url, models_file):
+    return create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS})
+
+
+@pytest.fixture()
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture()
+def r(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+# ---- a stand-in for processor.py ----
+
+Script = Callable[[protocol.CompletionJob], Iterable[tuple[str, dict] | float]]
+
+
+def hello_script(job: protocol.CompletionJob) -> Iterable[tuple[str, dict] | float]:
+    """Every choice says "Hello world" in two deltas, then finishes with `length`."""
+    choices = []
+    for index in range(len(job.prompts) * job.n):
+        for text in ("Hello", " world"):
+            yield "delta", {"index": index, "text": text, "token_ids": [1], "logprobs": None}
+        yield "finish", {"index": index, "finish_reason": "length"}
+        choices.append({"index": index, "text": "Hello world", "logprobs": None, "finish_reason": "length"})
+    prompt_tokens = sum(map(len, job.prompts))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 2 * len(choices),
+             "total_tokens": prompt_tokens + 2 * len(choices)}
+    yield "usage", usage
+    yield "done", {"completion": protocol.completion_object(job, choices, usage)}
+
+
+class ScriptedWorker:
+    """A real rq worker registration whose jobs are answered by a script (floats in the script are
+    pauses, in seconds)."""
+
+    def __init__(self, redis_url: str, model_id: str, script: Script = hello_script):
+        self.redis = redis.Redis.from_url(redis_url)
+        self.queue = Queue(protocol.queue_name(model_id), connection=self.redis)
+        self.worker = Worker([self.queue], connection=self.redis)
+        self.worker.register_birth()
+        self.script = script
+        self.jobs: list[protocol.CompletionJob] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+        self.redis.close()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                got = Queue.dequeue_any([self.queue], timeout=1, connection=self.redis)
+            except DequeueTimeout:
+                continue
+            if got is None:
+                continue
+            job = protocol.CompletionJob.from_payload(got[0].args[0])
+            self.jobs.append(job)
+            for item in self.script(job):
+                if isinstance(item, float):
+                    time.sleep(item)
+                else:
+                    self.redis.xadd(protocol.stream_key(job.id), protocol.encode_event(*item))
+
+
+def complete(client, **body):
+    return client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", **body})
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.get_data(as_text=True)
+    error = response.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def sse_events(response) -> list[str]:
+    """The raw frames of a streamed response, in order."""
+    text = b"".join(response.response).decode()
+    return [frame for frame in text.split("\n\n") if frame]
+
+
+def frame_data(frames: list[str]) -> list:
+    out = []
+    for frame in frames:
+        for line in frame.split("\n"):
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+# ---- models ----
+
+def test_models_list_and_retrieve(client):
+    listing = client.get("/v1/models").get_json()
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == ["tiny", "org/idle"]
+    assert all(m["object"] == "model" and isinstance(m["created"], int) and m["owned_by"] for m in listing["data"])
+    assert client.get("/v1/models/tiny").get_json()["id"] == "tiny"
+    assert client.get("/v1/models/org/idle").get_json()["id"] == "org/idle"  # ids may contain '/'
+    assert client.get("/v1/models/tiny-alias").get_json()["context_length"] == CONTEXT
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    error = error_of(client.get("/v1/models/nope/x"), 404)
+    assert error["code"] == "model_not_found" and "`nope/x` does not exist" in error["message"]
+    error = error_of(complete(client, model="gpt-9"), 404)
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+
+
+# ---- bad requests ----
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"logprobs": 6}, "logprobs"), ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"), ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"frequency_penalty": 9}, "frequency_penalty"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"), ({"logit_bias": {"50257": 1}}, "logit_bias"),
+    ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"), ({"suffix": "x"}, "suffix"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [50257]}, "prompt"),
+    ({"prompt": [[1, 2], [99999]]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"model": None}, "model"), ({"max_tokens": -1}, "max_tokens"),
+    ({"seed": 2**63}, "seed"), ({"top_k": -1}, "top_k"),
+])
+def test_invalid_values_are_400_with_param(client, body, param):
+    error = error_of(complete(client, **body), 400)
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+
+
+def test_context_length_in_openais_words(client):
+    error = error_of(complete(client, prompt=[1] * 60, max_tokens=10), 400)
+    assert error["message"] == ("This model's maximum context length is 64 tokens, however you requested 70 tokens "
+                                "(60 in your prompt; 10 for the completion). Please reduce your prompt; or "
+                                "completion length.")
+    assert error["code"] == "context_length_exceeded"
+    error = error_of(complete(client, prompt=[1] * 65, max_tokens=None), 400)
+    assert "you requested 65 tokens (65 in your prompt; 0 for the completion)" in error["message"]
+
+
+def test_malformed_json_and_non_objects(client):
+    error = error_of(client.post("/v1/completions", data='{"model": "tiny",', content_type="application/json"), 400)
+    assert "could not parse the JSON body" in error["message"]
+    error_of(client.post("/v1/completions", data=b"\xff\xfe", content_type="application/json"), 400)
+    error = error_of(client.post("/v1/completions", json=["tiny"]), 400)
+    assert "JSON object" in error["message"]
+
+
+def test_body_too_large_is_413(client):
+    error = error_of(complete(client, prompt="x" * 10_000), 413)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_route_and_method_use_the_envelope(client):
+    assert error_of(client.get("/v1/nothing"), 404)["type"] == "not_found_error"
+    error_of(client.get("/v1/completions"), 405)
+
+
+# ---- the queue ----
+
+def test_no_live_worker_is_503_with_retry_after(client):
+    response = complete(client, model="org/idle")
+    error = error_of(response, 503)
+    assert error["code"] == "no_worker" and response.headers["Retry-After"] == "1"
+
+
+def test_full_queue_is_429_with_retry_after(client, redis_url, r):
+    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()  # registered, never works
+    for _ in range(3):
+        assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "x"}).status_code == 202
+    response = client.post("/v1/jobs", json={"model": "tiny", "prompt": "x"})
+    error = error_of(response, 429)
+    assert error["code"] == "queue_full" and response.headers["Retry-After"] == "1"
+
+
+def test_redis_down_is_503(models_file):
+    app = create_app({"redis_url": f"redis://127.0.0.1:{free_port()}/0", "models_path": str(models_file)})
+    client = app.test_client()
+    assert error_of(complete(client), 503)["type"] == "server_error"
+    assert client.get("/health").status_code == 200
+    assert client.get("/ready").status_code == 503
+
+
+def test_ready_needs_a_worker_for_every_model(client, redis_url):
+    body = client.get("/ready")
+    assert body.status_code == 503 and body.get_json()["models"]["tiny"]["workers"] == 0
+    with ScriptedWorker(redis_url, "tiny"), ScriptedWorker(redis_url, "org/idle"):
+        ready = client.get("/ready")
+        assert ready.status_code == 200 and ready.get_json()["models"]["tiny"]["workers"] == 1
+
+
+# ---- synchronous answers ----
+
+def test_sync_completion_and_the_job_it_enqueued(client, redis_url, tokenizer):
+    with ScriptedWorker(redis_url, "tiny") as worker:
+        response = complete(client, model="tiny-alias", prompt=["Hello there", "Bye"], n=2, max_tokens=5,
+                            temperature=0.5, top_p=0.9, top_k=7, stop="\n", logit_bias={"50256": -100},
+                            presence_penalty=0.5, frequency_penalty=-0.5, logprobs=2, echo=True, user="u1")
+    assert response.status_code == 200
+    body = response.get_json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == "tiny" and isinstance(body["created"], int)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert response.headers["x-request-id"]
+
+    (job,) = worker.jobs
+    assert job.id == body["id"] and job.model == "tiny"
+    assert job.prompts == [tokenizer.encode("Hello there"), tokenizer.encode("Bye")]
+    assert (job.n, job.max_tokens, job.temperature, job.top_p, job.top_k) == (2, 5, 0.5, 0.9, 7)
+    assert (job.stop, job.logit_bias, job.logprobs, job.echo, job.user) == (["\n"], {50256: -100.0}, 2, True, "u1")
+    assert (job.presence_penalty, job.frequency_penalty, job.stream) == (0.5, -0.5, False)
+    assert isinstance(job.seed, int)  # drawn when not given: a retried job replays it
+
+
+def test_defaults_reach_the_job(client, redis_url, tokenizer):
+    with ScriptedWorker(redis_url, "tiny") as worker:
+        assert complete(client, prompt=None, seed=42, max_tokens=None).status_code == 200
+        assert complete(client, prompt=[[5, 6], [7]], best_of=3, n=2).status_code == 200
+    first, second = worker.jobs
+    assert first.prompts == [[tokenizer.eos_token_id]] and first.seed == 42 and first.max_tokens is None
+    assert (first.temperature, first.n, first.best_of, first.stop, first.logprobs) == (1.0, 1, None, [], None)
+    assert second.prompts == [[5, 6], [7]] and (second.n, second.best_of, second.max_tokens) == (2, 3, 16)
+
+
+def test_worker_error_event_becomes_the_http_error(client, redis_url):
+    def failing(job):
+        yield "error", protocol.error_body("logprobs is too large for this model", "invalid_request_error", "logprobs")
+
+    with ScriptedWorker(redis_url, "tiny", failing):
+        error = error_of(complete(client), 400)
+    assert (error["param"], error["message"]) == ("logprobs", "logprobs is too large for this model")
+
+    def crashing(job):
+        yield "error", protocol.error_body("The server had an error while processing your request.", "server_error")
+
+    with ScriptedWorker(redis_url, "tiny", crashing):
+        assert error_of(complete(client), 500)["type"] == "server_error"
+
+
+def test_sync_timeout_is_504_and_cancels(redis_url, models_file, r):
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "sync_timeout_s": 0.5})
+
+    def silent(job):
+        return []
+
+    with ScriptedWorker(redis_url, "tiny", silent) as worker:
+        response = complete(app.test_client())
+    error = error_of(response, 504)
+    assert error["code"] == "timeout" and response.headers["x-should-retry"] == "false"
+    assert r.exists(protocol.cancel_key(worker.jobs[0].id))
+
+
+def test_a_job_rq_forgot_does_not_hang_its_reader(client, redis_url, r):
+    """A job that expires (or is deleted) without a terminal event ends its waiters with an error."""
+    def vanish(job):
+        Job.fetch(job.id, connection=r).delete()
+        return []
+
+    with ScriptedWorker(redis_url, "tiny", vanish):
+        error = error_of(complete(client), 500)
+    assert error["code"] == "job_failed" and "expired" in error["message"]
+
+
+# ---- streaming ----
+
+def test_stream_frames(client, redis_url):
+    with ScriptedWorker(redis_url, "tiny"):
+        response = complete(client, stream=True, n=2, stream_options={"include_usage": True})
+        assert response.mimetype == "text/event-stream"
+        frames = sse_events(response)
+    data = frame_data(frames)
+    assert data[-1] == "[DONE]"
+    chunks = data[:-1]
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") and c["model"] == "tiny"
+               for c in chunks)
+    text = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]  # one choice per chunk
+        assert chunk["usage"] is None
+        text[choice["index"]] += choice["text"]
+        assert choice["finish_reason"] in (None, "length")
+        assert choice["finish_reason"] is None or choice["text"] == ""
+    assert text == {0: "Hello world", 1: "Hello world"}
+    assert sum(1 for c in chunks[:-1] if c["choices"][0]["finish_reason"]) == 2
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    # every event frame carries its stream entry id
+    assert all(f.startswith("id: ") for f in frames[:-1])
+
+
+def test_stream_without_usage_has_no_usage_key(client, redis_url):
+    with ScriptedWorker(redis_url, "tiny"):
+        chunks = frame_data(sse_events(complete(client, stream=True)))[:-1]
+    assert chunks and all("usage" not in c and c["choices"] for c in chunks)
+
+
+def test_stream_keepalive_while_waiting(client, redis_url):
+    def slow(job):
+        yield 0.7
+        yield from hello_script(job)
+
+    with ScriptedWorker(redis_url, "tiny", slow):
+        frames = sse_events(complete(client, stream=True))
+    assert ": keepalive" in frames
+    assert frame_data(frames)[-1] == "[DONE]"
+
+
+def test_stream_error_mid_stream(client, redis_url):
+    def failing(job):
+        yield "delta", {"index": 0, "text": "Hi", "token_ids": [1], "logprobs": None}
+        yield "error", protocol.error_body("boom", "server_error")
+
+    with ScriptedWorker(redis_url, "tiny", failing):
+        data = frame_data(sse_events(complete(client, stream=True)))
+    assert data[0]["choices"][0]["text"] == "Hi"
+    assert data[1] == {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+    assert data[2] == "[DONE]"
+
+
+def test_client_disconnect_cancels_the_job(client, redis_url, r):
+    def endless(job):  # stops when cancelled, as the engine does
+        while not r.exists(protocol.cancel_key(job.id)):
+            yield "delta", {"index": 0, "text": "x", "token_ids": [1], "logprobs": None}
+            yield 0.05
+
+    with ScriptedWorker(redis_url, "tiny", endless) as worker:
+        response = complete(client, stream=True, max_tokens=None)
+        frames = iter(response.response)
+        assert b"data: " in next(frames)
+        response.close()  # the WSGI server closes the body when the client goes away
+        assert r.exists(protocol.cancel_key(worker.jobs[0].id))
+
+
+# ---- jobs ----
+
+def test_job_submit_poll_result(client, redis_url, r):
+    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()  # busy elsewhere
+    submitted = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert submitted.status_code == 202
+    job = submitted.get_json()
+    assert job["id"].startswith("cmpl-") and (job["object"], job["status"], job["model"]) == ("job", "queued", "tiny")
+    assert submitted.headers["Location"] == f"/v1/jobs/{job['id']}"
+    assert client.get(f"/v1/jobs/{job['id']}").get_json()["status"] == "queued"
+
+    with ScriptedWorker(redis_url, "tiny"):
+        deadline = time.monotonic() + 10
+        while (state := client.get(f"/jobs/{job['id']}").get_json())["status"] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert state["result"]["id"] == job["id"] and state["result"]["choices"][0]["text"] == "Hello world"
+
+
+def test_job_failed(client, redis_url):
+    def failing(job):
+        yield "error", protocol.error_body("bad", "server_error")
+
+    with ScriptedWorker(redis_url, "tiny", failing):
+        job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
+        deadline = time.monotonic() + 10
+        while (state := client.get(f"/v1/jobs/{job_id}").get_json())["status"] != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert state["error"]["message"] == "bad"
+
+
+def test_job_cancel_while_queued(client, r):
+    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()
+    job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
+    cancelled = client.delete(f"/v1/jobs/{job_id}")
+    assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
+    assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "cancelled"
+    assert r.exists(protocol.cancel_key(job_id))
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.CANCELED
+    assert Queue("completions:tiny", connection=r).count == 0
+
+
+def test_unknown_job_is_404(client):
+    for path in ("/v1/jobs/cmpl-nope", "/jobs/cmpl-nope", "/v1/jobs/other"):
+        assert error_of(client.get(path), 404)["code"] == "job_not_found"
+    assert error_of(client.delete("/v1/jobs/cmpl-nope"), 404)["type"] == "invalid_request_error"
+
+
+def test_jobs_refuse_stream(client):
+    assert error_of(client.post("/v1/jobs", json={"model": "tiny", "prompt": "x", "stream": True}), 400)["param"] == "stream"
+
+
+def test_job_stream_resumes_from_last_event_id(client, redis_url):
+    with ScriptedWorker(redis_url, "tiny"):
+        job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
+        frames = sse_events(client.get(f"/v1/jobs/{job_id}/stream"))
+    ids = [f.split("\n")[0][len("id: "):] for f in frames if f.startswith("id: ")]
+    assert len(ids) == 4  # 2 deltas, finish, usage; then `data: [DONE]`
+    resumed = sse_events(client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": ids[1]}))
+    assert resumed == frames[2:]
+    assert error_of(client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "x"}), 400)
+
+
+def test_request_id_is_echoed_or_made(client):
+    assert client.get("/health", headers={"X-Request-ID": "abc-123"}).headers["x-request-id"] == "abc-123"
+    made = client.get("/v1/models").headers["x-request-id"]
+    assert made and made != "abc-123"

@@ -1,0 +1,155 @@
+"""`POST /v1/completions`: a request becomes one queued job (`admit_completion`, shared with
+`/v1/jobs`), then the answer is read back from the job's event stream — the completion object
+(`stream: false`) or server-sent events (`stream: true`)."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from flask import Blueprint, Response, g, jsonify, request, stream_with_context
+
+from models.tokenizer import Tokenizer
+from web import access
+from web.config import settings
+from web.errors import APIError, bad_request
+from web.models_api import served_models
+from web.queue import job_queue
+from web.schemas import CompletionRequest, RequestError, parse_completion_request
+from web.streaming import ChunkFormat, Event, follow, guarded, sse_frames, wait_for_completion
+from worker import protocol
+
+bp = Blueprint("completions", __name__)
+
+
+@dataclass
+class Admitted:
+    request: CompletionRequest
+    job: protocol.CompletionJob
+    grant: access.Grant
+
+
+@bp.post("/v1/completions")
+def create_completion():
+    admitted = admit_completion()
+    jq, job = job_queue(), admitted.job
+    if not admitted.request.stream:
+        completion = wait_for_completion(jq, job.id, settings().sync_timeout_s, settings().keepalive_s)
+        access.settle(admitted.grant, completion["usage"]["total_tokens"])
+        return jsonify(completion)
+    fmt = ChunkFormat(job.id, job.created, job.model, job.include_usage, job.logprobs is not None)
+    events = _settle_on_usage(follow(jq, job.id, tick_s=settings().keepalive_s), admitted.grant)
+    frames = guarded(sse_frames(events, fmt), jq, job.id, cancel_on_disconnect=True)
+    return sse_response(frames)
+
+
+def sse_response(frames: Iterator[str]) -> Response:
+    # stream_with_context: the generator runs after this view returns and still needs the app.
+    return Response(stream_with_context(frames), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _settle_on_usage(events: Iterator[Event | None], grant: access.Grant) -> Iterator[Event | None]:
+    for event in events:
+        if event is not None and event.type == "usage":
+            access.settle(grant, event.data["total_tokens"])
+        yield event
+
+
+def admit_completion(for_job: bool = False) -> Admitted:
+    """The request path up to the queue (DESIGN.md): authenticate, parse and validate, resolve the
+    model, tokenize, check the context, admit (access limits), enqueue."""
+    g.caller = access.authenticate(request)
+    body = read_json_body()
+    if isinstance(body, dict) and isinstance(body.get("user"), str):
+        g.user = body["user"]
+    if for_job and isinstance(body, dict) and body.get("stream"):
+        raise bad_request("stream is not supported on /v1/jobs; follow GET /v1/jobs/{id}/stream instead.", "stream")
+    try:
+        req = parse_completion_request(body)
+    except RequestError as err:
+        raise bad_request(str(err), err.param) from None
+
+    models = served_models()
+    spec = models.get(req.model)
+    tokenizer = models.tokenizer(spec)
+    prompts = tokenize_prompts(req.prompt, tokenizer)
+    check_logit_bias(req.logit_bias, tokenizer.vocab_size)
+    completion_tokens = check_context(prompts, req.max_tokens, spec.context_length)
+    per_prompt = req.best_of or req.n  # sequences generated for each prompt
+    if len(prompts) * per_prompt > settings().max_choices:
+        raise bad_request(f"This request asks for {len(prompts) * per_prompt} sequences ({len(prompts)} "
+                          f"prompts × {per_prompt}); the limit is {settings().max_choices}.", "n")
+
+    jq = job_queue()
+    jq.check_capacity(spec.id)
+    reserved = sum(map(len, prompts)) + completion_tokens * per_prompt
+    g.grant = grant = access.admit(g.caller, req.user, reserved)
+    job = protocol.CompletionJob(
+        id=protocol.new_completion_id(), model=spec.id, prompts=prompts, max_tokens=req.max_tokens,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logit_bias=req.logit_bias,
+        # Always seeded: a job retried after a worker crash replays the tokens it already streamed.
+        seed=req.seed if req.seed is not None else random.getrandbits(63),
+        n=req.n, best_of=req.best_of, stop=req.stop, logprobs=req.logprobs, echo=req.echo,
+        stream=req.stream and not for_job, include_usage=req.include_usage, user=req.user)
+    jq.enqueue(job, spec.id)
+    return Admitted(req, job, grant)
+
+
+def read_json_body() -> Any:
+    data = request.get_data(cache=False)  # werkzeug answers 413 past MAX_CONTENT_LENGTH
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("We could not parse the JSON body of your request. The API expects a JSON "
+                          "payload, but what was sent was not valid JSON.") from None
+
+
+def tokenize_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    """Every prompt form as a list of token-id lists (prompt-major: choice = prompt_index * n + j)."""
+    if prompt is None:  # OpenAI's default prompt is the end-of-text token
+        if tokenizer.eos_token_id is None:
+            raise bad_request("This model has no end-of-text token; a prompt is required.", "prompt")
+        return [[tokenizer.eos_token_id]]
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif isinstance(prompt[0], str):
+        prompts = [tokenizer.encode(text) for text in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(ids) for ids in prompt]
+    for ids in prompts:
+        if not ids:
+            raise bad_request("The prompt is empty: give at least one token.", "prompt")
+        bad = [t for t in ids if t >= tokenizer.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} in the prompt is out of vocabulary (vocabulary size: "
+                              f"{tokenizer.vocab_size}).", "prompt")
+    return prompts
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    bad = sorted(t for t in bias if not 0 <= t < vocab_size)
+    if bad:
+        raise bad_request(f"logit_bias contains token ids that are out of vocabulary: {bad[:10]} "
+                          f"(vocabulary size: {vocab_size}).", "logit_bias")
+
+
+def check_context(prompts: list[list[int]], max_tokens: int | None, context_length: int) -> int:
+    """Reject what cannot fit the context, in OpenAI's words; returns how many completion tokens the
+    prompts may generate in all, one choice each (`max_tokens: null`: up to the end of the context)."""
+    total = 0
+    for ids in prompts:
+        completion = max_tokens if max_tokens is not None else max(context_length - len(ids), 0)
+        if len(ids) + completion > context_length:
+            raise APIError(400, f"This model's maximum context length is {context_length} tokens, however "
+                           f"you requested {len(ids) + completion} tokens ({len(ids)} in your prompt; "
+                           f"{completion} for the completion). Please reduce your prompt; or completion length.",
+                           "invalid_request_error", "max_tokens" if max_tokens else "prompt",
+                           "context_length_exceeded")
+        total += completion
+    return total

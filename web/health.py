@@ -1,0 +1,34 @@
+"""`GET /health`: the process answers. `GET /ready`: Redis answers and every served model has at
+least one live worker on its queue (503 with the details otherwise)."""
+from __future__ import annotations
+
+import redis
+from flask import Blueprint, jsonify
+
+from web.models_api import served_models
+from web.queue import job_queue
+from worker import protocol
+
+bp = Blueprint("health", __name__)
+
+
+@bp.get("/health")
+def health():
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/ready")
+def ready():
+    jq = job_queue()
+    try:
+        jq.redis.ping()
+        models = {spec.id: {"workers": jq.live_workers(spec.id), "queued": jq.queue(spec.id).count}
+                  for spec in served_models().registry.models()}
+    except redis.RedisError as err:
+        body = protocol.error_body(f"Redis is unreachable: {err}", "server_error", None, "redis_unavailable")
+        return jsonify({**body, "status": "unavailable", "redis": False}), 503
+    missing = [model_id for model_id, state in models.items() if not state["workers"]]
+    if missing:
+        body = protocol.error_body(f"No live worker for: {', '.join(missing)}.", "server_error", None, "no_worker")
+        return jsonify({**body, "status": "unavailable", "redis": True, "models": models}), 503
+    return jsonify({"status": "ready", "redis": True, "models": models})

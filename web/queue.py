@@ -1,0 +1,86 @@
+"""The web side of the job queue: Redis connections, admission (live worker, queue depth) and
+enqueueing with rq.
+
+One rq queue per served model (`protocol.queue_name`). The job function is named by its dotted
+path (`protocol.JOB_FUNCTION`), so web never imports worker code. The rq job id is the completion
+id (`cmpl-…`), so one id works for the completion, its event stream and `/v1/jobs/<id>`.
+"""
+from __future__ import annotations
+
+import redis
+from flask import Flask, current_app
+from rq import Queue, Retry
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.worker_registration import get_keys
+
+from web.config import Settings
+from web.errors import APIError
+from worker import protocol
+
+
+class JobQueue:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        # Short timeouts on ordinary commands so a dead Redis is a quick 503, not a hung request.
+        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        # XREAD BLOCK waits up to one keepalive period; its socket must outlast that.
+        self.blocking_redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                                   socket_timeout=settings.keepalive_s + 10)
+
+    def queue(self, model_id: str) -> Queue:
+        return Queue(protocol.queue_name(model_id), connection=self.redis)
+
+    def live_workers(self, model_id: str) -> int:
+        """rq workers registered on the model's queue whose registration has not expired (a worker's
+        key lives `worker_ttl` past its last heartbeat, so a crashed one drops out on its own)."""
+        keys = get_keys(self.queue(model_id))
+        return self.redis.exists(*keys) if keys else 0
+
+    def check_capacity(self, model_id: str) -> None:
+        """503 when no worker serves the model, 429 when its queue is full (both with Retry-After)."""
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if not self.live_workers(model_id):
+            raise APIError(503, f"No worker is serving the model `{model_id}` right now; try again later.",
+                           "server_error", None, "no_worker", retry)
+        if self.queue(model_id).count >= self.settings.max_queue_depth:
+            raise APIError(429, f"The queue for model `{model_id}` is full; try again later.",
+                           "rate_limit_error", None, "queue_full", retry)
+
+    def enqueue(self, job: protocol.CompletionJob, model_id: str) -> Job:
+        s = self.settings
+        return self.queue(model_id).enqueue_call(
+            protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
+            timeout=s.job_timeout_s, ttl=s.queue_ttl_s, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
+            retry=Retry(max=s.job_retries) if s.job_retries > 0 else None,
+            description=f"completion {job.id} ({job.model})")
+
+    def fetch(self, job_id: str) -> Job | None:
+        try:
+            return Job.fetch(job_id, connection=self.redis)
+        except NoSuchJobError:
+            return None
+
+    def status(self, job_id: str) -> JobStatus | None:
+        """The rq status, or None when rq no longer knows the job (never enqueued, or expired)."""
+        job = self.fetch(job_id)
+        return job.get_status(refresh=False) if job else None
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask for a job to stop: the engine drops it within one step once the flag is set, and a job
+        still waiting in the queue is taken out of it. Returns whether it was still queued."""
+        self.redis.set(protocol.cancel_key(job_id), 1, ex=self.settings.cancel_ttl_s)
+        job = self.fetch(job_id)
+        if job is not None and job.get_status(refresh=False) == JobStatus.QUEUED:
+            job.cancel()
+            return True
+        return False
+
+
+def init_app(app: Flask, settings: Settings) -> JobQueue:
+    app.extensions["nanoserve.queue"] = jq = JobQueue(settings)
+    return jq
+
+
+def job_queue() -> JobQueue:
+    return current_app.extensions["nanoserve.queue"]

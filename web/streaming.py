@@ -1,0 +1,189 @@
+"""Reading a job's Redis Stream: following its events, turning them into SSE frames or into the
+final completion object.
+
+The worker appends every event of a job to `protocol.stream_key(job_id)` (see `worker/protocol.py`
+for the schema); each reader follows it with XREAD BLOCK from an entry id, so a late reader, a
+resumed SSE connection (`Last-Event-ID`) and a poller all see the same events. Entry ids are the SSE
+`id:` of each frame.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import redis
+from rq.job import JobStatus
+
+from web.errors import APIError, error_from_body
+from web.queue import JobQueue
+from worker import protocol
+
+_WAITING = (JobStatus.CREATED, JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED, JobStatus.STARTED)
+
+
+@dataclass
+class Event:
+    id: str | None  # the stream entry id; None for an event web concluded itself (see `follow`)
+    type: str
+    data: dict[str, Any]
+
+
+def follow(jq: JobQueue, job_id: str, after: str = "0-0", tick_s: float = 15.0,
+           deadline: float | None = None) -> Iterator[Event | None]:
+    """The job's events after entry `after`, up to and including its terminal event.
+
+    Yields None whenever `tick_s` passes without an event (the caller's chance to send a keepalive
+    or give up at `deadline`, a `time.monotonic()` value). At each such pause the rq job is checked:
+    a job rq will never run again (failed after its retries, cancelled while queued, expired in the
+    queue) that left no terminal event gets one concluded here, so no reader waits forever.
+    """
+    key = protocol.stream_key(job_id)
+    last = after
+    while True:
+        block_s = tick_s if deadline is None else max(0.001, min(tick_s, deadline - time.monotonic()))
+        reply = jq.blocking_redis.xread({key: last}, block=int(block_s * 1000))
+        if not reply:
+            if jq.status(job_id) in _WAITING:
+                yield None
+                continue
+            # The job is over for rq; take what it wrote meanwhile, else conclude it here.
+            reply = jq.redis.xread({key: last})
+            if not reply:
+                yield _concluded(jq, job_id)
+                return
+        for entry_id, fields in reply[0][1]:
+            event = _decode(entry_id, fields)
+            last = event.id
+            yield event
+            if event.type in protocol.TERMINAL_EVENTS:
+                return
+
+
+def _decode(entry_id: bytes, fields: dict) -> Event:
+    event_type, data = protocol.decode_event(fields)
+    return Event(entry_id.decode(), event_type, data)
+
+
+def _concluded(jq: JobQueue, job_id: str) -> Event:
+    status = jq.status(job_id)
+    if status in (JobStatus.CANCELED, JobStatus.STOPPED):
+        return Event(None, "cancelled", {})
+    if status is None:
+        message = "The request expired before a worker could run it."
+    else:
+        message = "The worker failed while running this request."
+    return Event(None, "error", protocol.error_body(message, "server_error", None, "job_failed"))
+
+
+def last_terminal_event(r: redis.Redis, job_id: str) -> Event | None:
+    """The job's terminal event, if it has one (it is always the stream's last entry)."""
+    entries = r.xrevrange(protocol.stream_key(job_id), count=1)
+    if entries:
+        event = _decode(*entries[0])
+        if event.type in protocol.TERMINAL_EVENTS:
+            return event
+    return None
+
+
+def cancelled_error() -> APIError:
+    return APIError(400, "The request was cancelled.", "invalid_request_error", None, "cancelled")
+
+
+def wait_for_completion(jq: JobQueue, job_id: str, timeout_s: float, tick_s: float) -> dict[str, Any]:
+    """Block until the job's `done` and return its completion object; its error as an APIError.
+    After `timeout_s` the job is cancelled and a 504 raised."""
+    deadline = time.monotonic() + timeout_s
+    for event in follow(jq, job_id, tick_s=tick_s, deadline=deadline):
+        if event is None:
+            if time.monotonic() >= deadline:
+                break
+            continue
+        if event.type == "done":
+            return event.data["completion"]
+        if event.type == "error":
+            raise error_from_body(event.data)
+        if event.type == "cancelled":
+            raise cancelled_error()
+    jq.cancel(job_id)
+    raise APIError(504, f"The completion did not finish within {timeout_s:g} seconds and was cancelled. "
+                   "Use stream: true or POST /v1/jobs for long requests.", "server_error", None, "timeout",
+                   {"x-should-retry": "false"})
+
+
+@dataclass
+class ChunkFormat:
+    """What every SSE chunk of one completion shares."""
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+    logprobs: bool  # requested: a finish chunk then carries empty logprobs lists, not null
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return body
+
+
+EMPTY_LOGPROBS = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def sse_frames(events: Iterator[Event | None], fmt: ChunkFormat) -> Iterator[str]:
+    """Server-sent events for a completion: one choice per chunk, a separate chunk with each choice's
+    `finish_reason`, the usage chunk (`choices: []`) when asked for, `data: [DONE]` at the end, errors
+    as `data: {"error": …}`, and `: keepalive` comments while waiting."""
+    for event in events:
+        if event is None:
+            yield ": keepalive\n\n"
+            continue
+        body = None
+        if event.type == "delta":
+            if event.data.get("text") or event.data.get("logprobs"):
+                body = fmt.chunk([{"index": event.data["index"], "text": event.data.get("text", ""),
+                                   "logprobs": event.data.get("logprobs"), "finish_reason": None}])
+        elif event.type == "finish":
+            body = fmt.chunk([{"index": event.data["index"], "text": "",
+                               "logprobs": dict(EMPTY_LOGPROBS) if fmt.logprobs else None,
+                               "finish_reason": event.data["finish_reason"]}])
+        elif event.type == "usage":
+            if fmt.include_usage:
+                body = fmt.chunk([], usage=event.data)
+        elif event.type == "error":
+            body = event.data
+        elif event.type == "cancelled":
+            body = cancelled_error().body()
+        if body is not None:
+            yield sse_frame(body, event.id)
+        if event.type in protocol.TERMINAL_EVENTS:
+            yield "data: [DONE]\n\n"
+            return
+
+
+def sse_frame(body: dict[str, Any], entry_id: str | None = None) -> str:
+    data = json.dumps(body, separators=(",", ":"))
+    return f"id: {entry_id}\ndata: {data}\n\n" if entry_id else f"data: {data}\n\n"
+
+
+def guarded(frames: Iterator[str], jq: JobQueue, job_id: str, cancel_on_disconnect: bool) -> Iterator[str]:
+    """Pass frames through; a client that goes away (the WSGI server closes the generator) cancels
+    the job, and a Redis failure mid-stream ends the stream with an error frame."""
+    finished = False
+    try:
+        yield from frames
+        finished = True
+    except redis.RedisError:
+        finished = True
+        yield sse_frame(protocol.error_body("The queue became unreachable during the stream.", "server_error",
+                                            None, "redis_unavailable"))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished and cancel_on_disconnect:
+            try:
+                jq.cancel(job_id)
+            except redis.RedisError:
+                pass
