@@ -204,3 +204,34 @@ def test_tokens_per_second_is_measured_between_scrapes():
     rate = families["nanoserve_worker_tokens_per_second"].samples[0].value
     elapsed = time.monotonic() - t1
     assert 100 / (elapsed + (t1 - t0)) < rate <= 100 / 0.5  # 100 new tokens over the time since the previous scrape
+
+
+def test_worker_metrics_of_a_real_engine(models_toml):
+    """Counters from the engine's own stats after it ran a request (tiny random GPT-2, CPU)."""
+    from models.registry import Registry
+    from models.tokenizer import load_tokenizer
+    from nanogpt.checkpoint import load_model
+    from worker.engine import Engine
+
+    spec = Registry.from_file(models_toml).get("tiny")
+    engine = Engine(load_model(spec.checkpoint), load_tokenizer(spec), max_batch=4)
+    engine.start()
+    port = free_port()
+    server = start([("tiny", engine)], port, addr="127.0.0.1")
+    try:
+        job = protocol.CompletionJob(id=protocol.new_completion_id(), model="tiny", prompts=[[464, 2068, 7586]] * 2,
+                                     max_tokens=7, temperature=0.0, seed=0, n=1)
+        usage = engine.submit(job).result(timeout=120)["usage"]
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+        labels = {"model": "tiny", "device": "cpu"}
+        assert value(text, "nanoserve_worker_tokens_generated_total", **labels) == usage["completion_tokens"] == 14
+        assert value(text, "nanoserve_worker_prompt_tokens_total", **labels) == usage["prompt_tokens"]
+        assert value(text, "nanoserve_worker_kv_slots_total", **labels) == 4
+        assert value(text, "nanoserve_worker_kv_slots_used", **labels) == 0  # the request is done
+        assert value(text, "nanoserve_worker_running_sequences", **labels) == 0
+        assert value(text, "nanoserve_worker_batch_size_count", **labels) > 0
+        # Every token but each sequence's first (sampled from its prefill) came from a decode step.
+        assert 14 - 2 <= value(text, "nanoserve_worker_batch_size_sum", **labels) <= 14
+    finally:
+        server.shutdown()
+        engine.stop()

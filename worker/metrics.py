@@ -7,14 +7,16 @@ pays nothing for them:
 - `nanoserve_worker_waiting_requests{model,device}`: submitted, not yet admitted
 - `nanoserve_worker_kv_slots_used{model,device}`, `nanoserve_worker_kv_slots_total{model,device}`
 - `nanoserve_worker_tokens_generated_total{model,device}`: completion tokens since start
+- `nanoserve_worker_prompt_tokens_total{model,device}`, `nanoserve_worker_steps_total{model,device}`
 - `nanoserve_worker_tokens_per_second{model,device}`: over the time since the previous scrape
   (at least `min_window` seconds; `rate(nanoserve_worker_tokens_generated_total[1m])` is the
   Prometheus way to get it over a fixed window)
 - `nanoserve_worker_batch_size{model,device}`: histogram of the batch size of every decode step
 
 The snapshot is a dict; keys it lacks are simply not reported:
-    {"model": str, "device": str, "running": int, "waiting": int, "kv_slots_used": int,
-     "kv_slots_total": int, "tokens_generated": int, "batch_size_counts": {batch_size: steps}}
+    {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
+     "tokens_generated": int, "prompt_tokens": int, "steps": int, "batch_size_counts": {size: steps}}
+The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).
 """
 from __future__ import annotations
 
@@ -33,13 +35,17 @@ _GAUGES = {
     "kv_slots_used": ("nanoserve_worker_kv_slots_used", "KV-cache sequence slots in use."),
     "kv_slots_total": ("nanoserve_worker_kv_slots_total", "KV-cache sequence slots allocated."),
 }
+_COUNTERS = {
+    "tokens_generated": ("nanoserve_worker_tokens_generated", "Completion tokens generated."),
+    "prompt_tokens": ("nanoserve_worker_prompt_tokens", "Prompt tokens prefilled."),
+    "steps": ("nanoserve_worker_steps", "Engine steps (one batched forward each)."),
+}
 LABELS = ["model", "device"]
 
 
-def _labels(engine: Any, stats: dict, index: int) -> list[str]:
-    model = stats.get("model") or getattr(engine, "model_id", None) or f"engine{index}"
-    device = stats.get("device") or getattr(engine, "device", None) or "unknown"
-    return [str(model), str(device)]
+def _named(engines: Iterable[Any]) -> list[tuple[str | None, Any]]:
+    """[(model_id or None, engine)] from engines or (model_id, engine) pairs."""
+    return [item if isinstance(item, tuple) else (None, item) for item in engines]
 
 
 def batch_size_histogram(counts: dict) -> tuple[list[tuple[str, float]], float]:
@@ -55,35 +61,29 @@ class EngineCollector:
     """Turns engine stats snapshots into metric families at scrape time."""
 
     def __init__(self, engines: Iterable[Any], min_window: float = 1.0):
-        self.engines = list(engines)
+        self.engines = _named(engines)
         self.min_window = min_window
         self._lock = threading.Lock()  # the HTTP server scrapes from its own threads
         now = time.monotonic()
         # Per engine: (time, tokens_generated) of the sample tokens/s is measured from.
-        self._since = [(now, self._tokens(e)) for e in self.engines]
-
-    @staticmethod
-    def _tokens(engine: Any) -> int:
-        return int(engine.stats().get("tokens_generated", 0))
+        self._since = [(now, int(e.stats().get("tokens_generated", 0))) for _, e in self.engines]
 
     def collect(self):
         gauges = {key: GaugeMetricFamily(name, doc, labels=LABELS) for key, (name, doc) in _GAUGES.items()}
-        tokens = CounterMetricFamily("nanoserve_worker_tokens_generated", "Completion tokens generated.",
-                                     labels=LABELS)
+        counters = {key: CounterMetricFamily(name, doc, labels=LABELS) for key, (name, doc) in _COUNTERS.items()}
         rate = GaugeMetricFamily("nanoserve_worker_tokens_per_second",
                                  "Completion tokens per second since the previous scrape.", labels=LABELS)
         batch = HistogramMetricFamily("nanoserve_worker_batch_size", "Batch size of each decode step.",
                                       labels=LABELS)
         with self._lock:
-            for i, engine in enumerate(self.engines):
+            for i, (model, engine) in enumerate(self.engines):
                 stats = engine.stats()
-                labels = _labels(engine, stats, i)
-                for key, family in gauges.items():
+                labels = [str(model or stats.get("model") or f"engine{i}"), str(stats.get("device", "unknown"))]
+                for key, family in {**gauges, **counters}.items():
                     if key in stats:
                         family.add_metric(labels, float(stats[key]))
                 if "tokens_generated" in stats:
                     generated = int(stats["tokens_generated"])
-                    tokens.add_metric(labels, generated)
                     now = time.monotonic()
                     then, before = self._since[i]
                     rate.add_metric(labels, (generated - before) / max(now - then, 1e-9))
@@ -93,11 +93,14 @@ class EngineCollector:
                     buckets, total = batch_size_histogram(stats["batch_size_counts"])
                     batch.add_metric(labels, buckets, total)
         yield from gauges.values()
-        yield from (tokens, rate, batch)
+        yield from counters.values()
+        yield from (rate, batch)
 
 
 def start(engines: Iterable[Any], port: int, addr: str = "0.0.0.0"):
     """Serve the engines' metrics (plus this process's CPU and memory) on `addr:port`.
+
+    `engines`: engines, or `(model_id, engine)` pairs so the metrics carry the model's name.
 
     Returns the HTTP server; it runs on a daemon thread, `server.shutdown()` stops it.
     """
