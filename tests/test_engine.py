@@ -1,0 +1,334 @@
+"""The engine against transformers (greedy tokens, logprobs), against direct reference computations
+(penalties, logit_bias, best_of), and its request semantics: stops, echo, n, cancellation, context end,
+determinism under batching, resume."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from models.tokenizer import load_tokenizer
+from nanogpt.checkpoint import load_model
+from worker.engine import Engine, EngineError, RequestCancelled
+from worker.protocol import CompletionJob
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model(hf_checkpoint):
+    return load_model(str(hf_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def tok(hf_checkpoint):
+    return load_tokenizer(hf_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def hf(hf_checkpoint):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(hf_checkpoint).eval()
+
+
+class Sink:
+    """Records every step's events; answers with the job ids in `cancel`."""
+
+    def __init__(self):
+        self.steps: list[list] = []
+        self.cancel: set[str] = set()
+
+    def __call__(self, events):
+        self.steps.append(list(events))
+        return set(self.cancel)
+
+    def of(self, job_id, kind=None):
+        return [(t, d) for step in self.steps for j, t, d in step if j == job_id and kind in (None, t)]
+
+
+def make_engine(model, tok, **kw):
+    sink = Sink()
+    kw.setdefault("max_batch", 8)
+    return Engine(model, tok, event_sink=sink, **kw), sink
+
+
+def job(tok, prompts=("Hello world",), **kw):
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("seed", 0)
+    kw.setdefault("max_tokens", 8)
+    ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+    return CompletionJob(id=f"job-{next(_ids)}", model="tiny", prompts=ids, **kw)
+
+
+def run_all(engine, jobs):
+    handles = [engine.submit(j) for j in jobs]
+    while not all(h.done for h in handles):
+        engine.step()
+    return [h.result() for h in handles]
+
+
+def hf_greedy(hf, prompt_ids, max_new):
+    out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                      max_new_tokens=max_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=50256)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    return tokens, torch.log_softmax(torch.cat(out.logits).float(), -1)  # (steps, V)
+
+
+# ---- numerics against transformers ----
+
+def test_greedy_ragged_batch_matches_transformers(model, tok, hf):
+    # 3 slots for 5 sequences and 4-token prefill chunks: admission waits, prefill is chunked
+    # while other sequences decode, and every prompt length differs
+    engine, _ = make_engine(model, tok, max_batch=3, prefill_chunk=4)
+    jobs = [job(tok, [p], max_tokens=10, logprobs=5) for p in PROMPTS] + [job(tok, PROMPTS[:2], max_tokens=6, logprobs=5)]
+    results = run_all(engine, jobs)
+    cases = [(r["choices"][0], PROMPTS[i], 10) for i, r in enumerate(results[:4])]
+    cases += [(c, PROMPTS[c["index"]], 6) for c in results[4]["choices"]]
+    for choice, prompt, max_new in cases:
+        want, lp = hf_greedy(hf, tok.encode(prompt), max_new)
+        logprobs = choice["logprobs"]
+        assert choice["text"] == tok.decode(want)
+        assert logprobs["tokens"] == [tok.token_string(t) for t in want]
+        assert_close(torch.tensor(logprobs["token_logprobs"]), lp[torch.arange(len(want)), torch.tensor(want)],
+                     atol=1e-4, rtol=0)
+        for step, top in enumerate(logprobs["top_logprobs"]):
+            values, ids = lp[step].topk(5)
+            expected = {tok.token_string(i): v for i, v in zip(ids.tolist(), values.tolist())}
+            assert top.keys() == expected.keys()
+            assert_close(torch.tensor(list(top.values())), torch.tensor(list(expected.values())), atol=1e-4, rtol=0)
+        assert choice["finish_reason"] == "length"
+    assert engine.stats()["kv_slots_used"] == 0
+
+
+def test_echo_logprobs_score_the_prompt_like_transformers(model, tok, hf):
+    prompt = tok.encode(PROMPTS[3])
+    engine, _ = make_engine(model, tok, prefill_chunk=5)  # scoring spans several chunks
+    result = engine.generate(job(tok, [prompt], echo=True, logprobs=2, max_tokens=3))
+    choice = result["choices"][0]
+    gen, gen_lp = hf_greedy(hf, prompt, 3)
+    with torch.no_grad():
+        full = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)  # (P, V)
+    lp = choice["logprobs"]
+    assert choice["text"] == PROMPTS[3] + tok.decode(gen)
+    assert lp["tokens"] == [tok.token_string(t) for t in prompt + gen]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = torch.cat([full[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])],
+                      gen_lp[torch.arange(3), torch.tensor(gen)]])
+    assert_close(torch.tensor(lp["token_logprobs"][1:]), want, atol=1e-4, rtol=0)
+    assert all(len(t) in (2, 3) for t in lp["top_logprobs"][1:])
+    # offsets index into the returned text
+    assert [choice["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+    assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}
+
+
+def test_echo_with_max_tokens_0_scores_a_prompt(model, tok, hf):
+    prompt = tok.encode(PROMPTS[1])
+    engine, sink = make_engine(model, tok)
+    j = job(tok, [prompt], echo=True, logprobs=0, max_tokens=0)
+    result = engine.generate(j)
+    choice = result["choices"][0]
+    with torch.no_grad():
+        full = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
+    assert choice["text"] == PROMPTS[1] and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(prompt)
+    assert_close(torch.tensor(choice["logprobs"]["token_logprobs"][1:]),
+                 full[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
+    assert [len(t) for t in choice["logprobs"]["top_logprobs"][1:]] == [1] * (len(prompt) - 1)
+    assert result["usage"]["completion_tokens"] == 0
+    deltas = sink.of(j.id, "delta")
+    assert [d["token_ids"] for _, d in deltas] == [prompt] and deltas[0][1]["text"] == PROMPTS[1]
+
+
+def test_max_tokens_0_without_echo_is_empty(model, tok):
+    engine, _ = make_engine(model, tok)
+    choice = engine.generate(job(tok, max_tokens=0))["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["logprobs"]) == ("", "length", None)
+
+
+def test_penalties_and_logit_bias_match_a_direct_computation(model, tok, hf):
+    prompt = tok.encode(PROMPTS[0])
+    bias = {tok.encode(" the")[0]: 4.0, tok.encode(" world")[0]: -3.0}
+    kw = dict(frequency_penalty=1.2, presence_penalty=0.7, logit_bias=bias, max_tokens=12)
+    engine, _ = make_engine(model, tok)
+    got = engine.generate(job(tok, [prompt], logprobs=1, **kw))["choices"][0]
+    seq, counts = list(prompt), torch.zeros(50257)
+    want = []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = hf(torch.tensor([seq])).logits[0, -1]
+            adjusted = logits - counts * 1.2 - (counts > 0).float() * 0.7
+            for t, b in bias.items():
+                adjusted[t] += b
+            nxt = int(adjusted.argmax())
+            want.append(nxt)
+            counts[nxt] += 1
+            seq.append(nxt)
+    assert got["logprobs"]["tokens"] == [tok.token_string(t) for t in want]
+    assert len(set(want)) > 1  # the penalties did change the (otherwise repetitive) output
+    # logprobs stay those of the raw model
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([seq])).logits[0, len(prompt) - 1:-1], -1)
+    assert_close(torch.tensor(got["logprobs"]["token_logprobs"]), raw[torch.arange(12), torch.tensor(want)],
+                 atol=1e-4, rtol=0)
+
+
+# ---- semantics ----
+
+def test_eos_finishes_with_stop(model, tok):
+    engine, _ = make_engine(model, tok)
+    result = engine.generate(job(tok, logit_bias={tok.eos_token_id: 100.0}, logprobs=0))
+    choice = result["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    assert choice["logprobs"]["tokens"] == ["<|endoftext|>"]
+    assert result["usage"]["completion_tokens"] == 1
+
+
+def test_stop_string_split_across_tokens(model, tok):
+    engine, sink = make_engine(model, tok)
+    free = engine.generate(job(tok, [PROMPTS[1]], max_tokens=12, logprobs=0))["choices"][0]
+    pieces = free["logprobs"]["tokens"]
+    assert all(len(p) >= 2 for p in pieces[3:5])
+    stop = pieces[3][-2:] + pieces[4][:2]  # spans the boundary between the 4th and 5th tokens
+    cut = free["text"].index(stop)
+    j = job(tok, [PROMPTS[1]], max_tokens=12, stop=["zzzz", stop], logprobs=0)
+    choice = engine.generate(j)["choices"][0]
+    assert choice["text"] == free["text"][:cut]
+    assert choice["finish_reason"] == "stop"
+    streamed = [d["text"] for _, d in sink.of(j.id, "delta")]
+    assert "".join(streamed) == choice["text"]  # nothing of the stop was ever shown
+    assert sum(len(d["token_ids"]) for _, d in sink.of(j.id, "delta")) == len(choice["logprobs"]["tokens"]) <= 5
+
+
+def test_context_end_and_too_long_requests(model, tok):
+    engine, sink = make_engine(model, tok, max_len=16)
+    prompt = tok.encode(PROMPTS[3])  # 11 tokens
+    result = engine.generate(job(tok, [prompt], max_tokens=None))
+    assert result["usage"]["completion_tokens"] == 16 - len(prompt)
+    assert result["choices"][0]["finish_reason"] == "length"
+    bad = job(tok, [prompt], max_tokens=6)
+    with pytest.raises(EngineError, match="maximum context length is 16 tokens, however you requested 17 tokens"):
+        engine.generate(bad)
+    assert sink.of(bad.id) == [("error", {"error": {
+        "message": "This model's maximum context length is 16 tokens, however you requested 17 tokens (11 in your "
+                   "prompt; 6 for the completion). Please reduce your prompt; or completion length.",
+        "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}})]
+    for kw in (dict(prompts=[[50257]]), dict(logprobs=6), dict(best_of=1, n=2), dict(prompts=[[]])):
+        with pytest.raises(EngineError):
+            engine.generate(job(tok, **kw))
+    assert engine.generate(job(tok, max_tokens=2))["usage"]["completion_tokens"] == 2  # still serving
+
+
+def test_n_choices_share_one_prefill_and_are_numbered_prompt_major(model, tok):
+    engine, sink = make_engine(model, tok)
+    j = job(tok, PROMPTS[:2], n=3, temperature=1.0, seed=7, max_tokens=6, echo=True)
+    result = engine.generate(j)
+    assert [c["index"] for c in result["choices"]] == list(range(6))
+    for c in result["choices"]:
+        assert c["text"].startswith(PROMPTS[c["index"] // 3])
+    prompt_tokens = sum(len(tok.encode(p)) for p in PROMPTS[:2])
+    assert engine.stats()["prompt_tokens"] == prompt_tokens  # each prompt was fed once
+    assert result["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 36, "total_tokens": prompt_tokens + 36}
+    assert len({c["text"] for c in result["choices"]}) > 2  # independent draws
+    finishes = sink.of(j.id, "finish")
+    assert sorted(d["index"] for _, d in finishes) == list(range(6))
+    assert [t for step in sink.steps for _, t, _ in step][-2:] == ["usage", "done"]
+
+
+def test_best_of_returns_the_highest_mean_logprob_and_streams_nothing_before(model, tok):
+    engine, sink = make_engine(model, tok)
+    kw = dict(temperature=1.5, seed=3, max_tokens=5, logprobs=0)
+    every = engine.generate(job(tok, [PROMPTS[0]], n=4, **kw))["choices"]  # the same 4 candidates
+    means = [sum(c["logprobs"]["token_logprobs"]) / 5 for c in every]
+    j = job(tok, [PROMPTS[0]], n=2, best_of=4, **kw)
+    result = engine.generate(j)
+    ranked = sorted(range(4), key=lambda i: -means[i])[:2]
+    assert [c["text"] for c in result["choices"]] == [every[i]["text"] for i in ranked]
+    assert [c["index"] for c in result["choices"]] == [0, 1]
+    assert result["usage"]["completion_tokens"] == 20  # every candidate is paid for
+    steps_with_events = [step for step in sink.steps if any(jid == j.id for jid, _, _ in step)]
+    assert len(steps_with_events) == 1  # deltas, finishes, usage and done together at the end
+    assert [t for _, t, _ in steps_with_events[0]] == ["delta", "finish", "delta", "finish", "usage", "done"]
+
+
+def test_seeded_request_is_independent_of_its_batch(model, tok):
+    j = lambda: job(tok, [PROMPTS[1]], temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)  # noqa: E731
+    alone = make_engine(model, tok)[0].generate(j())["choices"][0]["text"]
+
+    engine, _ = make_engine(model, tok, max_batch=6, prefill_chunk=3)
+    noise = [job(tok, [p], temperature=1.0, seed=s, max_tokens=4 + s, presence_penalty=0.5 * (s % 2))
+             for s, p in enumerate(PROMPTS)]
+    busy = run_all(engine, noise[:2] + [j()] + noise[2:])[2]["choices"][0]["text"]
+    other_seed = engine.generate(job(tok, [PROMPTS[1]], temperature=0.9, top_p=0.95, seed=99, max_tokens=12))
+    assert busy == alone
+    assert other_seed["choices"][0]["text"] != alone
+
+
+def test_cancel_takes_effect_at_the_next_step(model, tok):
+    engine, sink = make_engine(model, tok)
+    h = engine.submit(job(tok, max_tokens=50))
+    other = engine.submit(job(tok, [PROMPTS[2]], max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    h.cancel()
+    engine.step()
+    assert h.done
+    with pytest.raises(RequestCancelled):
+        h.result()
+    assert sink.of(h.job_id)[-1] == ("cancelled", {})
+    assert len(sink.of(h.job_id, "delta")) == 3
+    assert engine.stats()["kv_slots_used"] == 1  # only `other` still runs
+    # the sink's answer cancels too
+    sink.cancel.add(other.job_id)
+    engine.step()
+    engine.step()
+    with pytest.raises(RequestCancelled):
+        other.result()
+    assert engine.stats()["kv_slots_used"] == 0 and engine.stats()["running"] == 0
+
+
+def test_resume_continues_with_the_same_tokens(model, tok):
+    kw = dict(prompts=[PROMPTS[0], PROMPTS[3]], temperature=1.0, seed=5, max_tokens=10, echo=True, logprobs=1,
+              n=2, stop=["\n\n"])
+    engine, sink = make_engine(model, tok)
+    first = job(tok, **kw)
+    full = engine.generate(first)
+    deltas = sink.of(first.id, "delta")
+    # as if the worker died after the 4th step: the consumer passes what each choice's deltas held
+    cut = 4 * 4
+    emitted = {}
+    for _, d in deltas[:cut]:
+        emitted.setdefault(d["index"], []).extend(d["token_ids"])
+    again = CompletionJob(**{**first.model_dump(), "id": "resumed"})
+    engine2, sink2 = make_engine(model, tok)
+    resumed = engine2.generate(again, resume=emitted)
+    for a, b in zip(resumed["choices"], full["choices"], strict=True):
+        assert (a["index"], a["text"], a["finish_reason"]) == (b["index"], b["text"], b["finish_reason"])
+        assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        # replayed tokens are scored by a prefill instead of decode steps: equal up to rounding
+        assert_close(a["logprobs"]["token_logprobs"][1:], b["logprobs"]["token_logprobs"][1:], atol=1e-4, rtol=0)
+    new_text = {}
+    for _, d in sink2.of("resumed", "delta"):
+        new_text[d["index"]] = new_text.get(d["index"], "") + d["text"]
+    for c in full["choices"]:
+        shown = "".join(d["text"] for _, d in deltas[:cut] if d["index"] == c["index"])
+        assert shown + new_text.get(c["index"], "") == c["text"]
+
+
+def test_engine_thread_runs_concurrent_jobs(model, tok):
+    engine, _ = make_engine(model, tok)
+    engine.start()
+    try:
+        handles = [engine.submit(job(tok, [p], max_tokens=5)) for p in PROMPTS]
+        texts = [h.result(timeout=30)["choices"][0]["text"] for h in handles]
+        bad = engine.submit(job(tok, logprobs=9))
+        with pytest.raises(EngineError):
+            bad.result(timeout=30)
+        assert engine.generate(job(tok, [PROMPTS[0]], max_tokens=5))["choices"][0]["text"] == texts[0]
+    finally:
+        engine.stop()
+    stats = engine.stats()
+    assert stats["tokens_generated"] == 25 and stats["kv_slots_used"] == 0 and sum(stats["batch_size_counts"].values()) > 0
