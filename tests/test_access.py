@@ -270,6 +270,11 @@ def seam_app(redis_url: str, **config) -> Flask:
         access.settle(grant, body.get("used", 5))
         return jsonify({"key": caller.key_name}), 200, access.rate_limit_headers(grant)
 
+    @app.get("/metrics")
+    def metrics():
+        access.authorize_metrics(request)
+        return "ok"
+
     return app
 
 
@@ -292,6 +297,16 @@ def test_auth_required(redis_url, r):
     assert ok.status_code == 200 and ok.json["key"] == "ci"
     keys.revoke(r, "ci")
     assert post(client, token).status_code == 401
+
+
+@pytest.mark.parametrize("auth", ["required", "disabled"])
+def test_metrics_auth(redis_url, r, auth):
+    client = seam_app(redis_url, NANOSERVE_AUTH=auth, NANOSERVE_METRICS_AUTH="required").test_client()
+    token, _ = keys.create(r, "prometheus")
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer sk-nope-nope-nope"}).status_code == 401
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert seam_app(redis_url, NANOSERVE_AUTH="required").test_client().get("/metrics").status_code == 200
 
 
 def test_auth_disabled_lets_anyone_in_with_limits_per_address(redis_url):
@@ -366,6 +381,21 @@ def test_invalid_requests_earn_a_ban(redis_url, r):
     assert post(client, user="fuzz", invalid=True).status_code == 400
     assert post(client, user="fuzz").status_code == 403
     assert blocklist.entries(r)[0].reason.startswith("auto: 2 invalid requests")
+
+
+def test_a_normal_request_costs_one_round_trip_per_step(redis_url, r, monkeypatch):
+    token, _ = keys.create(r, "ci")
+    app = seam_app(redis_url, NANOSERVE_AUTH="required")
+    client = app.test_client()
+    assert post(client, token, user="alice").status_code == 200  # loads the scripts
+    commands = []
+    with app.app_context():
+        connection = access.redis_client()
+    original = connection.execute_command
+    monkeypatch.setattr(connection, "execute_command", lambda *a, **kw: commands.append(a[0]) or original(*a, **kw))
+    assert post(client, token, user="alice", tokens=10, used=5).status_code == 200
+    # authenticate: the key record; admit: blocklist + reservation in one script; settle: one script
+    assert commands == ["HGET", "EVALSHA", "EVALSHA"]
 
 
 def test_bad_setting_is_a_clear_error(redis_url):

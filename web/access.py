@@ -132,23 +132,13 @@ def redis_client() -> redis.Redis:
     return _state().redis
 
 
-def settings() -> Settings:
-    return _state().settings
-
-
 # ---- the seam ----
 
 def authenticate(request: Request) -> Caller:
     state = _state()
     if not state.settings.auth_required:
         return Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=request.remote_addr)
-    token = _bearer_token(request)
-    if not token:
-        raise APIError(401, MISSING_KEY, "invalid_request_error")
-    record = keys.verify(state.redis, token)
-    if record is None:
-        raise APIError(401, f"Incorrect API key provided: {_mask(token)}. Ask an administrator for a valid key.",
-                       "invalid_request_error", code="invalid_api_key")
+    record = _verified_key(request, state)
     return Caller(record.name, _or_default(record.rpm, state.settings.key_rpm),
                   _or_default(record.tpm, state.settings.key_tpm))
 
@@ -157,12 +147,7 @@ def authorize_metrics(request: Request) -> None:
     """401 unless /metrics is open or the request carries a valid key."""
     state = _state()
     if state.settings.metrics_auth_required:
-        token = _bearer_token(request)
-        if not token:
-            raise APIError(401, MISSING_KEY, "invalid_request_error")
-        if keys.verify(state.redis, token) is None:
-            raise APIError(401, f"Incorrect API key provided: {_mask(token)}.", "invalid_request_error",
-                           code="invalid_api_key")
+        _verified_key(request, state)
 
 
 def admit(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
@@ -177,32 +162,12 @@ def admit(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
         kind = subjects[reservation.blocked_by][0]
         what = "This user is" if kind == "user" else "This API key is"
         raise APIError(403, f"{what} blocked from using this service.", "permission_error", code="blocked")
-
-    headers = reservation.headers()
     if not reservation.allowed:
-        named = {bucket.key: (label, subject) for bucket, label, subject in limits}
-        refused = reservation.refused
-        struck = [named[s.bucket.key][1] for s in refused if named[s.bucket.key][1]]
+        culprits = {bucket.key: subject for bucket, _, subject in limits}
+        struck = [culprits[s.bucket.key] for s in reservation.refused if culprits[s.bucket.key]]
         abuse.strike(state.redis, state.settings.abuse, "rate_limited", struck)
-        s = next((s for s in refused if s.refused == "too_large"), refused[0])
-        label = named[s.bucket.key][0]
-        if s.refused == "too_large":
-            # Can never fit: tell the client not to retry.
-            message = (f"Request too large for {label} on tokens per min (TPM): Limit {s.bucket.tpm}, "
-                       f"Requested {reserved_tokens}. Reduce the prompt or max_tokens in order to run successfully.")
-            raise APIError(429, message, "tokens", code="rate_limit_exceeded",
-                           headers={**headers, "x-should-retry": "false"})
-        retry_after = ratelimit.retry_after_seconds(reservation.retry_after_ms)
-        if s.refused == "requests":
-            message = (f"Rate limit reached for {label} on requests per min (RPM): Limit {s.bucket.rpm}, "
-                       f"Used {s.bucket.rpm - s.remaining_requests}, Requested 1.")
-        else:
-            message = (f"Rate limit reached for {label} on tokens per min (TPM): Limit {s.bucket.tpm}, "
-                       f"Used {s.bucket.tpm - s.remaining_tokens}, Requested {reserved_tokens}.")
-        raise APIError(429, f"{message} Please try again in {retry_after}s.", s.refused,
-                       code="rate_limit_exceeded", headers={**headers, "Retry-After": str(retry_after)})
-
-    return Grant(caller, user, reserved_tokens, headers, buckets)
+        raise _rate_limited(reservation, {bucket.key: label for bucket, label, _ in limits}, reserved_tokens)
+    return Grant(caller, user, reserved_tokens, reservation.headers(), buckets)
 
 
 def settle(grant: Grant, used_tokens: int) -> None:
@@ -231,6 +196,40 @@ def record_invalid(caller: Caller | None, user: str | None) -> None:
 
 
 # ---- helpers ----
+
+def _verified_key(request: Request, state: _State) -> keys.ApiKey:
+    """The record of the request's bearer key, or a 401 worded like OpenAI's."""
+    token = _bearer_token(request)
+    if not token:
+        raise APIError(401, MISSING_KEY, "invalid_request_error")
+    record = keys.verify(state.redis, token)
+    if record is None:
+        raise APIError(401, f"Incorrect API key provided: {_mask(token)}. Ask an administrator for a valid key.",
+                       "invalid_request_error", code="invalid_api_key")
+    return record
+
+
+def _rate_limited(reservation: ratelimit.Reservation, labels: dict[str, str], cost: int) -> APIError:
+    """The 429 for a refused reservation, worded like OpenAI's, with Retry-After and x-ratelimit-*."""
+    headers = reservation.headers()
+    s = next((s for s in reservation.refused if s.refused == "too_large"), reservation.refused[0])
+    label = labels[s.bucket.key]
+    if s.refused == "too_large":
+        # It can never fit, so the client must not retry.
+        message = (f"Request too large for {label} on tokens per min (TPM): Limit {s.bucket.tpm}, "
+                   f"Requested {cost}. Reduce the prompt or max_tokens in order to run successfully.")
+        return APIError(429, message, "tokens", code="rate_limit_exceeded",
+                        headers={**headers, "x-should-retry": "false"})
+    retry_after = ratelimit.retry_after_seconds(reservation.retry_after_ms)
+    if s.refused == "requests":
+        message = (f"Rate limit reached for {label} on requests per min (RPM): Limit {s.bucket.rpm}, "
+                   f"Used {s.bucket.rpm - s.remaining_requests}, Requested 1.")
+    else:
+        message = (f"Rate limit reached for {label} on tokens per min (TPM): Limit {s.bucket.tpm}, "
+                   f"Used {s.bucket.tpm - s.remaining_tokens}, Requested {cost}.")
+    return APIError(429, f"{message} Please try again in {retry_after}s.", s.refused, code="rate_limit_exceeded",
+                    headers={**headers, "Retry-After": str(retry_after)})
+
 
 def _subjects(caller: Caller, user: str | None) -> list[tuple[str, str]]:
     """Who a request is accountable to, as blocklist (kind, name): its API key, then its end user."""
