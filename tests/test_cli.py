@@ -101,6 +101,11 @@ def test_malformed_durations(cli, r, duration):
     assert not r.exists(blocklist.entry_key("user", "mallory"))
 
 
+def test_empty_name_is_refused(cli, r):
+    fails(cli("blocklist", "add", " "), "must not be empty")
+    assert blocklist.entries(r) == []
+
+
 def test_timed_block_expires(cli, r):
     ok(cli("blocklist", "add", "brief", "--for", "1s"))
     assert "brief" in ok(cli("blocklist", "list")).output

@@ -90,6 +90,8 @@ def keys_revoke(name: str) -> None:
 @admin_command
 def blocklist_add(name: str, reason: str, duration: str | None, is_key: bool) -> None:
     """Block the end user NAME (or, with --key, the API key NAME) at once, in every web process."""
+    if not name.strip():
+        raise click.ClickException("NAME must not be empty.")
     seconds = _parse_duration(duration) if duration is not None else None
     kind = "key" if is_key else "user"
     entry = blocklist.add(access.redis_client(), kind, name, reason=reason, by=_admin(), duration=seconds)
