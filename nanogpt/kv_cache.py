@@ -54,7 +54,10 @@ class CacheWindow:
         rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
         self.write_at = (slots[rows], self.positions[rows, cols])  # (slot, position) of each real token
         self.write_from = (rows, cols)
-        self.slots = slots
+        # rows in consecutive slots read the cache in place (a view); any other order is a copy
+        first = int(slots[0])
+        consecutive = torch.equal(slots, torch.arange(first, first + len(slots), device=device))
+        self.rows = slice(first, first + len(slots)) if consecutive else slots
         keys = torch.arange(self.span, device=device)
         self.mask = keys <= self.positions[:, None, :, None]  # (B, 1, T, span): key pos <= query pos
 
@@ -63,4 +66,4 @@ class CacheWindow:
         slot up to the batch's furthest position, (B, nh, span, hs)."""
         slot, pos = self.write_at
         cache_layer[slot, :, pos] = new.transpose(1, 2)[self.write_from]  # (N, nh, hs)
-        return cache_layer[self.slots, :, :self.span]
+        return cache_layer[self.rows, :, :self.span]

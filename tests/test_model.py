@@ -75,35 +75,39 @@ def test_full_forward_matches_transformers(pair):
     assert_close(last[:, 0], ref.logits[:, -1], **TOL)
 
 
-def test_ragged_batch_decoding_matches_full_forward(pair):
+@pytest.mark.parametrize("slot_of", [dict(a=5, b=1, c=3), dict(a=1, b=2, c=3)], ids=["scattered", "consecutive"])
+def test_ragged_batch_decoding_matches_full_forward(pair, slot_of):
     """Prefill of different lengths into non-contiguous slots, decode steps, a sequence joining in
     the middle (its prefill batched with the others' decode), a chunked continuation, and an empty
-    padding row: every row's logits equal transformers' at that position."""
+    padding row: every row's logits equal transformers' at that position. Rows in consecutive
+    slots (read in place) and in any other order (gathered) both occur."""
     model, max_slots = pair.ours, 6
     cache = KVCache(model.config, max_slots=max_slots, max_len=pair.n_positions, device="cpu", dtype=torch.float32)
-    a, b, c = (random_seq(pair.n_positions, seed) for seed in (1, 2, 3))
-    done = {5: 0, 1: 0, 3: 0}  # slot -> tokens cached
+    seqs = {name: random_seq(pair.n_positions, seed) for seed, name in enumerate("abc", start=1)}
+    done = {name: 0 for name in seqs}  # tokens cached per sequence
+    pad_slot = 0
 
     def step(plan, pad_row=False):
-        rows = [(slot, seq, done[slot], n) for slot, seq, n in plan]
+        rows = [(slot_of[name], seqs[name], done[name], n) for name, n in plan]
         if pad_row:  # a row with no real tokens, e.g. a finished request's place in a fixed batch
-            rows.append((0, a, 0, 0))
+            rows.append((pad_slot, seqs["a"], 0, 0))
         out = cached_call(model, cache, rows)
         assert out.dtype == torch.float32 and out.shape == (len(rows), 50257)
-        for i, (slot, seq, start, n) in enumerate(rows[:len(plan)]):
-            assert_close(out[i], pair.reference(seq)[start + n - 1], **TOL)
-            done[slot] += n
+        for i, (name, n) in enumerate(plan):
+            assert_close(out[i], pair.reference(seqs[name])[done[name] + n - 1], **TOL)
+            done[name] += n
 
-    step([(5, a, 9), (1, b, 3)])                       # prefill, lengths 9 and 3
+    step([("a", 9), ("b", 3)])                         # prefill, lengths 9 and 3
     for _ in range(3):
-        step([(5, a, 1), (1, b, 1)], pad_row=True)     # decode
-    step([(5, a, 1), (3, c, 6), (1, b, 1)])            # c joins: its prefill among the others' decode
+        step([("a", 1), ("b", 1)], pad_row=True)       # decode
+    step([("a", 1), ("c", 6), ("b", 1)])               # c joins: its prefill among the others' decode
     for _ in range(3):
-        step([(5, a, 1), (1, b, 1), (3, c, 1)])
-    step([(1, b, 4), (5, a, 1), (3, c, 1)])            # a chunked continuation of b's prompt
+        step([("a", 1), ("b", 1), ("c", 1)])
+    step([("b", 4), ("a", 1), ("c", 1)])               # a chunked continuation of b's prompt
 
-    for layer in range(model.config.n_layer):          # unused slots (and the padding row's) untouched
-        for slot in (0, 2, 4):
+    unused = set(range(max_slots)) - set(slot_of.values())  # includes the padding row's slot
+    for layer in range(model.config.n_layer):
+        for slot in unused:
             assert not cache.k[layer][slot].any() and not cache.v[layer][slot].any()
 
 
