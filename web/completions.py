@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 
 from models.tokenizer import Tokenizer
-from web import access
+from web import access, metrics
 from web.config import settings
 from web.errors import APIError, bad_request
 from web.models_api import served_models
@@ -32,14 +33,15 @@ class Admitted:
 
 @bp.post("/v1/completions")
 def create_completion():
+    started = time.perf_counter()
     admitted = admit_completion()
-    jq, job = job_queue(), admitted.job
-    if not admitted.request.stream:
-        completion = wait_for_completion(jq, job.id, settings().sync_timeout_s, settings().keepalive_s)
-        access.settle(admitted.grant, completion["usage"]["total_tokens"])
-        return jsonify(completion)
+    jq, job, s = job_queue(), admitted.job, settings()
+    deadline = None if job.stream else time.monotonic() + s.sync_timeout_s
+    events = follow(jq, job.id, tick_s=s.keepalive_s, deadline=deadline)
+    events = _accounted(events, admitted.grant, job.model, started)
+    if not job.stream:
+        return jsonify(wait_for_completion(events, deadline, jq, job.id, s.sync_timeout_s))
     fmt = ChunkFormat(job.id, job.created, job.model, job.include_usage, job.logprobs is not None)
-    events = _settle_on_usage(follow(jq, job.id, tick_s=settings().keepalive_s), admitted.grant)
     frames = guarded(sse_frames(events, fmt), jq, job.id, cancel_on_disconnect=True)
     return sse_response(frames)
 
@@ -50,8 +52,15 @@ def sse_response(frames: Iterator[str]) -> Response:
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _settle_on_usage(events: Iterator[Event | None], grant: access.Grant) -> Iterator[Event | None]:
+def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
+               started: float) -> Iterator[Event | None]:
+    """Pass events through, recording the time to the first token and settling the token
+    reservation with the real usage."""
+    first = True
     for event in events:
+        if event is not None and event.type == "delta" and first:
+            first = False
+            metrics.observe_ttft(model, time.perf_counter() - started)
         if event is not None and event.type == "usage":
             access.settle(grant, event.data["total_tokens"])
         yield event

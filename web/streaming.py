@@ -91,11 +91,11 @@ def cancelled_error() -> APIError:
     return APIError(400, "The request was cancelled.", "invalid_request_error", None, "cancelled")
 
 
-def wait_for_completion(jq: JobQueue, job_id: str, timeout_s: float, tick_s: float) -> dict[str, Any]:
-    """Block until the job's `done` and return its completion object; its error as an APIError.
-    After `timeout_s` the job is cancelled and a 504 raised."""
-    deadline = time.monotonic() + timeout_s
-    for event in follow(jq, job_id, tick_s=tick_s, deadline=deadline):
+def wait_for_completion(events: Iterator[Event | None], deadline: float, jq: JobQueue, job_id: str,
+                        timeout_s: float) -> dict[str, Any]:
+    """Read the job's events (`follow` with this `deadline`) to its `done` and return the completion
+    object; its error as an APIError. Past the deadline the job is cancelled and a 504 raised."""
+    for event in events:
         if event is None:
             if time.monotonic() >= deadline:
                 break

@@ -1,0 +1,342 @@
+"""End to end: the official `openai` client against gunicorn (threaded workers) and a real
+`processor.py`, over a private redis-server, serving a tiny random-weight GPT-2 checkpoint with the
+real GPT-2 vocabulary.
+
+The registry also names a second model, `parked`, that no processor serves: it answers 503, and
+with a registered but idle worker it fills its queue for the 429.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+import redis
+import requests
+from rq import Queue, Worker
+
+from models.tokenizer import load_tokenizer
+from tests.stack import start_gunicorn, start_processor, write_models_toml
+from web.local_redis import start_redis
+from worker import protocol
+
+PROMPT = "Hello, my name is"
+CONTEXT = 128  # the hf_checkpoint fixture's n_positions
+MAX_BODY = 65536
+QUEUE_DEPTH = 6
+
+
+@pytest.fixture(scope="module")
+def stack(hf_checkpoint, tmp_path_factory):
+    """redis-server + processor.py (model `tiny`, 4 worker threads) + gunicorn."""
+    tmp = tmp_path_factory.mktemp("e2e-openai")
+    models = tmp / "models.toml"
+    write_models_toml(models, {"tiny": hf_checkpoint}, device="cpu", max_batch=8)
+    with open(models, "a") as f:
+        f.write(f'\n[models.parked]\ncheckpoint = "{hf_checkpoint}"\n')
+    server = start_redis()
+    env = {"NANOSERVE_MAX_BODY_BYTES": str(MAX_BODY), "NANOSERVE_MAX_QUEUE_DEPTH": str(QUEUE_DEPTH),
+           "NANOSERVE_KEEPALIVE": "1", "NANOSERVE_AUTH": "disabled"}
+    try:
+        with start_processor(server.url, models, models=["tiny"], concurrency=4, log_dir=tmp) as worker, \
+                start_gunicorn(server.url, models, env=env, workers=2, threads=8, log_dir=tmp) as web:
+            yield {"url": web.url, "redis_url": server.url, "worker": worker, "web": web}
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(hf_checkpoint):
+    return load_tokenizer(hf_checkpoint)
+
+
+def greedy(client, prompt=PROMPT, **kw):
+    return client.completions.create(model="tiny", prompt=prompt, temperature=0, **kw)
+
+
+def collect_stream(stream) -> tuple[dict[int, str], dict[int, str | None], list]:
+    """Texts and finish reasons by choice index, and every chunk."""
+    texts, finish, chunks = {}, {}, []
+    for chunk in stream:
+        chunks.append(chunk)
+        for choice in chunk.choices:
+            assert len(chunk.choices) == 1  # one choice per chunk
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason is not None:
+                assert choice.index not in finish  # one finish per choice
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+def wait_for_status(base: str, job_id: str, statuses: tuple[str, ...], timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = requests.get(f"{base}/v1/jobs/{job_id}", timeout=10).json()
+        if state["status"] in statuses:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+# ---- models ----
+
+def test_models_list_and_retrieve(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny", "parked"]
+    assert all(m.object == "model" and m.owned_by == "nanoserve" and m.created > 0 for m in models.data)
+    tiny = client.models.retrieve("tiny")
+    assert tiny.id == "tiny" and tiny.context_length == CONTEXT
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("org/missing")
+    assert info.value.code == "model_not_found" and info.value.request_id
+
+
+# ---- completions ----
+
+def test_greedy_completion_matches_transformers(client, hf_checkpoint, tokenizer):
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    result = greedy(client, max_tokens=8)
+    ids = tokenizer.encode(PROMPT)
+    model = GPT2LMHeadModel.from_pretrained(hf_checkpoint).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=50256)
+    expected = out[0, len(ids):].tolist()
+    assert result.id.startswith("cmpl-") and result.object == "text_completion" and result.model == "tiny"
+    (choice,) = result.choices
+    if tokenizer.eos_token_id in expected:  # EOS ends the completion early
+        expected = expected[:expected.index(tokenizer.eos_token_id)]
+    assert choice.text == tokenizer.decode(expected)
+    assert choice.finish_reason == ("length" if len(expected) == 8 else "stop")
+    assert result.usage.prompt_tokens == len(ids) and result.usage.completion_tokens == len(expected)
+    assert result.usage.total_tokens == len(ids) + len(expected)
+
+
+def test_stream_equals_non_stream_at_temperature_0(client):
+    kwargs = dict(max_tokens=12, logprobs=2, n=2, prompt=[PROMPT, "The sky"])
+    whole = greedy(client, **kwargs)
+    texts, finish, chunks = collect_stream(greedy(client, stream=True, **kwargs))
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    # logprobs streamed piecewise concatenate to the non-streamed ones
+    for choice in whole.choices:
+        streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].index == choice.index]
+        assert sum((lp.tokens for lp in streamed), []) == choice.logprobs.tokens
+        assert sum((lp.text_offset for lp in streamed), []) == choice.logprobs.text_offset
+        assert sum((lp.token_logprobs for lp in streamed), []) == pytest.approx(choice.logprobs.token_logprobs)
+    assert all(c.usage is None for c in chunks) and all(c.id == chunks[0].id for c in chunks)
+
+
+def test_stream_with_usage(client):
+    whole = greedy(client, max_tokens=6)
+    texts, finish, chunks = collect_stream(
+        greedy(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    assert texts[0] == whole.choices[0].text and finish[0] == whole.choices[0].finish_reason
+    *body, last = chunks
+    assert all(c.usage is None for c in body) and body[-1].choices[0].finish_reason is not None
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+
+
+def test_list_and_token_prompts_agree(client, tokenizer):
+    prompts = [PROMPT, "Once upon a time", "x"]
+    by_text = greedy(client, prompt=prompts, max_tokens=5)
+    by_ids = greedy(client, prompt=[tokenizer.encode(p) for p in prompts], max_tokens=5)
+    one_id_list = greedy(client, prompt=tokenizer.encode(prompts[1]), max_tokens=5)
+    assert [c.text for c in by_text.choices] == [c.text for c in by_ids.choices]
+    assert one_id_list.choices[0].text == by_text.choices[1].text
+    assert by_text.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+
+
+def test_n_times_prompts_indexing(client):
+    prompts = ["A", "B", "C"]
+    singles = [greedy(client, prompt=p, max_tokens=4).choices[0].text for p in prompts]
+    result = greedy(client, prompt=prompts, n=2, max_tokens=4)
+    assert [c.index for c in result.choices] == list(range(6))
+    assert [c.text for c in result.choices] == [s for s in singles for _ in range(2)]  # prompt_index * n + j
+    texts, finish, _ = collect_stream(greedy(client, prompt=prompts, n=2, max_tokens=4, stream=True))
+    assert texts == {i: singles[i // 2] for i in range(6)} and set(finish) == set(range(6))
+
+
+def test_every_sampling_parameter(client, tokenizer):
+    base = greedy(client, max_tokens=8).choices[0]
+
+    # seed: the same seed gives the same sample; top_k=1 and a tiny top_p are greedy
+    sampled = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, seed=7, temperature=1.0,
+                                         user="alice").choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                     extra_body={"top_k": 1}).choices[0].text == base.text
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+                                     top_p=0.001).choices[0].text == base.text
+
+    # logit_bias +100 forces a token; -100 bans it
+    forced = greedy(client, max_tokens=4, logit_bias={"1000": 100}).choices[0]
+    assert forced.text == tokenizer.decode([1000] * 4)
+    first = tokenizer.encode(base.text)[0]
+    assert tokenizer.encode(greedy(client, max_tokens=1, logit_bias={str(first): -100}).choices[0].text)[0] != first
+
+    # the frequency penalty grows with each repeat, so it ends a greedy completion's repetition
+    # (the presence penalty's arithmetic is the engine's tests' business; here it must be accepted)
+    if len(set(tokenizer.encode(base.text))) < len(tokenizer.encode(base.text)):
+        assert greedy(client, max_tokens=8, frequency_penalty=2.0).choices[0].text != base.text
+    assert greedy(client, max_tokens=8, presence_penalty=-2.0).choices[0].finish_reason == "length"
+
+    # stop: cut before the stop string, finish_reason "stop"
+    stop = base.text[len(base.text) // 2:][:3]
+    stopped = greedy(client, max_tokens=8, stop=[stop, "\u2603"]).choices[0]
+    assert stopped.text == base.text[:base.text.index(stop)] and stopped.finish_reason == "stop"
+
+    # echo + logprobs: the prompt leads, its first token has no logprob
+    echoed = greedy(client, max_tokens=3, echo=True, logprobs=3).choices[0]
+    assert echoed.text.startswith(PROMPT)
+    assert echoed.logprobs.token_logprobs[0] is None and echoed.logprobs.top_logprobs[0] is None
+    assert all(3 <= len(top) <= 4 for top in echoed.logprobs.top_logprobs[1:])
+    assert echoed.logprobs.text_offset[0] == 0 and echoed.logprobs.tokens[0] == tokenizer.decode(tokenizer.encode(PROMPT)[:1])
+    scored = greedy(client, max_tokens=0, echo=True, logprobs=0).choices[0]  # scoring a prompt
+    assert scored.text == PROMPT and len(scored.logprobs.tokens) == len(tokenizer.encode(PROMPT))
+
+    # best_of: n best of more candidates; max_tokens null runs to the end of the context
+    assert len(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, best_of=3, seed=1).choices) == 2
+    long = greedy(client, prompt=[1] * 100, max_tokens=None, logit_bias={"50256": -100})
+    assert long.usage.completion_tokens == CONTEXT - 100 and long.choices[0].finish_reason == "length"
+
+
+def test_null_parameters_are_defaults(client):
+    nulls = dict(best_of=None, echo=None, frequency_penalty=None, logit_bias=None, logprobs=None, n=None,
+                 presence_penalty=None, seed=None, stop=None, stream=None, suffix=None, top_p=None, user=None)
+    result = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=5, **nulls)
+    assert result.choices[0].text == greedy(client, max_tokens=5).choices[0].text
+    default_prompt = client.completions.create(model="tiny", prompt=None, max_tokens=2, temperature=0)
+    assert default_prompt.usage.prompt_tokens == 1  # <|endoftext|>
+
+
+# ---- jobs ----
+
+def test_job_submit_poll_result(stack, client):
+    base = stack["url"]
+    submitted = requests.post(f"{base}/v1/jobs", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6,
+                                                       "temperature": 0}, timeout=10)
+    assert submitted.status_code == 202
+    job = submitted.json()
+    assert job["status"] == "queued" and job["id"].startswith("cmpl-")
+    state = wait_for_status(base, job["id"], ("completed",))
+    assert state["result"]["choices"][0]["text"] == greedy(client, max_tokens=6).choices[0].text
+    assert requests.get(f"{base}/jobs/{job['id']}", timeout=10).json()["status"] == "completed"
+    missing = requests.get(f"{base}/v1/jobs/cmpl-missing", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "job_not_found"
+
+
+def test_job_cancel(stack):
+    base = stack["url"]
+    job_id = requests.post(f"{base}/v1/jobs", json={"model": "tiny", "prompt": "x", "max_tokens": None,
+                                                    "logit_bias": {"50256": -100}}, timeout=10).json()["id"]
+    wait_for_status(base, job_id, ("in_progress",))
+    assert requests.delete(f"{base}/v1/jobs/{job_id}", timeout=10).json()["status"] == "cancelled"
+    wait_for_status(base, job_id, ("cancelled",))
+    events = redis.Redis.from_url(stack["redis_url"]).xrange(protocol.stream_key(job_id))
+    types = [protocol.decode_event(fields)[0] for _, fields in events]
+    assert types[-1] == "cancelled" and types.count("delta") < CONTEXT - 1  # dropped early by the engine
+
+
+def test_stream_disconnect_cancels(stack, client):
+    stream = client.completions.create(model="tiny", prompt="x", max_tokens=None, stream=True,
+                                       logit_bias={"50256": -100})
+    first = next(iter(stream))
+    stream.close()
+    state = wait_for_status(stack["url"], first.id, ("cancelled", "completed"))
+    assert state["status"] == "cancelled"
+    deltas = [e for e in redis.Redis.from_url(stack["redis_url"]).xrange(protocol.stream_key(first.id))
+              if protocol.decode_event(e[1])[0] == "delta"]
+    assert len(deltas) < CONTEXT - 1  # stopped well before the end of the context
+
+
+def test_job_stream_resumes(stack):
+    base = stack["url"]
+    job_id = requests.post(f"{base}/v1/jobs", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4},
+                           timeout=10).json()["id"]
+    wait_for_status(base, job_id, ("completed",))
+    frames = requests.get(f"{base}/v1/jobs/{job_id}/stream", timeout=10).text.strip().split("\n\n")
+    ids = [f.split("\n")[0][4:] for f in frames if f.startswith("id: ")]
+    resumed = requests.get(f"{base}/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": ids[1]}, timeout=10)
+    assert resumed.text.strip().split("\n\n") == frames[2:] and frames[-1] == "data: [DONE]"
+
+
+# ---- errors ----
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"logprobs": 6}, "logprobs"), ({"n": 0}, "n"), ({"n": 129}, "n"), ({"temperature": 2.1}, "temperature"),
+    ({"top_p": 1.2}, "top_p"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"logit_bias": {"50257": 1}}, "logit_bias"), ({"logit_bias": {"1": 150}}, "logit_bias"),
+    ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"), ({"suffix": "end"}, "suffix"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [50257]}, "prompt"),
+    ({"prompt": ""}, "prompt"), ({"max_tokens": CONTEXT}, "max_tokens"), ({"extra_body": {"top_k": -1}}, "top_k"),
+])
+def test_bad_request_errors_name_the_param(client, kwargs, param):
+    kwargs = {"model": "tiny", "prompt": PROMPT, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs)
+    assert info.value.param == param and info.value.type == "invalid_request_error"
+
+
+def test_context_length_error_in_openais_words(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[1] * 120, max_tokens=10)
+    assert info.value.body["message"].startswith("This model's maximum context length is 128 tokens, however you "
+                                                 "requested 130 tokens (120 in your prompt; 10 for the completion).")
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt=PROMPT)
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+
+
+def test_no_worker_is_503(client):
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="parked", prompt=PROMPT)
+    assert info.value.status_code == 503 and info.value.code == "no_worker"
+    assert info.value.response.headers["Retry-After"] == "1"
+
+
+def test_full_queue_is_rate_limited(stack, client):
+    r = redis.Redis.from_url(stack["redis_url"])
+    idle = Worker([Queue(protocol.queue_name("parked"), connection=r)], connection=r, name="idle-parked")
+    idle.register_birth()  # a live worker that never takes a job: the queue only fills
+    try:
+        for _ in range(QUEUE_DEPTH):
+            assert requests.post(f"{stack['url']}/v1/jobs", json={"model": "parked", "prompt": "x"},
+                                 timeout=10).status_code == 202
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="parked", prompt=PROMPT)
+        assert info.value.code == "queue_full" and info.value.response.headers["Retry-After"] == "1"
+    finally:
+        idle.register_death()
+        Queue(protocol.queue_name("parked"), connection=r).empty()
+
+
+def test_body_too_large_is_413(client):
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model="tiny", prompt="x" * (MAX_BODY + 1000))
+    assert info.value.status_code == 413 and info.value.type == "invalid_request_error"
+
+
+def test_malformed_json_is_400(stack):
+    response = requests.post(f"{stack['url']}/v1/completions", data='{"model": "tiny", "prompt":',
+                             headers={"Content-Type": "application/json"}, timeout=10)
+    assert response.status_code == 400 and "could not parse the JSON body" in response.json()["error"]["message"]
+    assert response.headers["x-request-id"]
+
+
+def test_health_and_ready(stack):
+    assert requests.get(f"{stack['url']}/health", timeout=10).json() == {"status": "ok"}
+    ready = requests.get(f"{stack['url']}/ready", timeout=10)
+    assert ready.status_code == 503 and ready.json()["models"]["tiny"]["workers"] == 4  # `parked` has none
+    assert ready.json()["models"]["parked"]["workers"] == 0
