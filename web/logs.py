@@ -56,6 +56,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted (test captures, redirections)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     """Send the root logger to stderr as JSON lines (or plain text). Idempotent."""
     fmt = (fmt or os.environ.get("NANOSERVE_LOG_FORMAT", "json")).lower()
@@ -63,7 +78,7 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "_nanoserve", False)]:
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler._nanoserve = True
     handler.addFilter(RequestIdFilter())
     if fmt == "json":
