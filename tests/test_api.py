@@ -306,13 +306,16 @@ def test_worker_error_event_becomes_the_http_error(client, redis_url):
         assert error_of(complete(client), 500)["type"] == "server_error"
 
 
-def test_sync_timeout_is_504_and_cancels(redis_url, models_file, r):
+@pytest.mark.parametrize("busy", [False, True], ids=["silent", "still-generating"])
+def test_sync_timeout_is_504_and_cancels(redis_url, models_file, r, busy):
     app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "sync_timeout_s": 0.5})
 
-    def silent(job):
-        return []
+    def slow(job):  # nothing at all, or tokens that never end (until cancelled)
+        while busy and not r.exists(protocol.cancel_key(job.id)):
+            yield "delta", {"index": 0, "text": "x", "token_ids": [1], "logprobs": None}
+            yield 0.05
 
-    with ScriptedWorker(redis_url, "tiny", silent) as worker:
+    with ScriptedWorker(redis_url, "tiny", slow) as worker:
         response = complete(app.test_client())
     error = error_of(response, 504)
     assert error["code"] == "timeout" and response.headers["x-should-retry"] == "false"

@@ -55,7 +55,7 @@ def sse_response(frames: Iterator[str]) -> Response:
 def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
                started: float) -> Iterator[Event | None]:
     """Pass events through, recording the time to the first token and settling the token
-    reservation with the real usage."""
+    reservation with the real usage (none for a request that failed or was cancelled)."""
     first = True
     for event in events:
         if event is not None and event.type == "delta" and first:
@@ -63,6 +63,8 @@ def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
             metrics.observe_ttft(model, time.perf_counter() - started)
         if event is not None and event.type == "usage":
             access.settle(grant, event.data["total_tokens"])
+        if event is not None and event.type in ("error", "cancelled"):
+            access.settle(grant, 0)
         yield event
 
 

@@ -22,7 +22,7 @@ def ready():
     jq = job_queue()
     try:
         jq.redis.ping()
-        models = {spec.id: {"workers": jq.live_workers(spec.id), "queued": jq.queue(spec.id).count}
+        models = {spec.id: dict(zip(("workers", "queued"), jq.load(spec.id)))
                   for spec in served_models().registry.models()}
     except redis.RedisError as err:
         body = protocol.error_body(f"Redis is unreachable: {err}", "server_error", None, "redis_unavailable")

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from flask import Blueprint, jsonify, request
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 
 from web import access
 from web.completions import admit_completion, sse_response
@@ -58,7 +58,7 @@ def stream_job(job_id: str):
     if not _ENTRY_ID.match(after):
         raise bad_request(f"Last-Event-ID must be a stream entry id like 1700000000000-0, not {after!r}.")
     jq = job_queue()
-    payload = _payload(job_id) or {}
+    payload = _payload(jq.fetch(job_id)) or {}
     fmt = ChunkFormat(job_id, state.get("created", 0), state.get("model", ""), include_usage=True,
                       logprobs=payload.get("logprobs") is not None)
     events = follow(jq, job_id, after=after, tick_s=settings().keepalive_s)
@@ -74,7 +74,7 @@ def job_state(job_id: str) -> dict[str, Any]:
     if rq_job is None and terminal is None:
         raise APIError(404, f"No job with id `{job_id}`.", "invalid_request_error", None, "job_not_found")
     state: dict[str, Any] = {"id": job_id, "object": "job"}
-    payload = _payload(job_id, rq_job)
+    payload = _payload(rq_job)
     if payload:
         state.update(model=payload["model"], created=payload["created"])
     if terminal is not None and terminal.type == "done":
@@ -93,7 +93,6 @@ def job_state(job_id: str) -> dict[str, Any]:
     return state
 
 
-def _payload(job_id: str, rq_job=None) -> dict[str, Any] | None:
+def _payload(rq_job: Job | None) -> dict[str, Any] | None:
     """The job's `CompletionJob` payload as enqueued (None once rq has forgotten the job)."""
-    rq_job = rq_job or job_queue().fetch(job_id)
     return rq_job.args[0] if rq_job is not None and rq_job.args else None

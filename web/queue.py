@@ -12,7 +12,7 @@ from flask import Flask, current_app
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
-from rq.worker_registration import get_keys
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from web.config import Settings
 from web.errors import APIError
@@ -31,19 +31,25 @@ class JobQueue:
     def queue(self, model_id: str) -> Queue:
         return Queue(protocol.queue_name(model_id), connection=self.redis)
 
-    def live_workers(self, model_id: str) -> int:
-        """rq workers registered on the model's queue whose registration has not expired (a worker's
-        key lives `worker_ttl` past its last heartbeat, so a crashed one drops out on its own)."""
-        keys = get_keys(self.queue(model_id))
-        return self.redis.exists(*keys) if keys else 0
+    def load(self, model_id: str) -> tuple[int, int]:
+        """(live workers, queued jobs) of a model's queue, in two round trips. Live: an rq worker
+        registered on the queue whose key has not expired (it lives `worker_ttl` past the worker's
+        last heartbeat, so a crashed worker drops out on its own)."""
+        queue = self.queue(model_id)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.smembers(WORKERS_BY_QUEUE_KEY % queue.name)
+            pipe.llen(queue.key)
+            registered, queued = pipe.execute()
+        return (self.redis.exists(*registered) if registered else 0), queued
 
     def check_capacity(self, model_id: str) -> None:
         """503 when no worker serves the model, 429 when its queue is full (both with Retry-After)."""
+        workers, queued = self.load(model_id)
         retry = {"Retry-After": str(self.settings.retry_after_s)}
-        if not self.live_workers(model_id):
+        if not workers:
             raise APIError(503, f"No worker is serving the model `{model_id}` right now; try again later.",
                            "server_error", None, "no_worker", retry)
-        if self.queue(model_id).count >= self.settings.max_queue_depth:
+        if queued >= self.settings.max_queue_depth:
             raise APIError(429, f"The queue for model `{model_id}` is full; try again later.",
                            "rate_limit_error", None, "queue_full", retry)
 

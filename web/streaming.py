@@ -42,8 +42,8 @@ def follow(jq: JobQueue, job_id: str, after: str = "0-0", tick_s: float = 15.0,
     key = protocol.stream_key(job_id)
     last = after
     while True:
-        block_s = tick_s if deadline is None else max(0.001, min(tick_s, deadline - time.monotonic()))
-        reply = jq.blocking_redis.xread({key: last}, block=int(block_s * 1000))
+        block_s = tick_s if deadline is None else min(tick_s, deadline - time.monotonic())
+        reply = jq.blocking_redis.xread({key: last}, block=max(1, int(block_s * 1000)))  # BLOCK 0: forever
         if not reply:
             if jq.status(job_id) in _WAITING:
                 yield None
@@ -96,9 +96,9 @@ def wait_for_completion(events: Iterator[Event | None], deadline: float, jq: Job
     """Read the job's events (`follow` with this `deadline`) to its `done` and return the completion
     object; its error as an APIError. Past the deadline the job is cancelled and a 504 raised."""
     for event in events:
+        if time.monotonic() >= deadline:
+            break
         if event is None:
-            if time.monotonic() >= deadline:
-                break
             continue
         if event.type == "done":
             return event.data["completion"]
