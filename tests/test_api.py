@@ -212,6 +212,13 @@ def test_malformed_json_and_non_objects(client):
     error_of(client.post("/v1/completions", data=b"\xff\xfe", content_type="application/json"), 400)
     error = error_of(client.post("/v1/completions", json=["tiny"]), 400)
     assert "JSON object" in error["message"]
+    error_of(client.post("/v1/completions", data="[" * 5000, content_type="application/json"), 400)
+
+
+def test_too_many_sequences(redis_url, models_file):
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "max_choices": 8})
+    assert error_of(complete(app.test_client(), prompt=["a", "b", "c"], n=3), 400)["param"] == "n"
+    assert error_of(complete(app.test_client(), prompt=["a"] * 9), 400)["param"] == "prompt"
 
 
 def test_body_too_large_is_413(client):

@@ -91,7 +91,8 @@ def admit_completion(for_job: bool = False) -> Admitted:
     per_prompt = req.best_of or req.n  # sequences generated for each prompt
     if len(prompts) * per_prompt > settings().max_choices:
         raise bad_request(f"This request asks for {len(prompts) * per_prompt} sequences ({len(prompts)} "
-                          f"prompts × {per_prompt}); the limit is {settings().max_choices}.", "n")
+                          f"prompts × {per_prompt}); the limit is {settings().max_choices}.",
+                          "n" if per_prompt > 1 else "prompt")
 
     jq = job_queue()
     jq.check_capacity(spec.id)
@@ -114,7 +115,7 @@ def read_json_body() -> Any:
     data = request.get_data(cache=False)  # werkzeug answers 413 past MAX_CONTENT_LENGTH
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
         raise bad_request("We could not parse the JSON body of your request. The API expects a JSON "
                           "payload, but what was sent was not valid JSON.") from None
 
