@@ -4,8 +4,8 @@ Every request gets an id: the caller's `X-Request-ID` when it is a sane token, e
 kept in `flask.g.request_id`, echoed in the `x-request-id` response header, and added to every log
 record written while the request runs, so one grep finds everything a request did. Each request
 also writes one access line (method, path, status, duration) when its response is finished; for a
-stream, that is when the stream ends. `init_app` should run first in the app factory, so every later
-hook sees the id.
+stream, that is when the stream ends (probes and scrapes: `/health`, `/ready`, `/metrics` only at
+DEBUG). `init_app` should run first in the app factory, so every later hook sees the id.
 
     NANOSERVE_LOG_FORMAT  json (default) | text
     NANOSERVE_LOG_LEVEL   INFO (default), DEBUG, WARNING, ...
@@ -24,6 +24,7 @@ from flask import Flask, g, has_request_context, request
 
 access_log = logging.getLogger("nanoserve.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 # Attributes every LogRecord has; anything else on a record came from `extra=` and is logged too.
 _RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -108,9 +109,12 @@ def init_app(app: Flask) -> None:
         fields = {"request_id": g.request_id, "method": request.method, "path": request.path,
                   "status": response.status_code}
 
+        # Probes and scrapes come every few seconds: their lines only at DEBUG.
+        level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
+
         def log_access():
             fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 1)
-            access_log.info("%s %s %s", fields["method"], fields["path"], fields["status"], extra=fields)
+            access_log.log(level, "%s %s %s", fields["method"], fields["path"], fields["status"], extra=fields)
 
         # A streamed body is still being produced: log when the server closes it.
         if response.is_streamed:

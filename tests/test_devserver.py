@@ -1,0 +1,121 @@
+"""`python -m web.devserver` (what `make serve` runs): it starts Redis, a worker and gunicorn, serves a
+completion to the real openai client, and leaves nothing running after Ctrl-C or after a child dies."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from tests.stack import write_models_toml
+from web.local_redis import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class DevServer:
+    def __init__(self, tmp_path: Path, models_file: Path):
+        self.port = free_port()
+        self.log_path = tmp_path / "devserver.log"
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PROMETHEUS_MULTIPROC_DIR")}
+        env.update(NANOSERVE_MODELS=str(models_file), NANOSERVE_PORT=str(self.port), HF_HUB_OFFLINE="1",
+                   NANOSERVE_WEB_WORKERS="1", NANOSERVE_WEB_THREADS="4")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "web.devserver", "--concurrency", "2"],
+                                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"devserver exited early:\n{self.output()[-4000:]}"
+            if "nanoserve is up" in self.output():
+                with urllib.request.urlopen(self.url + "/ready", timeout=5) as response:
+                    assert response.status == 200
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"devserver not ready in {timeout}s:\n{self.output()[-4000:]}")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+    def kill(self) -> None:
+        """Test cleanup only: whatever is left, gone."""
+        procs = [psutil.Process(self.process.pid)] + self.descendants() if self.process.poll() is None else []
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait()
+
+
+def still_running(procs: list[psutil.Process]) -> list[str]:
+    left = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(proc.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+@pytest.fixture()
+def devserver(tmp_path, hf_checkpoint):
+    server = DevServer(tmp_path, write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint}))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
+def test_serves_and_ctrl_c_stops_everything(devserver):
+    assert "curl " in devserver.output() and "OpenAI(base_url=" in devserver.output()  # how to call it
+    client = openai.OpenAI(base_url=devserver.url + "/v1", api_key="unused", max_retries=0)
+    completion = client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=5,
+                                           temperature=0)
+    assert completion.usage.completion_tokens == 5 and completion.choices[0].finish_reason == "length"
+
+    children = devserver.descendants()
+    names = " ".join(" ".join(p.cmdline()) for p in children)
+    assert "redis-server" in names and "processor.py" in names and "gunicorn" in names
+    redis_port = next(c.laddr.port for p in children if "redis-server" in p.name()
+                      for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+
+    devserver.process.send_signal(signal.SIGINT)
+    assert devserver.process.wait(timeout=90) == 0, devserver.output()[-3000:]
+    assert still_running(children) == []
+    assert "devserver: stopped" in devserver.output()
+    with pytest.raises(OSError):  # Redis is gone too
+        import socket
+        socket.create_connection(("127.0.0.1", redis_port), timeout=1).close()
+
+
+def test_a_dying_child_stops_everything(devserver):
+    children = devserver.descendants()
+    worker = next(p for p in children if "processor.py" in " ".join(p.cmdline()))
+    worker.kill()  # kill -9: the worker crashes
+    assert devserver.process.wait(timeout=90) == 1
+    assert "worker (processor.py) exited with code -9; stopping everything" in devserver.output()
+    assert still_running(children) == []
+
+
+def test_the_web_tier_never_imports_torch():
+    code = ("import sys, web.devserver, web.metrics, web.logs, wsgi; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = dict(os.environ, NANOSERVE_MODELS=str(REPO / "models" / "models.toml"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
