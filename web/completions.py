@@ -56,14 +56,15 @@ def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
                started: float) -> Iterator[Event | None]:
     """Pass events through, recording the time to the first token and settling the token
     reservation with the real usage (none for a request that failed or was cancelled)."""
-    first = True
+    first_token = True
     for event in events:
-        if event is not None and event.type == "delta" and first:
-            first = False
+        kind = event.type if event is not None else None
+        if kind == "delta" and first_token:
+            first_token = False
             metrics.observe_ttft(model, time.perf_counter() - started)
-        if event is not None and event.type == "usage":
+        elif kind == "usage":
             access.settle(grant, event.data["total_tokens"])
-        if event is not None and event.type in ("error", "cancelled"):
+        elif kind in ("error", "cancelled"):
             access.settle(grant, 0)
         yield event
 
