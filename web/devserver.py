@@ -91,8 +91,12 @@ def ensure_default_model(env: dict[str, str]) -> None:
         return
     print(f"devserver: {DEFAULT_CHECKPOINT_DIR / 'ckpt.pt'} is missing; training the default model first",
           flush=True)
-    code = ("from nanogpt.train import ensure_default_model; "
-            f"ensure_default_model({str(DEFAULT_CHECKPOINT_DIR)!r})")
+    code = ("import sys\n"
+            "from nanogpt.train import ensure_default_model\n"
+            "try:\n"
+            f"    ensure_default_model({str(DEFAULT_CHECKPOINT_DIR)!r})\n"
+            "except KeyboardInterrupt:\n"
+            "    sys.exit(130)\n")
     process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, preexec_fn=_DIE_WITH_PARENT)
     try:
         returncode = process.wait()
