@@ -1,0 +1,498 @@
+"""Engine throughput on CPU: nanoserve's continuous-batching engine against transformers' `generate`
+and against one-request-at-a-time serving, on one workload, in one run (`make bench`).
+
+    python -m bench.engine_bench [--quick] [--repeats 3] [--concurrency 1,8,32,64]
+                                 [--systems transformers,engine,serial,...] [--json PATH] [--plot PATH]
+
+Workload: a random-weight GPT-2 small checkpoint (12 layers, 768 wide, 50257 tokens), float32 on
+the CPU; C requests arrive together, each a 32-token prompt (its own) and 64 new tokens, greedy,
+with EOS banned (logit_bias {50256: -100}) so every request generates all 64.
+
+Systems, each in a subprocess of its own that loads the model once (so its peak memory is its own);
+the runs alternate between them, in a rotating order, so that drifts in the machine's load hit
+all of them alike:
+- `transformers`: `GPT2LMHeadModel.generate` over one static batch of the C prompts (KV cache on,
+  `do_sample=False`, EOS banned with `sequence_bias`);
+- `engine`: `worker.engine.Engine` with `max_batch=C`, the C jobs submitted at once;
+- `serial`: the same engine with `max_batch=1`: one request at a time while the others queue,
+  which is what a one-request-at-a-time server does (its C requests run one after another, so from
+  C = 16 up it runs once per benchmark: one run already holds C requests);
+- `engine-int8`, `engine-compile`: the engine's own int8 and torch.compile modes (`engine_mode`),
+  or "not available" where the engine has none.
+
+Per run: aggregate completion tokens/s (C × 64 over the time from submission to the last token),
+time to first token (submission to the first generated token, median over the C requests), peak
+resident memory of the system's process during the run (VmHWM, reset before each run), achieved
+GFLOP/s and weight bytes read per second, as fractions of this machine's limits (bench/machine.py).
+The summary takes the median over repeats, and ratios against transformers within the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench import EOS, prompt_ids
+
+SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile")
+SERIAL_ONCE_FROM = 16  # from this concurrency up, `serial` runs once (see the module docstring)
+# Targets of issue 3: (system, over, concurrency, ratio at least)
+TARGETS = [("engine", "transformers", 32, 1.5), ("engine", "transformers", 8, 2.1),
+           ("engine", "transformers", 1, 1.4), ("engine-int8", "transformers", 1, 3.7),
+           ("engine", "serial", 32, 10.0)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_tokens: int = 32
+    new_tokens: int = 64
+
+    def prompts(self, count: int) -> list[list[int]]:
+        return [prompt_ids(i, self.prompt_tokens) for i in range(count)]
+
+
+class NotAvailable(Exception):
+    """A system this engine does not offer (e.g. no int8 mode yet)."""
+
+
+# ---- memory of this process ----------------------------------------------------------------
+
+def reset_peak_rss() -> None:
+    """Make VmHWM (peak resident set) start again from the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def rss_mb(field: str = "VmHWM") -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+# ---- what a model costs per token ----------------------------------------------------------
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every matmul weight and bias (tied embeddings
+    once, as the output projection) and the LayerNorms; an embedding lookup reads one row only."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or not hasattr(module, "weight"):
+            continue
+        for tensor in (module.weight, getattr(module, "bias", None)):
+            if callable(tensor):  # a dynamically quantized Linear: weight() is its int8 tensor
+                tensor = tensor()
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def flops_per_request(config, workload: Workload) -> float:
+    """Forward FLOPs of one request: the prompt and N-1 fed-back tokens through the blocks,
+    N outputs through the LM head, and attention over each token's context."""
+    d, layers = config["n_embd"], config["n_layer"]
+    fed = workload.prompt_tokens + workload.new_tokens - 1
+    blocks = 2 * 12 * d * d * layers * fed  # c_attn 3d², attn c_proj d², c_fc 4d², mlp c_proj 4d²
+    head = 2 * d * config["vocab_size"] * workload.new_tokens
+    attention = 4 * d * layers * sum(range(1, fed + 1))  # QKᵀ and AV over t positions at position t
+    return blocks + head + attention
+
+
+# ---- the systems (each lives in its own subprocess) ------------------------------------------
+
+class HFGenerate:
+    """transformers' generate over one static batch."""
+
+    def __init__(self, checkpoint: Path, workload: Workload):
+        from transformers import GPT2LMHeadModel
+
+        self.workload = workload
+        self.model = GPT2LMHeadModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def run(self, count: int, new_tokens: int) -> dict:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class FirstLogits(LogitsProcessor):
+            """Notes when the first logits exist: the prefill is done, token 1 is an argmax away."""
+            at = None
+
+            def __call__(self, input_ids, scores):
+                if FirstLogits.at is None:
+                    FirstLogits.at = time.perf_counter()
+                return scores
+
+        ids = torch.tensor(self.workload.prompts(count))
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      max_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS,
+                                      sequence_bias=[[[EOS], -100.0]],
+                                      logits_processor=LogitsProcessorList([FirstLogits()]))
+        seconds = time.perf_counter() - start
+        new = out[:, ids.shape[1]:]
+        return {"seconds": seconds, "completion_tokens": new.numel(),
+                "ttft": [FirstLogits.at - start] * count, "tokens0": new[0].tolist()}
+
+    def weight_bytes(self) -> int:
+        return weight_bytes_per_step(self.model)
+
+
+class EngineRun:
+    """nanoserve's engine; `max_batch=None` means one slot per request of the run."""
+
+    def __init__(self, checkpoint: Path, workload: Workload, *, max_batch: int | None = None,
+                 prepare=None, options: dict | None = None):
+        from models.tokenizer import load_tokenizer
+        from nanogpt.checkpoint import load_model
+
+        self.workload, self.max_batch, self.options = workload, max_batch, options or {}
+        self.model = load_model(checkpoint, device="cpu", dtype=torch.float32)
+        if prepare is not None:
+            self.model = prepare(self.model)
+        self.tokenizer = load_tokenizer(checkpoint)
+
+    def run(self, count: int, new_tokens: int) -> dict:
+        from worker.engine import Engine
+        from worker.protocol import CompletionJob
+
+        first: dict[str, float] = {}
+        tokens0: list[int] = []
+
+        def sink(events):  # the engine thread, once per step
+            now = time.perf_counter()
+            for job_id, kind, data in events:
+                if kind == "delta":
+                    first.setdefault(job_id, now)
+                    if job_id == "r0":
+                        tokens0.extend(data["token_ids"])
+            return ()
+
+        engine = Engine(self.model, self.tokenizer, max_batch=self.max_batch or count,
+                        max_len=self.workload.prompt_tokens + new_tokens, event_sink=sink, **self.options)
+        jobs = [CompletionJob(id=f"r{i}", model="bench", prompts=[prompt], max_tokens=new_tokens,
+                              temperature=0.0, logit_bias={EOS: -100.0}, seed=0)
+                for i, prompt in enumerate(self.workload.prompts(count))]
+        engine.start()
+        try:
+            start = time.perf_counter()
+            handles = [engine.submit(job) for job in jobs]
+            results = [handle.result() for handle in handles]
+            seconds = time.perf_counter() - start
+        finally:
+            engine.stop()
+        return {"seconds": seconds, "completion_tokens": sum(r["usage"]["completion_tokens"] for r in results),
+                "ttft": [first[job.id] - start for job in jobs], "tokens0": tokens0}
+
+    def weight_bytes(self) -> int:
+        return weight_bytes_per_step(self.model)
+
+
+def engine_mode(mode: str) -> tuple:
+    """(prepare, engine keyword arguments) of the engine's own `int8` or `compile` mode:
+    a model transform (`worker.engine.quantize_int8`) or a constructor option; NotAvailable when
+    the engine has neither."""
+    import worker.engine
+
+    accepted = inspect.signature(worker.engine.Engine.__init__).parameters
+    if mode == "compile" and "compile" in accepted:
+        return None, {"compile": True}
+    if mode == "int8":
+        for name, value in (("dtype", "int8"), ("quantize", "int8"), ("int8", True)):
+            if name in accepted:
+                return None, {name: value}
+        if hasattr(worker.engine, "quantize_int8"):
+            return worker.engine.quantize_int8, {}
+    raise NotAvailable(f"worker.engine has no {mode} mode")
+
+
+def build_system(name: str, checkpoint: Path, workload: Workload):
+    if name == "transformers":
+        return HFGenerate(checkpoint, workload)
+    if name == "engine":
+        return EngineRun(checkpoint, workload)
+    if name == "serial":
+        return EngineRun(checkpoint, workload, max_batch=1)
+    if name in ("engine-int8", "engine-compile"):
+        prepare, options = engine_mode(name.removeprefix("engine-"))
+        return EngineRun(checkpoint, workload, prepare=prepare, options=options)
+    raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+
+
+def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[tuple[int, int]]) -> None:
+    """Subprocess body: build the system, warm it up, then answer run requests until None."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        started = time.perf_counter()
+        system = build_system(name, Path(checkpoint), Workload(**workload))
+        for count, new_tokens in warmup:
+            system.run(count, new_tokens)
+        conn.send({"ready": True, "load_seconds": time.perf_counter() - started,
+                   "rss_after_load_mb": rss_mb("VmRSS"), "weight_bytes": system.weight_bytes()})
+    except NotAvailable as err:
+        conn.send({"ready": False, "reason": str(err)})
+        return
+    except Exception:
+        conn.send({"ready": False, "reason": traceback.format_exc()})
+        return
+    while (request := conn.recv()) is not None:
+        count, new_tokens = request
+        try:
+            gc.collect()
+            reset_peak_rss()
+            result = system.run(count, new_tokens)
+            result["peak_rss_mb"] = rss_mb("VmHWM")
+            conn.send(result)
+        except Exception:
+            conn.send({"error": traceback.format_exc()})
+
+
+class SystemProcess:
+    """The parent's handle on one system's subprocess."""
+
+    def __init__(self, name: str, checkpoint: Path, workload: Workload, warmup: list[tuple[int, int]]):
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve_system, name=f"bench-{name}", daemon=True,
+                                   args=(child, name, str(checkpoint), asdict(workload), warmup))
+        self.process.start()
+        child.close()
+        self.info: dict = {}
+
+    def wait_ready(self) -> dict:
+        self.info = self.conn.recv()
+        return self.info
+
+    def run(self, count: int, new_tokens: int) -> dict:
+        self.conn.send((count, new_tokens))
+        result = self.conn.recv()
+        if "error" in result:
+            raise RuntimeError(f"{self.name} failed at concurrency {count}:\n{result['error']}")
+        return result
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], repeats: int,
+                  workload: Workload, limits: dict | None = None, log=print) -> dict:
+    """Start every system, run them alternately, summarize. Returns a JSON-able dict."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    load_before = os.getloadavg()
+    # First calls allocate and pack weights; a compiled system compiles for each batch size and
+    # sequence length it meets, so it runs the whole workload once at every concurrency first.
+    procs = {name: SystemProcess(name, checkpoint, workload,
+                                 [(c, workload.new_tokens) for c in sorted(set(concurrency))] if "compile" in name
+                                 else [(min(concurrency), 4)])
+             for name in systems}
+    try:
+        ready, unavailable = {}, {}
+        for name, proc in procs.items():  # they load concurrently; collect in order
+            info = proc.wait_ready()
+            (ready if info["ready"] else unavailable)[name] = info
+            log(f"{name}: " + (f"ready in {info['load_seconds']:.1f} s" if info["ready"]
+                               else f"not available: {info['reason'].strip().splitlines()[-1]}"))
+        for name in unavailable:
+            procs.pop(name).close()
+        if limits is None:  # measured here, while the systems sit idle
+            from bench.machine import measure
+
+            limits = measure()
+        runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
+        names = list(ready)
+        for r in range(repeats):
+            for c in concurrency:
+                for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+                    if name == "serial" and c >= SERIAL_ONCE_FROM and r > 0:
+                        continue
+                    result = procs[name].run(c, workload.new_tokens)
+                    result["load_average"] = os.getloadavg()[0]
+                    runs[name][c].append(result)
+                    log(f"repeat {r + 1}/{repeats}  C={c:<3} {name:<15} "
+                        f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
+                        f"ttft {statistics.median(result['ttft']):6.2f} s  "
+                        f"rss {result['peak_rss_mb']:6.0f} MB  load {result['load_average']:.2f}")
+    finally:
+        for proc in procs.values():
+            proc.close()
+    return {
+        "workload": {**asdict(workload), "model": config["model_type"], "n_layer": config["n_layer"],
+                     "n_embd": config["n_embd"], "n_head": config["n_head"]},
+        "limits": limits,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "systems": {name: {k: v for k, v in info.items() if k != "ready"} for name, info in ready.items()},
+        "unavailable": {name: info["reason"].strip().splitlines()[-1] for name, info in unavailable.items()},
+        "summary": summarize(runs, ready, config, workload, limits),
+        "runs": {name: {str(c): rs for c, rs in by_c.items()} for name, by_c in runs.items()},
+    }
+
+
+def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
+    """Median over repeats per (system, concurrency), with ratios and fractions of the limits."""
+    flops = flops_per_request(config, workload)
+    summary: dict[str, dict[int, dict]] = {}
+    for name, by_c in runs.items():
+        summary[name] = {}
+        for c, rs in by_c.items():
+            if not rs:
+                continue
+            tok_s = statistics.median(r["completion_tokens"] / r["seconds"] for r in rs)
+            row = {"tokens_per_s": tok_s, "runs": len(rs),
+                   "ttft_p50_s": statistics.median(statistics.median(r["ttft"]) for r in rs),
+                   "ttft_max_s": statistics.median(max(r["ttft"]) for r in rs),
+                   "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
+                   "gflops": tok_s / workload.new_tokens * flops / 1e9}
+            row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
+            if c == 1:  # one decode step per token: every weight is read once per token
+                row["weight_gbps"] = tok_s * ready[name]["weight_bytes"] / 1e9
+                row["copy_bandwidth_fraction"] = row["weight_gbps"] / limits["copy_gbps"]
+            summary[name][c] = row
+    for name, by_c in summary.items():
+        for c, row in by_c.items():
+            for base in ("transformers", "serial"):
+                if base != name and c in summary.get(base, {}):
+                    row[f"x_{base}"] = row["tokens_per_s"] / summary[base][c]["tokens_per_s"]
+    # greedy tokens of request 0 at concurrency 1: the float32 systems must agree exactly
+    first = {name: by_c[min(by_c)][0]["tokens0"] for name, by_c in runs.items() if any(by_c.values())}
+    reference = first.get("transformers")
+    agreement = {name: (tokens == reference) for name, tokens in first.items()} if reference else {}
+    return {"by_system": summary, "greedy_equals_transformers": agreement,
+            "targets": check_targets(summary)}
+
+
+def check_targets(summary) -> list[dict]:
+    out = []
+    for system, over, c, wanted in TARGETS:
+        row = summary.get(system, {}).get(c)
+        ratio = row.get(f"x_{over}") if row else None
+        out.append({"system": system, "over": over, "concurrency": c, "target": wanted, "ratio": ratio,
+                    "met": None if ratio is None else ratio >= wanted})
+    return out
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+def markdown(results: dict) -> str:
+    """The tables of docs/benchmarks.md."""
+    s, limits = results["summary"], results["limits"]
+    lines = ["| C | system | tok/s | × transformers | × serial | TTFT p50 (s) | TTFT max (s) | "
+             "peak RSS (MB) | GFLOP/s | % matmul peak |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    concurrency = sorted({c for by_c in s["by_system"].values() for c in by_c})
+    for c in concurrency:
+        for name, by_c in s["by_system"].items():
+            row = by_c.get(c)
+            if row is None:
+                continue
+            ratio = lambda key: f"{row[key]:.2f}" if key in row else ""  # noqa: E731
+            lines.append(f"| {c} | {name} | {row['tokens_per_s']:.1f} | {ratio('x_transformers')} | "
+                         f"{ratio('x_serial')} | {row['ttft_p50_s']:.2f} | {row['ttft_max_s']:.2f} | "
+                         f"{row['peak_rss_mb']:.0f} | {row['gflops']:.1f} | "
+                         f"{100 * row['matmul_peak_fraction']:.0f}% |")
+    lines += ["", "At one request (one decode step per token, every weight read once per token):", "",
+              "| system | tok/s | weights read (GB/s) | % of copy bandwidth |", "| --- | ---: | ---: | ---: |"]
+    for name, by_c in s["by_system"].items():
+        row = by_c.get(1)
+        if row and "weight_gbps" in row:
+            lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['weight_gbps']:.1f} | "
+                         f"{100 * row['copy_bandwidth_fraction']:.0f}% |")
+    lines += ["", "| target | ratio | met |", "| --- | ---: | --- |"]
+    for t in s["targets"]:
+        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['system']} ≥ {t['target']}× {t['over']} at {t['concurrency']} | {ratio} | {met} |")
+    lines += ["", f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
+              f"{limits['copy_gbps']:.1f} GB/s copy (read + write); "
+              f"greedy tokens equal to transformers: {s['greedy_equals_transformers']}; "
+              f"load average {results['load_average']['before'][0]:.2f} before, "
+              f"{results['load_average']['after'][0]:.2f} after."]
+    if results["unavailable"]:
+        lines.append("Not available: " + "; ".join(f"{k}: {v}" for k, v in results["unavailable"].items()))
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, by_c in results["summary"]["by_system"].items():
+        cs = sorted(by_c)
+        ax.plot(cs, [by_c[c]["tokens_per_s"] for c in cs], marker="o", label=name)
+    w = results["workload"]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({c for by_c in results["summary"]["by_system"].values() for c in by_c}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate completion tokens/s")
+    ax.set_title(f"GPT-2 small shape, CPU float32, {w['prompt_tokens']}-token prompts, "
+                 f"{w['new_tokens']} new tokens", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="1 repeat, concurrency 1,8,32, 16 new tokens (minutes, not a measurement)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of the default")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
+    parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
+    parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.concurrency, args.new_tokens = 1, "1,8,32", 16
+
+    from bench import checkpoint as build_checkpoint
+
+    ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint("gpt2-small")
+    workload = Workload(args.prompt_tokens, args.new_tokens)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    started = time.perf_counter()
+    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload,
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    results["wall_seconds"] = time.perf_counter() - started
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, Path(args.plot))
+    print(markdown(results))
+    print(f"\n(results: {out}; {results['wall_seconds']:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Gateway overhead: what HTTP + Redis + rq + the worker process add to the engine's own time.
+
+    python -m bench.gateway_bench [--quick] [--latency-requests 50] [--clients 32]
+                                  [--requests-per-client 2] [--repeats 3] [--json PATH]
+
+The real stack (tests/stack.py): a private redis-server, `processor.py` and gunicorn (2 workers ×
+16 threads), with two random-weight models registered: `tiny` (2 layers, 64 wide) and `gpt2-small`
+(GPT-2 124M shape), both `device = "cpu"`, `max_batch = 32`, `context_length = 128`. The engine
+alone is built in this process by `processor.build_engine` from the same registry entry (the
+worker's own construction), without an event sink. Both are driven by bench/loadgen.py's closed
+loop through the real `openai` client (gateway) or `engine.submit(...).result()` (engine alone),
+alternating, in the same run.
+
+1. Latency: p50 of a `max_tokens: 1` request (32-token prompt, greedy) on `tiny`, one request at a
+   time, through the gateway minus the p50 of the same request on the engine alone. Also the p50
+   of `GET /v1/models` (HTTP and Flask, no Redis round trip for the job, no worker): the floor.
+2. Throughput: 32 closed-loop clients × 2 requests (32-token prompts, 64 new tokens, greedy, EOS
+   banned) on `gpt2-small`: the gateway's aggregate tokens/s as a fraction of the engine alone's,
+   median over the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import checkpoint
+from bench.loadgen import Sample, completion_body, openai_sender, percentile, run
+
+API_KEY = "unused"  # auth is disabled in the benchmark's stack
+
+
+def engine_sender(engine, model_id: str):
+    """`send` that puts a loadgen body straight into an in-process engine."""
+    from worker.protocol import CompletionJob
+
+    ids = itertools.count()
+
+    def send(body: dict) -> Sample:
+        job = CompletionJob(id=f"bench-{next(ids)}", model=model_id, prompts=[body["prompt"]],
+                            max_tokens=body["max_tokens"], temperature=body["temperature"],
+                            logit_bias={int(k): v for k, v in body["logit_bias"].items()}, seed=0)
+        start = time.perf_counter()
+        result = engine.submit(job).result()
+        return Sample(time.perf_counter() - start, result["usage"]["completion_tokens"])
+
+    return send
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def latency(gateway, engine, http_floor, requests: int, log) -> dict:
+    """p50s of one-at-a-time `max_tokens: 1` requests, the systems alternating request by request."""
+    body = completion_body(0, 32, 1)
+    for _ in range(3):  # warm up connections, threads, the first forward
+        gateway(body), engine(body), http_floor()
+    seconds = {"gateway": [], "engine": [], "http_floor": []}
+    for _ in range(requests):
+        for name, sample in (("gateway", gateway(body)), ("engine", engine(body))):
+            if sample.error:
+                raise RuntimeError(f"{name} request failed: {sample.error}")
+            seconds[name].append(sample.latency)
+        seconds["http_floor"].append(timed(http_floor))
+    out = {f"{name}_p50_ms": 1000 * percentile(values, 50) for name, values in seconds.items()}
+    out.update({f"{name}_p90_ms": 1000 * percentile(values, 90) for name, values in seconds.items()})
+    out["overhead_p50_ms"] = out["gateway_p50_ms"] - out["engine_p50_ms"]
+    out["requests"] = requests
+    log(f"latency (max_tokens 1): gateway p50 {out['gateway_p50_ms']:.1f} ms, engine p50 "
+        f"{out['engine_p50_ms']:.1f} ms, overhead {out['overhead_p50_ms']:.1f} ms, "
+        f"HTTP floor {out['http_floor_p50_ms']:.1f} ms")
+    return out
+
+
+def throughput(gateway, engine, clients: int, requests_per_client: int, max_tokens: int, repeats: int,
+               log) -> dict:
+    bodies = [completion_body(i, 32, max_tokens) for i in range(clients * requests_per_client)]
+    runs = {"gateway": [], "engine": []}
+    for r in range(repeats):
+        order = [("engine", engine), ("gateway", gateway)]
+        for name, send in order if r % 2 == 0 else order[::-1]:
+            report = run(send, bodies, clients)
+            if report["errors"]:
+                raise RuntimeError(f"{name}: {report['errors']} requests failed: {report['first_error']}")
+            report["load_average"] = os.getloadavg()[0]
+            runs[name].append(report)
+            log(f"throughput repeat {r + 1}/{repeats} {name:<8} {report['tokens_per_s']:7.1f} tok/s  "
+                f"latency p50 {report['latency_p50_s']:.2f} s  load {report['load_average']:.2f}")
+    out = {f"{name}_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    out["fraction"] = out["gateway_tokens_per_s"] / out["engine_tokens_per_s"]
+    out["runs"] = runs
+    return out
+
+
+def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: int, max_tokens: int,
+                  repeats: int, throughput_model: str, workdir: Path, checkpoints: dict[str, Path] | None = None,
+                  log=print) -> dict:
+    """Start the stack, measure, stop it. `checkpoints`: model name -> HF directory (default: the
+    bench's cached random-weight checkpoints of `tiny` and the throughput model)."""
+    from models.registry import Registry
+    from processor import build_engine
+    from tests.stack import start_gunicorn, start_processor, write_models_toml
+    from web.local_redis import start_redis
+
+    checkpoints = checkpoints or {name: checkpoint(name) for name in sorted({"tiny", throughput_model})}
+    models_file = write_models_toml(workdir / "models.toml", checkpoints, device="cpu", max_batch=32,
+                                    context_length=128)
+    registry = Registry.from_file(models_file)
+    engines = {name: build_engine(registry.get(name), "cpu", None) for name in checkpoints}
+    load_before = os.getloadavg()
+    server = start_redis()
+    try:
+        with start_processor(server.url, models_file, models=sorted(engines), concurrency=32, log_dir=workdir), \
+                start_gunicorn(server.url, models_file, env={"NANOSERVE_AUTH": "disabled"}, log_dir=workdir) as web:
+            import openai
+
+            client = openai.OpenAI(base_url=web.url + "/v1", api_key=API_KEY, max_retries=0)
+            result = {
+                "latency": latency(openai_sender(web.url + "/v1", "tiny", api_key=API_KEY),
+                                   engine_sender(engines["tiny"], "tiny"), client.models.list,
+                                   latency_requests, log),
+                "throughput": throughput(openai_sender(web.url + "/v1", throughput_model, api_key=API_KEY),
+                                         engine_sender(engines[throughput_model], throughput_model),
+                                         clients, requests_per_client, max_tokens, repeats, log),
+            }
+    finally:
+        server.stop()
+        for engine in engines.values():
+            engine.stop()
+    result["throughput"].update(model=throughput_model, clients=clients,
+                                requests_per_client=requests_per_client, max_tokens=max_tokens)
+    result["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    return result
+
+
+def markdown(result: dict) -> str:
+    lat, thr = result["latency"], result["throughput"]
+    return "\n".join([
+        "| measurement | gateway | engine alone | difference / ratio | target |",
+        "| --- | ---: | ---: | ---: | --- |",
+        f"| p50 latency, `max_tokens: 1`, tiny model | {lat['gateway_p50_ms']:.1f} ms | "
+        f"{lat['engine_p50_ms']:.1f} ms | {lat['overhead_p50_ms']:.1f} ms | ≤ 15 ms |",
+        f"| p90 latency, same | {lat['gateway_p90_ms']:.1f} ms | {lat['engine_p90_ms']:.1f} ms | "
+        f"{lat['gateway_p90_ms'] - lat['engine_p90_ms']:.1f} ms | |",
+        f"| tokens/s, {thr['clients']} clients, {thr['model']} | {thr['gateway_tokens_per_s']:.1f} | "
+        f"{thr['engine_tokens_per_s']:.1f} | {thr['fraction']:.2f} | ≥ 0.9 |",
+        "",
+        f"HTTP floor (`GET /v1/models` p50): {lat['http_floor_p50_ms']:.1f} ms; load average "
+        f"{result['load_average']['before'][0]:.2f} before, {result['load_average']['after'][0]:.2f} after.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few requests, tiny model only (a smoke run)")
+    parser.add_argument("--latency-requests", type=int, default=50)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--throughput-model", default="gpt2-small", choices=["gpt2-small", "tiny"])
+    parser.add_argument("--json", default="bench/.cache/gateway_bench.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.latency_requests, args.clients, args.requests_per_client = 5, 4, 1
+        args.max_tokens, args.repeats, args.throughput_model = 8, 1, "tiny"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="nanoserve-gateway-bench-") as tmp:
+        result = run_benchmark(latency_requests=args.latency_requests, clients=args.clients,
+                               requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
+                               repeats=args.repeats, throughput_model=args.throughput_model,
+                               workdir=Path(tmp), log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The benchmark harness runs on a tiny model and produces well-formed results. Speed itself is
+measured by `make bench`, never asserted here."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from bench import engine_bench, gateway_bench, loadgen
+from bench.machine import measure
+from tests.stack import start_gunicorn, start_processor, write_models_toml
+
+
+@pytest.fixture(scope="module")
+def limits() -> dict:
+    return measure(quick=True)
+
+
+def test_machine_limits_are_measured(limits):
+    assert limits["matmul_gflops"] > 0 and limits["copy_gbps"] > 0
+    assert set(limits["decode_matmul_gflops"]) == {1, 8}
+    assert limits["cores"] >= 1 and limits["torch_threads"] >= 1
+
+
+def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, tmp_path):
+    workload = engine_bench.Workload(prompt_tokens=8, new_tokens=4)
+    systems = ["transformers", "engine", "serial"]
+    results = engine_bench.run_benchmark(hf_checkpoint, systems, [1, 3], 1, workload, limits=limits,
+                                         log=lambda msg: None)
+
+    summary = results["summary"]["by_system"]
+    assert set(summary) == set(systems) and not results["unavailable"]
+    for name, by_c in summary.items():
+        assert set(by_c) == {1, 3}
+        for c, row in by_c.items():
+            run = results["runs"][name][str(c)][0]
+            assert run["completion_tokens"] == c * 4  # EOS banned: every request runs to max_tokens
+            assert len(run["ttft"]) == c and all(0 < t <= run["seconds"] for t in run["ttft"])
+            assert row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 0 and row["gflops"] > 0
+            if name != "transformers":
+                assert row["x_transformers"] > 0
+        assert "copy_bandwidth_fraction" in by_c[1] and "copy_bandwidth_fraction" not in by_c[3]
+    # float32 greedy decoding is exact: the engine's tokens are transformers' tokens
+    agreement = results["summary"]["greedy_equals_transformers"]
+    assert agreement["engine"] and agreement["serial"] and agreement["transformers"]
+    targets = {(t["system"], t["concurrency"]): t for t in results["summary"]["targets"]}
+    assert set(targets) == {("engine", 32), ("engine", 8), ("engine", 1), ("engine-int8", 1)}
+    assert targets["engine", 1]["met"] is not None and targets["engine", 8]["met"] is None
+
+    table = engine_bench.markdown(results)
+    assert "| 3 | serial |" in table and "engine ≥ 1.4× transformers at 1" in table
+    engine_bench.plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_int8_and_compile_modes_are_found_or_said_missing():
+    from worker.engine import Engine
+
+    for mode in ("int8", "compile"):
+        try:
+            prepare, options = engine_bench.engine_mode(mode)
+        except engine_bench.NotAvailable as err:
+            assert mode in str(err)
+        else:
+            assert callable(prepare) or options
+            assert set(options) <= set(inspect.signature(Engine.__init__).parameters)
+
+
+def test_int8_weights_read_are_a_quarter_of_float32(hf_checkpoint):
+    from nanogpt.checkpoint import load_model
+
+    try:
+        prepare, options = engine_bench.engine_mode("int8")
+    except engine_bench.NotAvailable:
+        pytest.skip("the engine has no int8 mode")
+    model = load_model(hf_checkpoint)
+    fp32 = engine_bench.weight_bytes_per_step(model)
+    if prepare is not None:
+        int8 = engine_bench.weight_bytes_per_step(prepare(model))
+        assert 0.24 * fp32 < int8 < 0.3 * fp32
+
+
+def test_flops_of_gpt2_small():
+    config = {"n_embd": 768, "n_layer": 12, "vocab_size": 50257}
+    flops = engine_bench.flops_per_request(config, engine_bench.Workload(32, 64))
+    # ≈ 0.25 GFLOP per token for 95 tokens through the blocks and 64 through the head
+    assert 2 * 85e6 * 95 + 2 * 38.6e6 * 64 < flops < 1.05 * (2 * 85e6 * 95 + 2 * 38.6e6 * 64)
+
+
+def test_gateway_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
+    result = gateway_bench.run_benchmark(latency_requests=3, clients=2, requests_per_client=1, max_tokens=4,
+                                         repeats=1, throughput_model="tiny", workdir=tmp_path,
+                                         checkpoints={"tiny": hf_checkpoint}, log=lambda msg: None)
+    latency, throughput = result["latency"], result["throughput"]
+    assert latency["requests"] == 3
+    assert latency["gateway_p50_ms"] > 0 and latency["engine_p50_ms"] > 0 and latency["http_floor_p50_ms"] > 0
+    assert latency["overhead_p50_ms"] == latency["gateway_p50_ms"] - latency["engine_p50_ms"]
+    for name in ("gateway", "engine"):
+        (run,) = throughput["runs"][name]
+        assert run["errors"] == 0 and run["completion_tokens"] == 2 * 4
+    assert throughput["fraction"] > 0
+    assert "≤ 15 ms" in gateway_bench.markdown(result)
+
+
+def test_loadgen_streams_through_the_openai_client(hf_checkpoint, redis_url, tmp_path):
+    models = write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint}, device="cpu", max_batch=4)
+    with start_processor(redis_url, models, concurrency=4, log_dir=tmp_path), \
+            start_gunicorn(redis_url, models, env={"NANOSERVE_AUTH": "disabled"}, log_dir=tmp_path) as web:
+        reports = loadgen.main(["--base-url", web.url + "/v1", "--model", "tiny", "--concurrency", "1,3",
+                                "--requests-per-client", "2", "--max-tokens", "5", "--stream",
+                                "--json", str(tmp_path / "load.json")])
+        bad_model = loadgen.run(loadgen.openai_sender(web.url + "/v1", "nope"), [loadgen.completion_body(0)], 1)
+    assert [r["concurrency"] for r in reports] == [1, 3]
+    for r in reports:
+        assert r["requests"] == 2 * r["concurrency"] and r["errors"] == 0
+        assert r["completion_tokens"] == 5 * r["requests"]
+        assert 0 < r["ttft_p50_s"] <= r["latency_p50_s"] and r["latency_p50_s"] <= r["latency_p99_s"]
+    assert (tmp_path / "load.json").exists()
+    assert bad_model["errors"] == 1 and "NotFoundError" in bad_model["first_error"]
