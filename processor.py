@@ -97,7 +97,8 @@ def build_engine(spec, device: str, sink):
     dtype = torch.float32 if device == "cpu" else getattr(torch, spec.dtype)
     started = time.monotonic()
     model = load_model(spec.checkpoint, device=device, dtype=dtype)
-    engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, event_sink=sink)
+    engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
+                    event_sink=sink)
     engine.start()
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": str(dtype).removeprefix("torch."),
                                     "max_batch": spec.max_batch,
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(0.5):
             pass
         pool.stop()
+        log.info("taking no new jobs; waiting for running ones", extra={"running": pool.running()})
         pool.join()
     finally:
         for engine in engines:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import redis
 
@@ -63,6 +64,12 @@ class Service:
     log_path: Path
     url: str | None = None
     info: dict = field(default_factory=dict)
+    ready: Callable[[], bool] | None = None  # what "started" means for this service
+
+    def wait_ready(self, timeout: float = 120.0) -> "Service":
+        """Wait until `ready()` holds (for a service spawned with `wait=False`)."""
+        _wait_until(self, self.ready, timeout, "readiness")
+        return self
 
     @property
     def pid(self) -> int:
@@ -113,7 +120,7 @@ def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path | None
     return Service(name, process, log_path)
 
 
-def _wait_until(service: Service, ready, timeout: float, what: str) -> None:
+def _wait_until(service: Service, ready: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not service.alive():
@@ -148,8 +155,9 @@ def registered_workers(redis_url: str, model_id: str) -> set[str]:
 def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | None = None,
                     concurrency: int | None = None, device: str | None = None, heartbeat: float | None = None,
                     extra_args: list[str] = (), env: dict[str, str] | None = None,
-                    log_dir: Path | None = None, timeout: float = 120.0) -> Service:
-    """Start `processor.py` and wait until all its rq workers are registered on every model's queue."""
+                    log_dir: Path | None = None, timeout: float = 120.0, wait: bool = True) -> Service:
+    """Start `processor.py` and wait until all its rq workers are registered on every model's queue
+    (with `wait=False`, return at once; `service.wait_ready()` waits later)."""
     args = [sys.executable, "processor.py", "--redis-url", redis_url]
     for model in models or []:
         args += ["--model", model]
@@ -162,20 +170,21 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
     args += list(extra_args)
     service = _spawn("processor", args, {"REDIS_URL": redis_url, "NANOSERVE_MODELS": str(models_file),
                                          **(env or {})}, log_dir)
+    service.info["redis_url"] = redis_url
     if models is None:
         from models.registry import Registry
 
         models = [spec.id for spec in Registry.from_file(models_file).models()]
-    before = {model: registered_workers(redis_url, model) for model in models}
-    expected = concurrency or 1
+    prefix = f"{socket.gethostname()}:{service.pid}:"  # how processor.py names its rq workers
 
     def ready() -> bool:
-        mine = {model: registered_workers(redis_url, model) - before[model] for model in models}
+        mine = {model: {name for name in registered_workers(redis_url, model) if name.startswith(prefix)}
+                for model in models}
         service.info["workers"] = mine
-        return all(len(names) >= expected for names in mine.values())
+        return all(len(names) >= (concurrency or 1) for names in mine.values())
 
-    _wait_until(service, ready, timeout, "registered rq workers")
-    return service
+    service.ready = ready
+    return service.wait_ready(timeout) if wait else service
 
 
 def spawn_gunicorn(redis_url: str, models_file: Path, *, port: int | None = None, workers: int = 2,
@@ -193,8 +202,8 @@ def spawn_gunicorn(redis_url: str, models_file: Path, *, port: int | None = None
         with urllib.request.urlopen(service.url + "/health", timeout=1) as response:
             return response.status == 200
 
-    _wait_until(service, ready, timeout, "answer on /health")
-    return service
+    service.ready = ready
+    return service.wait_ready(timeout)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
 from worker import protocol
+from worker.engine import EngineError
 from worker.events import StreamWriter, append_event, read_history
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,10 @@ def bind(binding: Binding) -> None:
 def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
     """Run one completions job on this thread's engine; return the OpenAI completion object.
 
-    Requests the engine rejects get an `error` event and a normal return (retrying cannot help);
-    faults raise, so rq retries the job (which then resumes) or, out of retries, fails it.
+    A request the engine refuses, or a cancelled one, ends with its `error`/`cancelled` event and a
+    normal return (a retry could not change it). A fault raises: the engine's faults have already
+    told the client (an `error` event), so they are not retried; anything else (rq's job timeout)
+    takes the job out of the engine with its stream left open, for rq's retry to resume.
     """
     binding: Binding = _local.binding
     rq_job = get_current_job()
@@ -70,37 +73,40 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         append_event(client, rq_job.id, "error", protocol.error_body(message))
         return None
     if job.model != binding.model_id:
-        message = f"This worker serves '{binding.model_id}', not '{job.model}'."
+        message = f"This worker serves `{binding.model_id}`, not `{job.model}`."
         append_event(client, job.id, "error", protocol.error_body(message, param="model"))
         return None
 
     history = read_history(client, job.id)
     if history.terminal is not None:
-        # An earlier attempt finished the job but died before rq recorded it.
+        # An earlier attempt ended the job but died before rq recorded it.
         kind, data = history.terminal
         return data.get("completion") if kind == "done" else None
     if client.exists(protocol.cancel_key(job.id)):
         append_event(client, job.id, "cancelled", {})
         return None
-    resume = history.tokens or None
 
     started = time.monotonic()
     binding.writer.track(job.id)
     try:
-        handle = binding.engine.submit(job, resume=resume)
+        handle = binding.engine.submit(job, resume=history.tokens or None)
         try:
-            result = _wait(handle)
+            completion = _wait(handle)
+        except EngineError as err:
+            if err.type != "server_error":  # refused or cancelled: the engine wrote the event
+                log.info("job ended", extra={"job_id": job.id, "outcome": err.type, "reason": err.message})
+                return None
+            rq_job.retries_left = 0  # the client has seen the error; a retry cannot take it back
+            raise
         except BaseException:
-            # rq's job timeout (an exception raised into this thread) or a fault: free the slot.
-            handle.cancel()
+            _abandon(binding.writer, handle)
             raise
     finally:
         binding.writer.untrack(job.id)
-    completion = protocol.completion_object(job, result["choices"], result["usage"])
     log.info("job finished", extra={
         "job_id": job.id, "model": job.model, "seconds": round(time.monotonic() - started, 3),
-        "completion_tokens": result["usage"].get("completion_tokens"),
-        "resumed_tokens": sum(len(t) for t in (resume or {}).values())})
+        "completion_tokens": completion["usage"]["completion_tokens"],
+        "resumed_tokens": sum(len(t) for t in history.tokens.values())})
     return completion
 
 
@@ -112,6 +118,17 @@ def _wait(handle) -> dict[str, Any]:
             return handle.result(timeout=1.0)
         except TimeoutError:
             continue
+
+
+def _abandon(writer: StreamWriter, handle) -> None:
+    """Take a job out of the engine without ending its stream (no `cancelled` event)."""
+    if handle.done:  # it ended on its own meanwhile; its events stand
+        return
+    ended = writer.silence(handle.job_id)
+    handle.cancel()
+    if not ended.wait(timeout=30):
+        log.warning("engine did not let go of job", extra={"job_id": handle.job_id})
+    writer.unsilence(handle.job_id)
 
 
 def report_given_up(job: Job, exc_type, exc_value, traceback) -> bool:
@@ -308,8 +325,12 @@ class WorkerPool:
             except redis.RedisError as exc:
                 log.warning("registry maintenance failed", extra={"error": repr(exc)})
 
+    def running(self) -> int:
+        """Jobs running on this pool's workers."""
+        return sum(1 for w in self.workers if w is not None and w.busy)
+
     def busy(self) -> bool:
-        return any(w is not None and w.busy for w in self.workers)
+        return self.running() > 0
 
     def stop(self) -> None:
         """Stop taking jobs; running ones finish (call `join` to wait for them)."""

@@ -22,7 +22,7 @@ Event = tuple[str, str, dict[str, Any]]  # (job_id, event_type, data)
 
 
 def append_event(client: redis.Redis, job_id: str, event_type: str, data: dict[str, Any]) -> None:
-    """Write one event outside the engine (a request the engine never saw, or one rq gave up on)."""
+    """Write one event outside the engine (a job the engine never saw, or one rq gave up on)."""
     key = protocol.stream_key(job_id)
     with client.pipeline(transaction=True) as pipe:
         pipe.xadd(key, protocol.encode_event(event_type, data))
@@ -35,17 +35,19 @@ class StreamWriter:
     cancel flags of every job this process is running, all in one MULTI/EXEC.
 
     One transaction per step means a worker killed mid-write leaves each stream with a whole number
-    of steps, which is what a retried attempt resumes from. If Redis is unreachable the step's events
-    are kept and written, in order, before the next step's; the engine never sees the error.
+    of steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
+    is what a retried attempt resumes from. If Redis is unreachable the events are kept and written,
+    in order, with the next step's; the engine never sees the error.
     """
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
         self.max_pending = max_pending
         self._pending: list[Event] = []
-        self._active: set[str] = set()
+        self._active: set[str] = set()  # jobs whose cancel flag is checked every step
+        self._silenced: dict[str, threading.Event] = {}  # see `silence`
         self._failing_since: float | None = None  # when writes started failing (logged once)
-        self._lock = threading.Lock()  # guards _active (consumer threads) against the engine thread
+        self._lock = threading.Lock()  # consumer threads call track/silence while the engine writes
 
     def track(self, job_id: str) -> None:
         """Check this job's cancel flag every step from now on."""
@@ -56,9 +58,28 @@ class StreamWriter:
         with self._lock:
             self._active.discard(job_id)
 
-    def __call__(self, events: Iterable[Event]) -> set[str]:
-        self._pending.extend(events)
+    def silence(self, job_id: str) -> threading.Event:
+        """Drop the job's events from now on, up to and including its next terminal event (the
+        returned Event is set then). For an attempt taken out of the engine that must leave the
+        stream open for the job's retry to resume."""
+        ended = threading.Event()
         with self._lock:
+            self._silenced[job_id] = ended
+        return ended
+
+    def unsilence(self, job_id: str) -> None:
+        with self._lock:
+            self._silenced.pop(job_id, None)
+
+    def __call__(self, events: Iterable[Event]) -> set[str]:
+        with self._lock:
+            for event in events:
+                ended = self._silenced.get(event[0])
+                if ended is None:
+                    self._pending.append(event)
+                elif event[1] in protocol.TERMINAL_EVENTS:
+                    del self._silenced[event[0]]
+                    ended.set()
             active = sorted(self._active)
         try:
             cancelled = self._flush(active)
@@ -72,8 +93,8 @@ class StreamWriter:
                 del self._pending[: len(self._pending) - self.max_pending]
             return set()
         if self._failing_since is not None:
-            log.info("event stream writes recovered", extra={
-                "outage_seconds": round(time.monotonic() - self._failing_since, 1)})
+            log.info("event stream writes recovered",
+                     extra={"outage_seconds": round(time.monotonic() - self._failing_since, 1)})
             self._failing_since = None
         return cancelled
 
@@ -94,11 +115,10 @@ class StreamWriter:
 
 @dataclass
 class History:
-    """What earlier attempts of a job already wrote to its stream."""
+    """What earlier attempts of a job wrote to its stream."""
 
-    tokens: dict[int, list[int]] = field(default_factory=dict)  # choice index -> token ids emitted
-    finished: set[int] = field(default_factory=set)  # choices whose `finish` event was written
-    usage_written: bool = False
+    # choice index -> the concatenated `token_ids` of its deltas: the engine's `resume`
+    tokens: dict[int, list[int]] = field(default_factory=dict)
     terminal: tuple[str, dict[str, Any]] | None = None  # (done | error | cancelled, data)
 
 
@@ -109,10 +129,6 @@ def read_history(client: redis.Redis, job_id: str) -> History:
         event_type, data = protocol.decode_event(fields)
         if event_type == "delta":
             history.tokens.setdefault(data["index"], []).extend(data.get("token_ids") or [])
-        elif event_type == "finish":
-            history.finished.add(data["index"])
-        elif event_type == "usage":
-            history.usage_written = True
-        elif event_type in protocol.TERMINAL_EVENTS:
+        elif event_type in protocol.TERMINAL_EVENTS and history.terminal is None:
             history.terminal = (event_type, data)
     return history

@@ -1,0 +1,233 @@
+"""The worker process for real: jobs enqueued with rq on a real redis-server are run by a real
+`processor.py` subprocess serving a tiny random-weight GPT-2 checkpoint; results and streams are
+checked against the engine run directly in this process."""
+from __future__ import annotations
+
+import itertools
+import signal
+import time
+
+import pytest
+import redis
+from rq import Queue, Retry
+from rq.exceptions import AbandonedJobError
+from rq.job import Job, JobStatus
+
+from models.registry import Registry
+from models.tokenizer import load_tokenizer
+from nanogpt.checkpoint import load_model
+from tests.stack import registered_workers, start_processor, write_models_toml
+from worker import protocol
+from worker.consumer import report_given_up
+from worker.engine import Engine
+
+MODEL = "tiny"
+_seeds = itertools.count(100)
+
+
+@pytest.fixture(scope="module")
+def models_file(hf_checkpoint, tmp_path_factory):
+    return write_models_toml(tmp_path_factory.mktemp("worker") / "models.toml", {MODEL: hf_checkpoint},
+                             device="cpu", max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server, models_file, tmp_path_factory):
+    """One processor.py for the module (4 rq worker threads), on database 0 of the session Redis."""
+    with start_processor(redis_server.url, models_file, concurrency=4,
+                         log_dir=tmp_path_factory.mktemp("worker-logs")) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def r(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(models_file):
+    """The engine alone, in this process, on the same checkpoint."""
+    spec = Registry.from_file(models_file).get(MODEL)
+    engine = Engine(load_model(spec.checkpoint), load_tokenizer(spec), max_batch=8, max_len=spec.context_length)
+    return engine.generate
+
+
+def make_job(**kw) -> protocol.CompletionJob:
+    kw.setdefault("prompts", [[464, 2068, 7586, 21831]])  # "The quick brown fox"
+    kw.setdefault("seed", next(_seeds))
+    kw.setdefault("max_tokens", 24)
+    return protocol.CompletionJob(id=protocol.new_completion_id(), model=MODEL, **kw)
+
+
+def enqueue(r, job: protocol.CompletionJob | dict, retries: int = 2, model: str = MODEL) -> Job:
+    payload = job.to_payload() if isinstance(job, protocol.CompletionJob) else job
+    return Queue(protocol.queue_name(model), connection=r).enqueue_call(
+        protocol.JOB_FUNCTION, args=(payload,), job_id=payload["id"], retry=Retry(max=retries) if retries else None,
+        result_ttl=protocol.RESULT_TTL)
+
+
+def wait_ended(jobs: list[Job], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(j.get_status() not in (JobStatus.FINISHED, JobStatus.FAILED) for j in jobs):
+        assert time.monotonic() < deadline, [j.get_status() for j in jobs]
+        time.sleep(0.05)
+
+
+def events(r, job_id: str) -> list[tuple[int, str, dict]]:
+    """(entry time in ms, type, data) of every event of a job's stream."""
+    return [(int(entry_id.split(b"-")[0]), *protocol.decode_event(fields))
+            for entry_id, fields in r.xrange(protocol.stream_key(job_id))]
+
+
+def wait_for_delta(r, job_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(kind == "delta" for _, kind, _ in events(r, job_id)):
+        assert time.monotonic() < deadline, "no delta"
+        time.sleep(0.01)
+
+
+def stream_texts(evts) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for _, kind, data in evts:
+        if kind == "delta":
+            texts[data["index"]] = texts.get(data["index"], "") + data["text"]
+    return texts
+
+
+def assert_same_completion(got: dict, want: dict) -> None:
+    """Identical but for float noise in logprobs (batch shapes differ between the two runs)."""
+    assert got["usage"] == want["usage"]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == \
+           [(c["index"], c["text"], c["finish_reason"]) for c in want["choices"]]
+    for g, w in zip(got["choices"], want["choices"]):
+        if w["logprobs"] is None:
+            assert g["logprobs"] is None
+            continue
+        assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+        assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-4)
+    assert {k: v for k, v in got.items() if k != "choices"} == {k: v for k, v in want.items() if k != "choices"}
+
+
+def test_stream_has_deltas_then_finish_usage_done_and_the_engines_result(worker, r, reference):
+    job = make_job(n=2, temperature=0.9, logprobs=2, max_tokens=20, stream=True)
+    rq_job = enqueue(r, job)
+    wait_ended([rq_job])
+
+    assert rq_job.get_status() == JobStatus.FINISHED
+    result = rq_job.return_value()
+    assert_same_completion(result, reference(job))
+
+    evts = events(r, job.id)
+    kinds = [kind for _, kind, _ in evts]
+    assert kinds[-2:] == ["usage", "done"]
+    for index in (0, 1):
+        mine = [kind for _, kind, data in evts if data.get("index") == index]
+        assert mine[-1] == "finish" and mine.count("finish") == 1 and set(mine[:-1]) == {"delta"}
+    assert evts[-1][2]["completion"] == result
+    assert evts[-2][2] == result["usage"]
+    assert stream_texts(evts) == {c["index"]: c["text"] for c in result["choices"]}
+    deltas = [data for _, kind, data in evts if kind == "delta" and data["index"] == 0]
+    assert sum(len(d["token_ids"]) for d in deltas) == 20
+    assert sum(len(d["logprobs"]["tokens"]) for d in deltas) == 20
+
+
+def test_concurrent_jobs_share_the_batch_and_keep_their_seeded_results(worker, r, reference):
+    jobs = [make_job(max_tokens=24, temperature=1.0) for _ in range(4)]
+    rq_jobs = [enqueue(r, job) for job in jobs]
+    wait_ended(rq_jobs)
+
+    spans = []
+    for job, rq_job in zip(jobs, rq_jobs):
+        assert_same_completion(rq_job.return_value(), reference(job))
+        times = [t for t, kind, _ in events(r, job.id) if kind == "delta"]
+        spans.append((min(times), max(times)))
+    # Every job was generating while every other one was: one engine ran them in the same steps.
+    for (start_a, end_a), (start_b, end_b) in itertools.combinations(spans, 2):
+        assert start_a <= end_b and start_b <= end_a
+
+
+def test_cancel_flag_stops_a_running_job_within_a_step(worker, r):
+    job = make_job(max_tokens=120, prompts=[[464]])
+    rq_job = enqueue(r, job)
+    wait_for_delta(r, job.id)
+    with r.pipeline(transaction=True) as pipe:
+        pipe.set(protocol.cancel_key(job.id), 1, ex=60)
+        pipe.xlen(protocol.stream_key(job.id))
+        _, length_at_cancel = pipe.execute()
+    wait_ended([rq_job])
+
+    evts = events(r, job.id)
+    kinds = [kind for _, kind, _ in evts]
+    assert kinds[-1] == "cancelled" and "done" not in kinds
+    # The engine checks the flag once per step: at most the step in flight adds a delta.
+    assert kinds.count("delta") < 120
+    assert len([k for k in kinds[length_at_cancel:] if k == "delta"]) <= 1
+    assert rq_job.get_status() == JobStatus.FINISHED and rq_job.return_value() is None
+
+
+def test_a_cancelled_job_that_was_still_queued_never_runs(worker, r):
+    job = make_job()
+    r.set(protocol.cancel_key(job.id), 1, ex=60)
+    rq_job = enqueue(r, job)
+    wait_ended([rq_job])
+    assert [kind for _, kind, _ in events(r, job.id)] == ["cancelled"]
+
+
+def test_refused_requests_end_with_an_error_event_and_are_not_retried(worker, r):
+    too_long = make_job(prompts=[[464] * 120], max_tokens=20)  # the checkpoint's context is 128
+    malformed = {"id": protocol.new_completion_id(), "model": MODEL, "prompts": "not token ids"}
+    rq_jobs = [enqueue(r, too_long), enqueue(r, malformed)]
+    wait_ended(rq_jobs)
+
+    for rq_job in rq_jobs:
+        assert rq_job.get_status() == JobStatus.FINISHED and rq_job.return_value() is None
+        assert Job.fetch(rq_job.id, connection=r).retries_left == 2
+    [(_, kind, data)] = events(r, too_long.id)
+    assert kind == "error"
+    assert data["error"]["code"] == "context_length_exceeded" and data["error"]["param"] == "max_tokens"
+    assert "maximum context length is 128 tokens" in data["error"]["message"]
+    [(_, kind, data)] = events(r, malformed["id"])
+    assert kind == "error" and data["error"]["type"] == "invalid_request_error"
+    assert "prompts" in data["error"]["message"]
+
+
+def test_a_job_rq_gives_up_on_gets_an_error_event(r):
+    """The exception handler every worker installs, as rq calls it for a dead worker's job."""
+    queue = Queue("completions:nobody-serves-this", connection=r)
+    retried = queue.enqueue_call(protocol.JOB_FUNCTION, args=({},), job_id=protocol.new_completion_id(),
+                                 retry=Retry(max=1))
+    given_up = queue.enqueue_call(protocol.JOB_FUNCTION, args=({},), job_id=protocol.new_completion_id())
+
+    report_given_up(retried, AbandonedJobError, AbandonedJobError(), None)
+    report_given_up(given_up, AbandonedJobError, AbandonedJobError(), None)
+    report_given_up(given_up, AbandonedJobError, AbandonedJobError(), None)  # once is enough
+
+    assert events(r, retried.id) == []  # rq will run it again
+    [(_, kind, data)] = events(r, given_up.id)
+    assert kind == "error" and data["error"]["type"] == "server_error"
+
+
+def test_sigterm_finishes_running_jobs_takes_no_new_ones_and_exits_0(worker, r):
+    """Last in this file: it stops the module's worker (2 of its 4 threads busy, 2 idle)."""
+    running = [make_job(max_tokens=100, prompts=[[464]]) for _ in range(2)]
+    rq_running = [enqueue(r, job) for job in running]
+    for job in running:
+        wait_for_delta(r, job.id)
+    worker.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while "taking no new jobs" not in worker.logs():
+        assert time.monotonic() < deadline and worker.alive()
+        time.sleep(0.05)
+    late = enqueue(r, make_job())
+    assert worker.wait(timeout=60) == 0
+
+    for job, rq_job in zip(running, rq_running):
+        assert rq_job.get_status() == JobStatus.FINISHED
+        assert rq_job.return_value()["usage"]["completion_tokens"] == 100
+        assert [kind for _, kind, _ in events(r, job.id)][-1] == "done"
+    assert late.get_status() == JobStatus.QUEUED
+    assert events(r, late.id) == []
+    assert registered_workers(worker.info["redis_url"], MODEL) == set()
+    assert '"msg": "stopped"' in worker.logs()
