@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from conftest import make_hf_checkpoint
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
-from worker.engine import Engine, EngineError, RequestCancelled
+from worker.engine import Engine, EngineError, EngineFault, RequestCancelled, quantize_int8
 from worker.protocol import CompletionJob
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
@@ -332,3 +333,61 @@ def test_engine_thread_runs_concurrent_jobs(model, tok):
         engine.stop()
     stats = engine.stats()
     assert stats["tokens_generated"] == 25 and stats["kv_slots_used"] == 0 and sum(stats["batch_size_counts"].values()) > 0
+
+
+def test_a_fault_fails_the_batch_without_events_and_the_engine_goes_on(model, tok):
+    engine, sink = make_engine(model, tok)
+    h = engine.submit(job(tok, max_tokens=10))
+    engine.step()
+    engine.step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+    engine._decode_forward = broken
+    engine.step()
+    with pytest.raises(EngineFault):
+        h.result(timeout=0)
+    assert [t for t, _ in sink.of(h.job_id)] == ["delta", "delta"]  # no error event: a retry may resume
+    assert engine.stats()["kv_slots_used"] == 0
+    engine._decode_forward = model.forward_cached
+    assert engine.generate(job(tok, max_tokens=3))["usage"]["completion_tokens"] == 3
+
+
+def test_stop_fails_unfinished_jobs_as_faults(model, tok):
+    engine, sink = make_engine(model, tok)
+    running = engine.submit(job(tok, max_tokens=10))
+    engine.step()
+    queued = engine.submit(job(tok, max_tokens=10))
+    engine.stop()
+    for h in (running, queued):
+        with pytest.raises(EngineFault):
+            h.result(timeout=0)
+    assert not sink.of(queued.job_id)
+
+
+def test_int8_model_serves_close_to_float32(model, tok, hf_checkpoint):
+    quantized = quantize_int8(load_model(str(hf_checkpoint)))
+    assert type(quantized.lm_head) is not torch.nn.Linear
+    jobs = lambda: [job(tok, [p], max_tokens=12, logprobs=0) for p in PROMPTS]  # noqa: E731
+    exact = run_all(make_engine(model, tok)[0], jobs())
+    approx = run_all(make_engine(quantized, tok)[0], jobs())
+    for a, b in zip(exact, approx):
+        a, b = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+        agree = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        assert agree >= 6
+        assert_close(b["token_logprobs"][:agree], a["token_logprobs"][:agree], atol=0.2, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
+    import torch._inductor.config as inductor
+
+    small = load_model(str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False)))
+    jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows: padded to 4
+    eager = run_all(make_engine(small, tok)[0], jobs())
+    freezing = inductor.freezing
+    try:
+        compiled = run_all(make_engine(small, tok, compile=True)[0], jobs())
+    finally:
+        inductor.freezing = freezing  # the engine sets it for its whole process
+    assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]

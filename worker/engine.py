@@ -15,7 +15,8 @@ Each step (`Engine.step`):
 Events (worker/protocol.py) per job: `delta` {index, text, token_ids, logprobs} whenever a
 choice has new tokens or text (with `echo`, a choice's first delta also carries the prompt: its
 text, ids and logprobs), `finish` {index, finish_reason} once per choice, then `usage` and `done`
-{completion}; or `error` / `cancelled`. With best_of > n nothing is streamed: the chosen choices
+{completion}; or `error` (a bad request) / `cancelled`. A fault of the engine itself (EngineFault)
+writes no event: the job's handle raises it, and a retry resumes the job. With best_of > n nothing is streamed: the chosen choices
 come as one delta each when the request ends.
 
 Resuming (a job retried after a crash): `resume[index]` is the concatenation of the `token_ids`
@@ -45,7 +46,20 @@ from worker.stops import StopMatcher
 log = logging.getLogger(__name__)
 
 SCORE_CHUNK = 128  # prompt tokens scored per step (echo + logprobs): their (T, V) logits are kept
+# compiled decode pads its batch to one of these sizes (then to multiples of the last), bounding
+# recompilation to one graph per bucket
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _DEFAULT = object()
+
+
+def quantize_int8(model):
+    """CPU only, opt-in: nn.Linear weights to int8, activations quantized on the fly
+    (torch.ao.quantization.quantize_dynamic, in place). It changes numerics, so it is never a
+    default; embeddings, LayerNorms and attention stay float32."""
+    import warnings
+    with warnings.catch_warnings():  # the deprecation notice points to torchao, not installed here
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
 class EngineError(Exception):
@@ -58,6 +72,14 @@ class EngineError(Exception):
 
     def body(self) -> dict:
         return protocol.error_body(self.message, self.type, self.param, self.code)
+
+
+class EngineFault(EngineError):
+    """The engine failed, not the request (a fault in a step, or the engine stopping). No `error`
+    event is written for it, so the job can be retried and resume elsewhere."""
+
+    def __init__(self, message: str = "The server had an error while processing your request."):
+        super().__init__(message, "server_error")
 
 
 class RequestCancelled(EngineError):
@@ -166,10 +188,13 @@ class Prefill:
 
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
-                 prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None):
+                 prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
+                 compile: bool = False):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
-        that many slots of `max_len` positions (default: the model's context)."""
+        that many slots of `max_len` positions (default: the model's context).
+        compile: torch.compile the decode forward (batch padded to BATCH_BUCKETS; on CPU with
+        inductor's weight freezing, which prepacks the matmul weights — a process-wide setting)."""
         config = model.config
         self.model, self.tokenizer = model, tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)
@@ -186,9 +211,18 @@ class Engine:
             slots = min(slots, kv_memory_bytes // (KVCache.bytes_per_token(config, weight.dtype) * self.max_len))
         if slots < 1:
             raise ValueError(f"KV-cache budget of {kv_memory_bytes} bytes holds no slot of {self.max_len} positions")
-        self.cache = KVCache(config, slots, self.max_len, self.device, weight.dtype)
+        # one more slot than sequences when compiled: padding rows write their garbage there
+        self.cache = KVCache(config, slots + compile, self.max_len, self.device, weight.dtype)
         self.sampler = Sampler(slots, self.vocab_size, self.device)
         self.free_slots = list(range(slots - 1, -1, -1))
+        self.slots = slots
+        self.compiled = compile
+        self._decode_forward = model.forward_cached
+        if compile:
+            if self.device.type == "cpu":
+                import torch._inductor.config
+                torch._inductor.config.freezing = True
+            self._decode_forward = torch.compile(model.forward_cached)
 
         self.requests: dict[str, Request] = {}  # active jobs, in arrival order
         self.waiting: deque[Prefill] = deque()  # no slots yet
@@ -230,7 +264,7 @@ class Engine:
             self._thread.start()
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop the thread; jobs still in the engine fail with a server error."""
+        """Stop the thread; jobs still in the engine fail with EngineFault (and can be retried)."""
         if self._thread is not None:
             self._running = False
             self._wake()
@@ -239,15 +273,15 @@ class Engine:
         events = []
         self._take_new(events)
         for req in list(self.requests.values()):
-            self._drop(req, EngineError("The worker stopped before the job finished.", "server_error"), events)
+            self._drop(req, EngineFault("The worker stopped before the job finished."), events)
         self._emit(events)
 
     def stats(self) -> dict:
         """A snapshot for metrics (read from any thread)."""
         return {"device": str(self.device), "running": len(self.decoding) + sum(len(u.seqs) for u in self.prefilling),
                 "waiting": len(self._inbox) + len({id(u.seqs[0].request) for u in list(self.waiting)}),
-                "requests": len(self.requests), "kv_slots_used": self.cache.max_slots - len(self.free_slots),
-                "kv_slots_total": self.cache.max_slots, "tokens_generated": self._stats["tokens_generated"],
+                "requests": len(self.requests), "kv_slots_used": self.slots - len(self.free_slots),
+                "kv_slots_total": self.slots, "tokens_generated": self._stats["tokens_generated"],
                 "prompt_tokens": self._stats["prompt_tokens"], "steps": self._stats["steps"],
                 "batch_size_counts": dict(self._batch_sizes)}
 
@@ -330,7 +364,7 @@ class Engine:
             # A fault (not a bad request: those were refused at submit). The batch's jobs cannot
             # be trusted to continue, but the engine goes on with the next ones.
             log.exception("engine step failed")
-            err = EngineError("The server had an error while processing your request.", "server_error")
+            err = EngineFault()
             for req in involved:
                 if req.job.id in self.requests:
                     self._drop(req, err, events)
@@ -355,7 +389,7 @@ class Engine:
                 handle._end(error=err)
                 continue
             if handle.job_id in self.requests:
-                handle._end(error=EngineError(f"Job {handle.job_id} is already running.", "server_error"))
+                handle._end(error=EngineFault(f"Job {handle.job_id} is already running."))
                 continue
             self.requests[handle.job_id] = req
             self._queue(req)
@@ -397,7 +431,7 @@ class Engine:
             self._release(s)
         if isinstance(err, RequestCancelled):
             events.append((req.job.id, "cancelled", {}))
-        else:
+        elif not isinstance(err, EngineFault):
             events.append((req.job.id, "error", err.body()))
         req.handle._end(error=err)
 
@@ -458,11 +492,18 @@ class Engine:
         self._stats["tokens_generated"] += len(rows)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        meta = torch.tensor([[s.tokens[-1] for s in seqs], [s.slot for s in seqs], [s.position for s in seqs]],
-                            device=self.device)
+        B = len(seqs)
+        pad = self._bucket(B) - B if self.compiled else 0  # padding rows: token 0 at position 0 of the spare slot
+        meta = torch.tensor([[s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
+                             [s.position for s in seqs] + [0] * pad], device=self.device)
         tokens, slots, start = meta
         lengths = torch.ones_like(slots)
-        return self.model.forward_cached(tokens[:, None], lengths, slots, start, self.cache)
+        return self._decode_forward(tokens[:, None], lengths, slots, start, self.cache)[:B]
+
+    @staticmethod
+    def _bucket(B: int) -> int:
+        last = BATCH_BUCKETS[-1]
+        return next((b for b in BATCH_BUCKETS if b >= B), -(-B // last) * last)
 
     def _prefill_chunk(self) -> list[tuple[Prefill, torch.Tensor]]:
         """Feed up to `prefill_chunk` context tokens (prefills in arrival order); return the
