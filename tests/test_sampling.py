@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from worker.logprobs import TokenLogprob, fragment, score
-from worker.sampling import (Sampler, SamplingParams, apply_penalties, inverse_cdf, reference_uniform,
-                             seeded_uniform, truncate_sorted)
+from worker.sampling import (Sampler, SamplingParams, apply_penalties, draw_truncated, inverse_cdf,
+                             reference_uniform, seeded_uniform, truncate_sorted)
 
 
 def test_seeded_uniform_is_the_reference_hash():
@@ -42,12 +42,30 @@ def test_penalties_follow_openais_formula():
 
 
 def test_truncate_sorted_top_k_then_top_p():
-    p = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
-    got = truncate_sorted(p, torch.tensor([0, 2, 3]), torch.tensor([0.65, 1.0, 0.5]))
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 3)
+    got = truncate_sorted(p, torch.tensor([0, 2, 3]), torch.tensor([0.65, 1.0, 0.42]))
     # row 0: top_p 0.65 keeps 0.4 + 0.3 (0.4 alone is short of it)
-    # row 1: top_k 2 keeps 0.4, 0.3 renormalised; row 2: top_k 3 -> (4, 3, 2)/9, top_p 0.5 keeps 4/9 + 3/9
-    want = torch.tensor([[0.4, 0.3, 0, 0], [4 / 7, 3 / 7, 0, 0], [4 / 9, 3 / 9, 0, 0]])
+    # row 1: top_k 2 keeps 0.4, 0.3; row 2: top_k 3, then top_p over (4, 3, 2)/9: 4/9 >= 0.42 alone
+    want = torch.tensor([[0.4, 0.3, 0, 0], [0.4, 0.3, 0, 0], [0.4, 0, 0, 0]])
     assert torch.allclose(got, want, atol=1e-6)
+    # given only the best tokens of a distribution, top_p still counts against the whole of it
+    head = torch.tensor([[0.3, 0.2, 0.1]])
+    assert torch.allclose(truncate_sorted(head, torch.tensor([0]), torch.tensor([0.55])), torch.tensor([[0.3, 0.2, 0.1]]))
+
+
+def test_truncated_draw_from_candidates_equals_a_full_sort():
+    torch.manual_seed(4)
+    V, R = 3000, 64
+    scale = torch.tensor([0.1, 1.0, 4.0, 12.0]).repeat(R // 4)[:, None]  # flat to peaked rows
+    probs = torch.softmax(torch.randn(R, V) * scale, -1)
+    top_k = torch.tensor([0, 0, 5, 0, 300, 1000, 0, 40]).repeat(R // 8)
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.99, 0.8, 0.95, 0.3, 1.0]).repeat(R // 8)
+    u = torch.rand(R, dtype=torch.float64)
+    p_sorted, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    want = order.gather(1, inverse_cdf(truncate_sorted(p_sorted, top_k, top_p), u)[:, None]).squeeze(1)
+    assert torch.equal(draw_truncated(probs, top_k, top_p, u), want)
+    fits = torch.where(top_k > 0, top_k <= 256, p_sorted[:, :256].sum(-1) >= top_p)
+    assert fits.any() and not fits.all()  # both ways were taken
 
 
 def test_inverse_cdf_picks_the_interval_of_u():

@@ -474,7 +474,7 @@ class Engine:
         self.decoding = []
         if not rows:
             return
-        x = torch.cat(logits)[:, :self.vocab_size]  # (B, V); a nanoGPT vocab may be padded
+        x = (logits[0] if len(logits) == 1 else torch.cat(logits))[:, :self.vocab_size]  # (B, V); nanoGPT pads V
         tokens = self.sampler.sample(x, [s.slot for s in rows])
         k = max((s.request.job.logprobs or 0) for s in rows)
         if any(s.request.needs_scores for s in rows):

@@ -65,30 +65,52 @@ def apply_penalties(logits, counts, presence, frequency):
 
 
 def truncate_sorted(probs_sorted, top_k, top_p):
-    """Zero the tail of each row of descending probabilities (B, V): keep the top_k first (0 = all),
-    then, renormalised, the smallest prefix whose mass reaches top_p."""
-    V = probs_sorted.shape[-1]
-    rank = torch.arange(V, device=probs_sorted.device)
-    k = torch.where(top_k > 0, top_k, V)
-    p = probs_sorted * (rank < k[:, None])
-    p = p / p.sum(-1, keepdim=True)
-    mass_before = p.cumsum(-1) - p  # mass of the strictly better-ranked tokens
+    """Zero the tail of each row of descending probabilities (R, K), the K best of a distribution
+    over the whole vocabulary (K = V or fewer): keep the top_k first (0 = all), then, renormalised
+    over those top_k, the smallest prefix whose mass reaches top_p."""
+    rank = torch.arange(probs_sorted.shape[-1], device=probs_sorted.device)
+    p = probs_sorted * ((rank < top_k[:, None]) | (top_k[:, None] == 0))
+    mass = torch.where(top_k > 0, p.sum(-1), 1.0)  # without top_k: the whole distribution, summing to 1
+    mass_before = (p.cumsum(-1) - p) / mass[:, None]  # mass of the strictly better-ranked tokens
     return p * (mass_before < top_p[:, None])  # the first token always stays (0 < top_p)
 
 
 def inverse_cdf(probs, u):
-    """Index drawn from each row of unnormalised probs (B, V) by the uniforms u (B,) float64."""
-    cdf = probs.double().cumsum(-1)
-    target = (u * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
-    last = ((probs > 0) * torch.arange(probs.shape[-1], device=probs.device)).argmax(-1)
-    return torch.minimum(idx, last)  # rounding can put target at the total: take the last real one
+    """Index drawn from each row of unnormalised probs (R, V) by the uniforms u (R,) float64."""
+    cdf = probs.double().cumsum(-1)  # float64: in float32 the tail's tiny probabilities would round away
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u[:, None] * total, right=True)  # first index with cdf > u * total
+    last = torch.searchsorted(cdf, total)  # the last token with probability > 0
+    return torch.minimum(idx, last).squeeze(1)  # (rounding can put u * total at the total)
+
+
+CANDIDATES = 256  # top_k/top_p rows sort only their best tokens when those hold the truncation
+
+
+def draw_truncated(probs, top_k, top_p, u):
+    """Draw from each row's descending-sorted probabilities (R, V) truncated by top_k and top_p.
+    A full sort costs ~5 ms a row on a CPU, so rows sort only their CANDIDATES best tokens (topk)
+    when those are known to hold the truncated set; the others sort fully. Which way a row goes
+    depends on the row alone, so the draw stays independent of the batch."""
+    K = min(CANDIDATES, probs.shape[-1])
+    p_sorted, order = probs.topk(K, dim=-1)  # (R, K) descending
+    fits = torch.where(top_k > 0, top_k <= K, p_sorted.sum(-1) >= top_p)
+    wide = (~fits).nonzero().squeeze(1)
+    if len(wide):
+        # full sort; stable, so ties keep vocabulary order
+        wide_sorted, wide_order = torch.sort(probs[wide], dim=-1, descending=True, stable=True)
+        wide_tokens = wide_order.gather(1, inverse_cdf(truncate_sorted(wide_sorted, top_k[wide], top_p[wide]),
+                                                       u[wide])[:, None])
+    tokens = order.gather(1, inverse_cdf(truncate_sorted(p_sorted, top_k, top_p), u)[:, None]).squeeze(1)
+    if len(wide):
+        tokens[wide] = wide_tokens.squeeze(1)
+    return tokens
 
 
 def draw(logits, temperature, top_k, top_p, u, filtered: list[bool]):
     """Sample one token per row of (B, V) logits at the given temperatures (> 0).
-    Rows with top_k/top_p (`filtered`) draw from their sorted, truncated distribution; the others
-    from the plain softmax in vocabulary order (no sort: the common case stays cheap)."""
+    Rows with top_k/top_p (`filtered`) draw from their truncated distribution in probability order;
+    the others from the plain softmax in vocabulary order (no sorting: the common case stays cheap)."""
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     plain = [i for i, f in enumerate(filtered) if not f]
@@ -98,10 +120,7 @@ def draw(logits, temperature, top_k, top_p, u, filtered: list[bool]):
     kept = [i for i, f in enumerate(filtered) if f]
     if kept:
         rows = torch.tensor(kept, device=probs.device)
-        # stable: ties keep vocabulary order, so the draw is a function of the row alone
-        p_sorted, order = torch.sort(probs[rows], dim=-1, descending=True, stable=True)
-        p = truncate_sorted(p_sorted, top_k[rows], top_p[rows])
-        out[rows] = order.gather(1, inverse_cdf(p, u[rows])[:, None]).squeeze(1)
+        out[rows] = draw_truncated(probs[rows], top_k[rows], top_p[rows], u[rows])
     return out
 
 
@@ -186,8 +205,9 @@ class Sampler:
         params = [self.params[s] for s in slots]
         idx = torch.tensor(slots, device=logits.device)
         x = self.adjusted_logits(logits, idx, params)
-        tokens = x.argmax(-1)  # greedy rows; first maximum, like transformers
         random = [b for b, p in enumerate(params) if not p.greedy]
+        # greedy rows: the first maximum, like transformers
+        tokens = x.argmax(-1) if len(random) < len(params) else torch.empty_like(idx)
         if random:
             rows = torch.tensor(random, device=logits.device)
             s = idx[rows]
