@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
             engine = build_engine(spec, device, writer)
-            engines.append(engine)
+            engines.append((spec.id, engine))
             concurrency = args.concurrency or spec.max_batch
             pool.add(Binding(spec.id, engine, writer), device, concurrency)
             log.info("serving", extra={"model": spec.id, "device": device,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("taking no new jobs; waiting for running ones", extra={"running": pool.running()})
         pool.join()
     finally:
-        for engine in engines:
+        for _, engine in engines:
             engine.stop()
     log.info("stopped")
     return 0

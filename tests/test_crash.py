@@ -22,6 +22,7 @@ from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
 from tests.stack import spawn_processor, write_models_toml
+from web.local_redis import start_redis
 from worker import protocol
 from worker.engine import Engine
 
@@ -131,3 +132,51 @@ def log_entries(text: str) -> list[dict]:
         except ValueError:
             pass  # not one of our JSON lines (a library's progress bar)
     return entries
+
+
+def test_workers_ride_out_a_redis_restart(hf_checkpoint, tmp_path):
+    """Redis (with its append-only file) restarts while 8 jobs run: the worker keeps generating,
+    holds the events until Redis is back, reconnects its rq workers, and every job ends complete,
+    its stream without a duplicated or missing piece; new jobs run afterwards."""
+    (tmp_path / "redis").mkdir()
+    server = start_redis(persist_dir=str(tmp_path / "redis"))
+    models = write_models_toml(tmp_path / "models.toml", {MODEL: hf_checkpoint}, device="cpu", max_batch=8)
+    jobs = make_jobs()[:8]
+    worker = None
+    try:
+        worker = spawn_processor(server.url, models, concurrency=4, log_dir=tmp_path, wait=False)
+        reference = reference_texts(models, jobs)
+        worker.wait_ready()
+        r = redis.Redis.from_url(server.url)
+        queue = Queue(protocol.queue_name(MODEL), connection=r)
+        rq_jobs = [queue.enqueue_call(protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
+                                      retry=Retry(max=2), result_ttl=protocol.RESULT_TTL) for job in jobs]
+        while not r.xlen(protocol.stream_key(jobs[0].id)):
+            time.sleep(0.005)
+        server.stop()
+        time.sleep(3)
+        server = start_redis(port=server.port, persist_dir=str(tmp_path / "redis"))
+
+        deadline = time.monotonic() + 90
+        while any(j.get_status() not in (JobStatus.FINISHED, JobStatus.FAILED) for j in rq_jobs):
+            assert worker.alive() and time.monotonic() < deadline, [j.get_status().value for j in rq_jobs]
+            time.sleep(0.2)
+        for job, rq_job in zip(jobs, rq_jobs):
+            assert rq_job.get_status() == JobStatus.FINISHED, job.id
+            assert rq_job.return_value()["choices"][0]["text"] == reference[job.id]
+            events = stream(r, job.id)
+            assert "".join(data["text"] for kind, data in events if kind == "delta") == reference[job.id]
+            assert sum(len(data["token_ids"]) for kind, data in events if kind == "delta") == MAX_TOKENS
+            assert [kind for kind, _ in events].count("done") == 1
+
+        after = make_jobs()[8]
+        rq_after = queue.enqueue_call(protocol.JOB_FUNCTION, args=(after.to_payload(),), job_id=after.id)
+        deadline = time.monotonic() + 60
+        while rq_after.get_status() != JobStatus.FINISHED:
+            assert time.monotonic() < deadline, rq_after.get_status()
+            time.sleep(0.1)
+        assert "event stream writes recovered" in worker.logs()
+    finally:
+        if worker is not None:
+            worker.stop()
+        server.stop()

@@ -34,27 +34,38 @@ class StreamWriter:
     """The engine's `event_sink`: XADD every event of a step, refresh the streams' TTL and check the
     cancel flags of every job this process is running, all in one MULTI/EXEC.
 
-    One transaction per step means a worker killed mid-write leaves each stream with a whole number
-    of steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
-    is what a retried attempt resumes from. If Redis is unreachable the events are kept and written,
-    in order, with the next step's; the engine never sees the error.
+    - One transaction per step: a worker killed mid-write leaves each stream with a whole number of
+      steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
+      is what a retried attempt resumes from.
+    - If Redis is unreachable the events are kept and written, in order, with the next step's; the
+      engine never sees the error.
+    - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
+      attempt, n counting the attempt's events), so a transaction sent again after its reply was
+      lost (Redis restarting, redis-py retrying) is refused entry by entry instead of duplicated.
+      The ms part of a resumed attempt is past its stream's last entry, and an older attempt still
+      writing (a worker wrongly thought dead) is refused the same way.
     """
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
         self.max_pending = max_pending
-        self._pending: list[Event] = []
+        self._pending: list[tuple[str, str, dict[str, Any], str]] = []  # events with their entry ids
+        self._next_id: dict[str, list[int]] = {}  # job id -> [ms, n] of its next entry
         self._active: set[str] = set()  # jobs whose cancel flag is checked every step
         self._silenced: dict[str, threading.Event] = {}  # see `silence`
         self._failing_since: float | None = None  # when writes started failing (logged once)
         self._lock = threading.Lock()  # consumer threads call track/silence while the engine writes
 
-    def track(self, job_id: str) -> None:
-        """Check this job's cancel flag every step from now on."""
+    def track(self, job_id: str, last_entry_id: str | None = None) -> None:
+        """Number this job's events from now on (`last_entry_id`: its stream's newest entry, if
+        any) and check its cancel flag every step."""
+        last_ms = int(last_entry_id.split("-")[0]) if last_entry_id else 0
         with self._lock:
+            self._next_id[job_id] = [max(int(time.time() * 1000), last_ms + 1), 0]
             self._active.add(job_id)
 
     def untrack(self, job_id: str) -> None:
+        """Stop checking the cancel flag (the numbering ends with the job's terminal event)."""
         with self._lock:
             self._active.discard(job_id)
 
@@ -73,13 +84,16 @@ class StreamWriter:
 
     def __call__(self, events: Iterable[Event]) -> set[str]:
         with self._lock:
-            for event in events:
-                ended = self._silenced.get(event[0])
+            for job_id, event_type, data in events:
+                terminal = event_type in protocol.TERMINAL_EVENTS
+                ended = self._silenced.get(job_id)
                 if ended is None:
-                    self._pending.append(event)
-                elif event[1] in protocol.TERMINAL_EVENTS:
-                    del self._silenced[event[0]]
+                    self._pending.append((job_id, event_type, data, self._entry_id(job_id)))
+                elif terminal:
+                    del self._silenced[job_id]
                     ended.set()
+                if terminal:
+                    self._next_id.pop(job_id, None)
             active = sorted(self._active)
         try:
             cancelled = self._flush(active)
@@ -98,17 +112,29 @@ class StreamWriter:
             self._failing_since = None
         return cancelled
 
+    def _entry_id(self, job_id: str) -> str:
+        next_id = self._next_id.get(job_id)
+        if next_id is None:  # a job nobody tracked: let Redis number it
+            return "*"
+        entry_id = f"{next_id[0]}-{next_id[1]}"
+        next_id[1] += 1
+        return entry_id
+
     def _flush(self, active: list[str]) -> set[str]:
         events = self._pending
         with self.client.pipeline(transaction=True) as pipe:
-            for job_id, event_type, data in events:
-                pipe.xadd(protocol.stream_key(job_id), protocol.encode_event(event_type, data))
-            for job_id in {job_id for job_id, _, _ in events}:
+            for job_id, event_type, data, entry_id in events:
+                pipe.xadd(protocol.stream_key(job_id), protocol.encode_event(event_type, data), id=entry_id)
+            for job_id in {event[0] for event in events}:
                 pipe.expire(protocol.stream_key(job_id), protocol.STREAM_TTL)
             for job_id in active:
                 pipe.exists(protocol.cancel_key(job_id))
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
         self._pending = []
+        refused = [(event[0], reply) for event, reply in zip(events, replies) if isinstance(reply, Exception)]
+        if refused:  # already written (a resent step), or a newer attempt owns the stream
+            log.info("stream entries refused", extra={"count": len(refused), "job_id": refused[0][0],
+                                                      "error": str(refused[0][1])})
         flags = replies[len(replies) - len(active):] if active else []
         return {job_id for job_id, flag in zip(active, flags) if flag}
 
@@ -120,12 +146,14 @@ class History:
     # choice index -> the concatenated `token_ids` of its deltas: the engine's `resume`
     tokens: dict[int, list[int]] = field(default_factory=dict)
     terminal: tuple[str, dict[str, Any]] | None = None  # (done | error | cancelled, data)
+    last_entry_id: str | None = None
 
 
 def read_history(client: redis.Redis, job_id: str) -> History:
     """Replay a job's stream (empty for a first attempt)."""
     history = History()
-    for _entry_id, fields in client.xrange(protocol.stream_key(job_id)):
+    for entry_id, fields in client.xrange(protocol.stream_key(job_id)):
+        history.last_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         event_type, data = protocol.decode_event(fields)
         if event_type == "delta":
             history.tokens.setdefault(data["index"], []).extend(data.get("token_ids") or [])
