@@ -239,6 +239,18 @@ def test_n_choices_share_one_prefill_and_are_numbered_prompt_major(model, tok):
     assert [t for step in sink.steps for _, t, _ in step][-2:] == ["usage", "done"]
 
 
+def test_more_choices_than_slots_wait_for_slots_and_match(model, tok):
+    j = lambda: job(tok, [PROMPTS[0]], n=5, temperature=1.0, seed=2, max_tokens=5, logprobs=0)  # noqa: E731
+    roomy = make_engine(model, tok, max_batch=8)[0].generate(j())
+    tight = make_engine(model, tok, max_batch=2)[0].generate(j())
+    assert [c["text"] for c in tight["choices"]] == [c["text"] for c in roomy["choices"]]
+    prompt_len = len(PROMPTS[0])
+    for c in tight["choices"]:  # without echo, offsets continue after the prompt's text
+        lp = c["logprobs"]
+        assert lp["text_offset"][0] == prompt_len
+        assert "".join(lp["tokens"]) == c["text"] and lp["text_offset"] == sorted(lp["text_offset"])
+
+
 def test_best_of_returns_the_highest_mean_logprob_and_streams_nothing_before(model, tok):
     engine, sink = make_engine(model, tok)
     kw = dict(temperature=1.5, seed=3, max_tokens=5, logprobs=0)
@@ -255,15 +267,16 @@ def test_best_of_returns_the_highest_mean_logprob_and_streams_nothing_before(mod
     assert [t for _, t, _ in steps_with_events[0]] == ["delta", "finish", "delta", "finish", "usage", "done"]
 
 
-def test_seeded_request_is_independent_of_its_batch(model, tok):
-    j = lambda: job(tok, [PROMPTS[1]], temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)  # noqa: E731
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
+    j = lambda: job(tok, [PROMPTS[1]], temperature=0.9, top_p=top_p, seed=1234, max_tokens=24)  # noqa: E731
     alone = make_engine(model, tok)[0].generate(j())["choices"][0]["text"]
 
     engine, _ = make_engine(model, tok, max_batch=6, prefill_chunk=3)
     noise = [job(tok, [p], temperature=1.0, seed=s, max_tokens=4 + s, presence_penalty=0.5 * (s % 2))
              for s, p in enumerate(PROMPTS)]
     busy = run_all(engine, noise[:2] + [j()] + noise[2:])[2]["choices"][0]["text"]
-    other_seed = engine.generate(job(tok, [PROMPTS[1]], temperature=0.9, top_p=0.95, seed=99, max_tokens=12))
+    other_seed = engine.generate(job(tok, [PROMPTS[1]], temperature=0.9, top_p=top_p, seed=99, max_tokens=24))
     assert busy == alone
     assert other_seed["choices"][0]["text"] != alone
 

@@ -5,27 +5,22 @@ import pytest
 import torch
 
 from worker.logprobs import TokenLogprob, fragment, score
-from worker.sampling import (Sampler, SamplingParams, apply_penalties, draw_truncated, inverse_cdf,
-                             reference_uniform, seeded_uniform, truncate_sorted)
+from worker import sampling
+from worker.sampling import (Sampler, SamplingParams, _numpy_exponential, _torch_exponential, apply_penalties, draw_key,
+                             draw_truncated, gumbel_noise, truncate_sorted)
 
 
-def test_seeded_uniform_is_the_reference_hash():
-    cases = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (2**63 - 1, 7, 100), (-5, 3, 2), (2**64 - 1, 0, 9),
-             (123456789, 127, 4095)]
-    seed = torch.tensor([((s + 2**63) % 2**64) - 2**63 for s, _, _ in cases])
-    choice = torch.tensor([c for _, c, _ in cases])
-    step = torch.tensor([t for _, _, t in cases])
-    got = seeded_uniform(seed, choice, step).tolist()
-    assert got == [reference_uniform(*c) for c in cases]
-    assert len(set(got)) == len(got)
-
-
-def test_seeded_uniform_is_uniform():
-    n = 20000
-    u = seeded_uniform(torch.full((n,), 42), torch.zeros(n, dtype=torch.long), torch.arange(n))
-    assert u.min() >= 0 and u.max() < 1
-    hist = torch.histc(u.float(), bins=10, min=0, max=1)
-    assert (hist - n / 10).abs().max() < 5 * math.sqrt(n / 10)
+@pytest.mark.parametrize("source", [_numpy_exponential, _torch_exponential])  # CPU / other devices
+def test_draw_keys_and_noise_depend_on_seed_choice_and_step_only(source, monkeypatch):
+    keys = [draw_key(s, c, t) for s, c, t in [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (2**64 - 1, 7, 100), (-1, 7, 100)]]
+    assert len(set(keys[:5])) == 5 and keys[4] == keys[5]  # seeds are taken modulo 2**64
+    assert all(0 <= k < 2**63 for k in keys)
+    monkeypatch.setattr(sampling, "_numpy_exponential", source)
+    alone = gumbel_noise([keys[2]], 1000, "cpu")
+    batch = gumbel_noise(keys[:4], 1000, "cpu")
+    assert torch.equal(batch[2], alone[0]) and not torch.equal(batch[1], batch[2])
+    # standard Gumbel: mean = Euler's constant, variance = pi^2 / 6
+    assert abs(batch.mean().item() - 0.5772) < 0.05 and abs(batch.var().item() - math.pi ** 2 / 6) < 0.1
 
 
 def test_penalties_follow_openais_formula():
@@ -60,18 +55,13 @@ def test_truncated_draw_from_candidates_equals_a_full_sort():
     probs = torch.softmax(torch.randn(R, V) * scale, -1)
     top_k = torch.tensor([0, 0, 5, 0, 300, 1000, 0, 40]).repeat(R // 8)
     top_p = torch.tensor([0.9, 0.5, 1.0, 0.99, 0.8, 0.95, 0.3, 1.0]).repeat(R // 8)
-    u = torch.rand(R, dtype=torch.float64)
+    noise = gumbel_noise(list(range(R)), V, "cpu")
     p_sorted, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    want = order.gather(1, inverse_cdf(truncate_sorted(p_sorted, top_k, top_p), u)[:, None]).squeeze(1)
-    assert torch.equal(draw_truncated(probs, top_k, top_p, u), want)
+    kept = torch.zeros(R, V, dtype=torch.bool).scatter(1, order, truncate_sorted(p_sorted, top_k, top_p) > 0)
+    want = torch.where(kept, probs.log() + noise, -torch.inf).argmax(-1)
+    assert torch.equal(draw_truncated(probs, top_k, top_p, noise), want)
     fits = torch.where(top_k > 0, top_k <= 256, p_sorted[:, :256].sum(-1) >= top_p)
     assert fits.any() and not fits.all()  # both ways were taken
-
-
-def test_inverse_cdf_picks_the_interval_of_u():
-    p = torch.tensor([[0.5, 0.0, 0.25, 0.25]] * 5)
-    u = torch.tensor([0.0, 0.49, 0.5, 0.8, 0.9999999999], dtype=torch.float64)
-    assert inverse_cdf(p, u).tolist() == [0, 0, 2, 3, 3]
 
 
 def make_sampler(rows, V=8):

@@ -3,57 +3,63 @@ temperature, top_k, top_p, and seeded draws that do not depend on what else shar
 
 Every per-sequence setting lives in per-slot tensors on the model's device (`Sampler`), so one
 decode step samples the whole batch with a handful of tensor ops. Only row *groups* are chosen on
-the host (greedy, plain sampling, filtered sampling), from each row's own parameters, so a row's
+the host (greedy, plain sampling, truncated sampling), from each row's own parameters, so a row's
 arithmetic never depends on its neighbours.
+
+Draws are Gumbel-max: token = argmax_j (logit_j / T + g_j), with one Gumbel variable g_j per
+vocabulary entry from a generator seeded by hash(seed, choice, step). Unlike inverse-CDF sampling,
+where a 1e-6 change of the logits (which a different batch shape gives the model's matmuls) moves
+every cumulative sum and often the token drawn from the flat tail, this changes the token only
+when the two best noisy scores lie within 1e-6 of each other: as rarely as a greedy choice flips.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-# ---- counter-based randomness: uniform = hash(seed, choice, step) ----
-# splitmix64 (Steele et al.) on int64 tensors; torch's int64 arithmetic wraps like uint64 would.
+# ---- counter-based randomness: a generator seed = hash(seed, choice, step) ----
 _MASK64 = (1 << 64) - 1
 
 
-def _signed64(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >> 63 else x
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer (Steele et al.): a bijective scramble of 64 bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-_GAMMA = _signed64(0x9E3779B97F4A7C15)
-_MUL1 = _signed64(0xBF58476D1CE4E5B9)
-_MUL2 = _signed64(0x94D049BB133111EB)
+def draw_key(seed: int, choice: int, step: int) -> int:
+    """The generator seed of one draw, a pure function of (request seed, choice index, step)."""
+    return _mix64((_mix64((_mix64(seed & _MASK64) + choice) & _MASK64) + step) & _MASK64) >> 1  # < 2**63
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+def gumbel_noise(keys: list[int], vocab_size: int, device) -> torch.Tensor:
+    """(R, V) standard Gumbel noise, -log(E) for E ~ Exp(1), row r drawn from a generator seeded
+    with keys[r] alone."""
+    sample = _numpy_exponential if torch.device(device).type == "cpu" else _torch_exponential
+    e = sample(keys, vocab_size, device)
+    return e.clamp_(min=1e-30).log_().neg_()  # E = 0 would give +inf: a sure win for any token
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = x + _GAMMA
-    x = (x ^ _shr(x, 30)) * _MUL1
-    x = (x ^ _shr(x, 27)) * _MUL2
-    return x ^ _shr(x, 31)
+def _numpy_exponential(keys, vocab_size, device):
+    # numpy's PCG64 with its ziggurat: ~5x faster than torch's CPU generator (mt19937)
+    out = np.empty((len(keys), vocab_size), dtype=np.float32)
+    for row, key in enumerate(keys):
+        np.random.Generator(np.random.PCG64(key)).standard_exponential(out=out[row], dtype=np.float32)
+    return torch.from_numpy(out).to(device)
 
 
-def seeded_uniform(seed: torch.Tensor, choice: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """(B,) int64 each -> (B,) float64 uniforms in [0, 1), a pure function of (seed, choice, step)."""
-    h = _mix(_mix(_mix(seed) + choice) + step)
-    return _shr(h, 11).double() * 2.0 ** -53
-
-
-def reference_uniform(seed: int, choice: int, step: int) -> float:
-    """The same draw in plain Python (the specification seeded_uniform is tested against)."""
-    def mix(x):
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return x ^ (x >> 31)
-    h = mix((mix((mix(seed & _MASK64) + choice) & _MASK64) + step) & _MASK64)
-    return (h >> 11) * 2.0 ** -53
+def _torch_exponential(keys, vocab_size, device):
+    # the device's own generator (Philox on CUDA): the noise never crosses the bus
+    out = torch.empty(len(keys), vocab_size, device=device)
+    gen = torch.Generator(device=device)
+    for row, key in enumerate(keys):
+        gen.manual_seed(key)
+        out[row].exponential_(generator=gen)
+    return out
 
 
 # ---- the pieces, as pure functions over a batch ----
@@ -75,53 +81,42 @@ def truncate_sorted(probs_sorted, top_k, top_p):
     return p * (mass_before < top_p[:, None])  # the first token always stays (0 < top_p)
 
 
-def inverse_cdf(probs, u):
-    """Index drawn from each row of unnormalised probs (R, V) by the uniforms u (R,) float64."""
-    cdf = probs.double().cumsum(-1)  # float64: in float32 the tail's tiny probabilities would round away
-    total = cdf[:, -1:].contiguous()
-    idx = torch.searchsorted(cdf, u[:, None] * total, right=True)  # first index with cdf > u * total
-    last = torch.searchsorted(cdf, total)  # the last token with probability > 0
-    return torch.minimum(idx, last).squeeze(1)  # (rounding can put u * total at the total)
+CANDIDATES = 256  # truncated rows sort only their best tokens when those hold the truncation
 
 
-CANDIDATES = 256  # top_k/top_p rows sort only their best tokens when those hold the truncation
-
-
-def draw_truncated(probs, top_k, top_p, u):
-    """Draw from each row's descending-sorted probabilities (R, V) truncated by top_k and top_p.
-    A full sort costs ~5 ms a row on a CPU, so rows sort only their CANDIDATES best tokens (topk)
-    when those are known to hold the truncated set; the others sort fully. Which way a row goes
-    depends on the row alone, so the draw stays independent of the batch."""
+def draw_truncated(probs, top_k, top_p, noise):
+    """Draw from each row of probs (R, V) truncated by top_k, then top_p (in probability order),
+    by the Gumbel noise (R, V) of the kept tokens. A full sort costs ~5 ms a row on a CPU, so a
+    row sorts only its CANDIDATES best tokens (topk) when those are known to hold its kept set, and
+    fully otherwise; which way a row goes depends on the row alone."""
     K = min(CANDIDATES, probs.shape[-1])
     p_sorted, order = probs.topk(K, dim=-1)  # (R, K) descending
     fits = torch.where(top_k > 0, top_k <= K, p_sorted.sum(-1) >= top_p)
+    tokens = _draw_sorted(p_sorted, order, top_k, top_p, noise)
     wide = (~fits).nonzero().squeeze(1)
     if len(wide):
-        # full sort; stable, so ties keep vocabulary order
-        wide_sorted, wide_order = torch.sort(probs[wide], dim=-1, descending=True, stable=True)
-        wide_tokens = wide_order.gather(1, inverse_cdf(truncate_sorted(wide_sorted, top_k[wide], top_p[wide]),
-                                                       u[wide])[:, None])
-    tokens = order.gather(1, inverse_cdf(truncate_sorted(p_sorted, top_k, top_p), u)[:, None]).squeeze(1)
-    if len(wide):
-        tokens[wide] = wide_tokens.squeeze(1)
+        p_sorted, order = torch.sort(probs[wide], dim=-1, descending=True, stable=True)
+        tokens[wide] = _draw_sorted(p_sorted, order, top_k[wide], top_p[wide], noise[wide])
     return tokens
 
 
-def draw(logits, temperature, top_k, top_p, u, filtered: list[bool]):
-    """Sample one token per row of (B, V) logits at the given temperatures (> 0).
-    Rows with top_k/top_p (`filtered`) draw from their truncated distribution in probability order;
-    the others from the plain softmax in vocabulary order (no sorting: the common case stays cheap)."""
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    plain = [i for i, f in enumerate(filtered) if not f]
-    if plain:
-        rows = torch.tensor(plain, device=probs.device)
-        out[rows] = inverse_cdf(probs[rows], u[rows])
-    kept = [i for i, f in enumerate(filtered) if f]
-    if kept:
-        rows = torch.tensor(kept, device=probs.device)
-        out[rows] = draw_truncated(probs[rows], top_k[rows], top_p[rows], u[rows])
-    return out
+def _draw_sorted(p_sorted, order, top_k, top_p, noise):
+    kept = truncate_sorted(p_sorted, top_k, top_p) > 0
+    scores = torch.where(kept, p_sorted.log() + noise.gather(1, order), -torch.inf)  # noise of each token id
+    return order.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+
+
+def draw(logits, temperature, top_k, top_p, noise, truncated: list[bool]):
+    """Sample one token per row of (B, V) logits at the given temperatures (> 0) with the rows'
+    Gumbel noise (B, V). Rows with top_k/top_p (`truncated`) draw from their truncated
+    distribution; the others need no probabilities at all."""
+    scaled = logits / temperature[:, None]
+    tokens = (scaled + noise).argmax(-1)
+    rows = [i for i, t in enumerate(truncated) if t]
+    if rows:
+        rows = torch.tensor(rows, device=logits.device)
+        tokens[rows] = draw_truncated(torch.softmax(scaled[rows], dim=-1), top_k[rows], top_p[rows], noise[rows])
+    return tokens
 
 
 # ---- per-request settings and the per-slot state ----
@@ -141,7 +136,7 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def filtered(self) -> bool:
+    def truncated(self) -> bool:
         return self.top_k > 0 or self.top_p < 1
 
     @property
@@ -150,8 +145,9 @@ class SamplingParams:
 
 
 class Sampler:
-    """Sampling state of every KV-cache slot: parameters, per-token counts of generated tokens (for
-    penalties), a dense logit_bias row, and the draw counter. Tensors (max_slots,) or (max_slots, V)."""
+    """Sampling state of every KV-cache slot: parameters (tensors (max_slots,)), per-token counts of
+    generated tokens for penalties and a dense logit_bias row (max_slots, V), and on the host the
+    choice index and draw counter that seed the slot's draws."""
 
     def __init__(self, max_slots: int, vocab_size: int, device="cpu"):
         self.vocab_size = vocab_size
@@ -163,9 +159,8 @@ class Sampler:
         self.top_k = torch.zeros(max_slots, **i64)
         self.presence = torch.zeros(max_slots, **f32)
         self.frequency = torch.zeros(max_slots, **f32)
-        self.seed = torch.zeros(max_slots, **i64)
-        self.choice = torch.zeros(max_slots, **i64)
-        self.step = torch.zeros(max_slots, **i64)  # tokens drawn so far = index of the next draw
+        self.choice = [0] * max_slots
+        self.step = [0] * max_slots  # tokens drawn so far = index of the next draw
         self.counts = torch.zeros(max_slots, vocab_size, **f32)
         self.bias = torch.zeros(max_slots, vocab_size, **f32)
 
@@ -178,7 +173,6 @@ class Sampler:
         self.top_k[slot] = params.top_k
         self.presence[slot] = params.presence_penalty
         self.frequency[slot] = params.frequency_penalty
-        self.seed[slot] = _signed64(params.seed)
         self.choice[slot] = choice
         self.step[slot] = len(history)
         self.counts[slot].zero_()
@@ -211,10 +205,12 @@ class Sampler:
         if random:
             rows = torch.tensor(random, device=logits.device)
             s = idx[rows]
-            u = seeded_uniform(self.seed[s], self.choice[s], self.step[s])
-            tokens[rows] = draw(x[rows], self.temperature[s], self.top_k[s], self.top_p[s], u,
-                                [params[b].filtered for b in random])
-        self.step[idx] += 1
+            keys = [draw_key(params[b].seed, self.choice[slots[b]], self.step[slots[b]]) for b in random]
+            noise = gumbel_noise(keys, x.shape[-1], x.device)
+            tokens[rows] = draw(x[rows], self.temperature[s], self.top_k[s], self.top_p[s], noise,
+                                [params[b].truncated for b in random])
+        for slot in slots:
+            self.step[slot] += 1
         if any(p.penalized for p in params):
             self.counts.index_put_((idx, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         return tokens
