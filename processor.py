@@ -79,29 +79,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decode step (slower start, faster steps)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics of the engines on this port")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
 
-def build_engine(spec, device: str, sink):
-    """Load the model and tokenizer onto one device and wrap them in a started engine."""
+def build_engine(spec, device: str, sink, compile: bool = False):
+    """Load the model and tokenizer onto one device and wrap them in a started engine.
+
+    dtype: GPUs use the registry's; the CPU runs float32 (bfloat16/float16 buy nothing there) or,
+    when the registry asks for int8, float32 with dynamically quantized linear layers."""
     import torch
 
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
-    from worker.engine import Engine
+    from worker.engine import Engine, quantize_int8
 
-    # CPU runs float32 (the reference numerics); GPUs use the registry's dtype.
-    dtype = torch.float32 if device == "cpu" else getattr(torch, spec.dtype)
+    if spec.dtype == "int8" and device != "cpu":
+        raise SystemExit(f"model `{spec.id}`: dtype int8 runs on the CPU only, not on {device}")
+    dtype = torch.float32 if device == "cpu" or spec.dtype == "int8" else getattr(torch, spec.dtype)
     started = time.monotonic()
     model = load_model(spec.checkpoint, device=device, dtype=dtype)
+    if spec.dtype == "int8":
+        quantize_int8(model)
     engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
-                    event_sink=sink)
+                    event_sink=sink, compile=compile)
     engine.start()
-    log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": str(dtype).removeprefix("torch."),
-                                    "max_batch": spec.max_batch,
+    log.info("engine ready", extra={"model": spec.id, "device": device,
+                                    "dtype": "int8" if spec.dtype == "int8" else str(dtype).removeprefix("torch."),
+                                    "max_batch": spec.max_batch, "compiled": compile,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
 
@@ -110,12 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
 
-    from models.registry import Registry
+    from models.registry import ModelNotFoundError, Registry, RegistryError
+    from nanogpt.checkpoint import CheckpointError
     from worker.consumer import Binding, WorkerPool
     from worker.events import StreamWriter
 
-    registry = Registry.from_file(args.models_file)
-    specs = [registry.get(name) for name in args.models] if args.models else registry.models()
+    try:
+        registry = Registry.from_file(args.models_file)
+        specs = [registry.get(name) for name in args.models] if args.models else registry.models()
+        for spec in specs:
+            spec.resolved  # a missing or unreadable checkpoint fails here, before anything starts
+    except (RegistryError, ModelNotFoundError) as err:
+        log.error("cannot serve", extra={"error": str(err)})
+        return 2
     targets = [(spec, device) for spec in specs for device in parse_devices(args.device or spec.device)]
 
     stop = threading.Event()
@@ -132,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pool = WorkerPool(args.redis_url, heartbeat_interval=args.heartbeat)
     engines = []
+    status = 0
     try:
         for spec, device in targets:
             if stop.is_set():  # asked to stop while models were loading
@@ -139,17 +156,22 @@ def main(argv: list[str] | None = None) -> int:
             # The engine thread writes events itself: connect fast; a failed step is retried later.
             client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
-            engine = build_engine(spec, device, writer)
+            try:
+                engine = build_engine(spec, device, writer, compile=args.compile)
+            except CheckpointError as err:
+                log.error("cannot load model", extra={"model": spec.id, "device": device, "error": str(err)})
+                status = 2
+                break
             engines.append((spec.id, engine))
             concurrency = args.concurrency or spec.max_batch
             pool.add(Binding(spec.id, engine, writer), device, concurrency)
             log.info("serving", extra={"model": spec.id, "device": device,
                                        "queue": protocol.queue_name(spec.id), "workers": concurrency})
-        if args.metrics_port:
+        if args.metrics_port and not status:
             from worker import metrics
 
             metrics.start(engines, args.metrics_port)
-        while not stop.wait(0.5):
+        while not status and not stop.wait(0.5):
             pass
         pool.stop()
         log.info("taking no new jobs; waiting for running ones", extra={"running": pool.running()})
@@ -158,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for _, engine in engines:
             engine.stop()
     log.info("stopped")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

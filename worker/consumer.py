@@ -30,7 +30,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
 from worker import protocol
-from worker.engine import EngineError
+from worker.engine import EngineError, EngineFault
 from worker.events import StreamWriter, append_event, read_history
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,10 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
     """Run one completions job on this thread's engine; return the OpenAI completion object.
 
     A request the engine refuses, or a cancelled one, ends with its `error`/`cancelled` event and a
-    normal return (a retry could not change it). A fault raises: the engine's faults have already
-    told the client (an `error` event), so they are not retried; anything else (rq's job timeout)
-    takes the job out of the engine with its stream left open, for rq's retry to resume.
+    normal return (a retry could not change it). A fault raises with the job's stream left open:
+    rq's retry resumes it, and once retries run out `report_given_up` ends the stream with an error.
+    rq's job timeout (raised into this thread) counts as a fault: it takes the job out of the engine
+    without a `cancelled` event.
     """
     binding: Binding = _local.binding
     rq_job = get_current_job()
@@ -92,12 +93,11 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         handle = binding.engine.submit(job, resume=history.tokens or None)
         try:
             completion = _wait(handle)
-        except EngineError as err:
-            if err.type != "server_error":  # refused or cancelled: the engine wrote the event
-                log.info("job ended", extra={"job_id": job.id, "outcome": err.type, "reason": err.message})
-                return None
-            rq_job.retries_left = 0  # the client has seen the error; a retry cannot take it back
-            raise
+        except EngineFault:
+            raise  # no event was written: rq's retry resumes the job
+        except EngineError as err:  # refused or cancelled: the engine wrote the event
+            log.info("job ended", extra={"job_id": job.id, "outcome": err.type, "reason": err.message})
+            return None
         except BaseException:
             _abandon(binding.writer, handle)
             raise
