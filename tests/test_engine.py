@@ -269,14 +269,14 @@ def test_best_of_returns_the_highest_mean_logprob_and_streams_nothing_before(mod
 
 @pytest.mark.parametrize("top_p", [1.0, 0.95])
 def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
-    j = lambda: job(tok, [PROMPTS[1]], temperature=0.9, top_p=top_p, seed=1234, max_tokens=24)  # noqa: E731
+    j = lambda: job(tok, [PROMPTS[1]], temperature=0.9, top_p=top_p, seed=1234, max_tokens=16)  # noqa: E731
     alone = make_engine(model, tok)[0].generate(j())["choices"][0]["text"]
 
     engine, _ = make_engine(model, tok, max_batch=6, prefill_chunk=3)
     noise = [job(tok, [p], temperature=1.0, seed=s, max_tokens=4 + s, presence_penalty=0.5 * (s % 2))
              for s, p in enumerate(PROMPTS)]
     busy = run_all(engine, noise[:2] + [j()] + noise[2:])[2]["choices"][0]["text"]
-    other_seed = engine.generate(job(tok, [PROMPTS[1]], temperature=0.9, top_p=top_p, seed=99, max_tokens=24))
+    other_seed = engine.generate(job(tok, [PROMPTS[1]], temperature=0.9, top_p=top_p, seed=99, max_tokens=16))
     assert busy == alone
     assert other_seed["choices"][0]["text"] != alone
 

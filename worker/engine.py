@@ -16,8 +16,8 @@ Events (worker/protocol.py) per job: `delta` {index, text, token_ids, logprobs} 
 choice has new tokens or text (with `echo`, a choice's first delta also carries the prompt: its
 text, ids and logprobs), `finish` {index, finish_reason} once per choice, then `usage` and `done`
 {completion}; or `error` (a bad request) / `cancelled`. A fault of the engine itself (EngineFault)
-writes no event: the job's handle raises it, and a retry resumes the job. With best_of > n nothing is streamed: the chosen choices
-come as one delta each when the request ends.
+writes no event: the job's handle raises it, and a retry can resume the job. With best_of > n
+nothing is streamed: the chosen choices come as one delta each when the request ends.
 
 Resuming (a job retried after a crash): `resume[index]` is the concatenation of the `token_ids`
 of the deltas already emitted for that choice. The choice is prefilled with them, replayed
@@ -25,9 +25,9 @@ through the same decoder, stop matcher and draw counter, and continues as if nev
 only what is new is emitted (choices that had finished emit nothing more), while `done` holds
 the full completion.
 
-Seeded draws depend on (seed, choice index, step) only (sampling.seeded_uniform), so a request
-gives the same tokens whatever shares its batch, up to floating-point differences between batch
-shapes in the model's matmuls (these move logits by ~1e-6 and can only matter at an exact tie).
+Seeded draws depend on (seed, choice index, step) only (sampling.draw_key), so a request gives
+the same tokens whatever shares its batch: Gumbel-max draws make the ~1e-6 differences that batch
+shapes cause in the model's logits matter only at a near-exact tie, as for greedy choices.
 """
 from __future__ import annotations
 
@@ -397,10 +397,8 @@ class Engine:
     def _queue(self, req: Request) -> None:
         """Group the request's sequences into prefills: the fresh copies of a prompt share one,
         a resumed sequence feeds its own prompt + emitted tokens."""
-        if req.wants_logprobs:
-            score_from = 1 if req.job.echo else None
-        else:
-            score_from = None
+        echo_scores = req.wants_logprobs and req.job.echo
+        score_from = 1 if echo_scores else None  # logprobs of the prompt's tokens, from the second
         for p, prompt in enumerate(req.job.prompts):
             seqs = req.seqs[p * req.best_of:(p + 1) * req.best_of]
             fresh = [s for s in seqs if not s.history]
@@ -411,8 +409,8 @@ class Engine:
             elif fresh:
                 self.waiting.append(Prefill(fresh, prompt, score_from))
             for s in seqs:
-                if s.history:
-                    from_ = score_from if score_from is not None else (len(prompt) if req.wants_logprobs else None)
+                if s.history:  # its emitted tokens need their logprobs again for `done`
+                    from_ = 1 if echo_scores else len(prompt) if req.wants_logprobs else None
                     self.waiting.append(Prefill([s], prompt + s.history, from_))
 
     def _take_cancels(self, events) -> None:

@@ -52,12 +52,3 @@ def fragment(entries: list[TokenLogprob], token_string) -> dict:
             out["top_logprobs"].append(top)
         out["text_offset"].append(e.text_offset)
     return out
-
-
-def concat(fragments: list[dict]) -> dict:
-    """Fragments of one choice, in order, joined into its full logprobs object."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for f in fragments:
-        for key in out:
-            out[key].extend(f[key])
-    return out
