@@ -176,12 +176,14 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
 
         models = [spec.id for spec in Registry.from_file(models_file).models()]
     prefix = f"{socket.gethostname()}:{service.pid}:"  # how processor.py names its rq workers
+    # one engine per listed device, each with `concurrency` rq workers
+    engines = len(device.split(",")) if device and device not in ("all", "auto") else 1
 
     def ready() -> bool:
         mine = {model: {name for name in registered_workers(redis_url, model) if name.startswith(prefix)}
                 for model in models}
         service.info["workers"] = mine
-        return all(len(names) >= (concurrency or 1) for names in mine.values())
+        return all(len(names) >= (concurrency or 1) * engines for names in mine.values())
 
     service.ready = ready
     return service.wait_ready(timeout) if wait else service

@@ -220,6 +220,24 @@ def test_a_job_rq_gives_up_on_gets_an_error_event(r):
     assert kind == "error" and data["error"]["type"] == "server_error"
 
 
+def test_one_engine_per_device_all_pulling_from_the_model_queue(redis_server, models_file, tmp_path, reference):
+    """`--device cpu,cpu`: two engine replicas in one process, 2 rq threads each, one queue."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    jobs = [make_job(max_tokens=60, prompts=[[464]], temperature=1.0) for _ in range(4)]
+    with start_processor(url, models_file, device="cpu,cpu", concurrency=2, log_dir=tmp_path) as service:
+        assert len(service.info["workers"][MODEL]) == 4
+        rq_jobs = [enqueue(r, job) for job in jobs]
+        wait_ended(rq_jobs)
+    engines = set()
+    for job, rq_job in zip(jobs, rq_jobs):
+        assert_same_completion(rq_job.return_value(), reference(job))
+        slot = int(Job.fetch(job.id, connection=r).worker_name.split(":")[-1].split(".")[0])
+        engines.add(slot // 2)  # worker threads 0-1 feed the first engine, 2-3 the second
+    assert engines == {0, 1}
+
+
 def test_sigterm_finishes_running_jobs_takes_no_new_ones_and_exits_0(worker, r):
     """Last in this file: it stops the module's worker (2 of its 4 threads busy, 2 idle)."""
     running = [make_job(max_tokens=100, prompts=[[464]]) for _ in range(2)]

@@ -256,7 +256,7 @@ class WorkerPool:
         for i in range(concurrency):
             slot = len(self.workers)
             self.workers.append(None)
-            name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{i}"
+            name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{slot}"
             thread = threading.Thread(target=self._serve, args=(slot, name, queue, binding),
                                       name=f"rq-{binding.model_id}-{device}-{i}", daemon=True)
             self.threads.append(thread)
