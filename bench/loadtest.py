@@ -102,12 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
     send = openai_sender(args.base_url, model, api_key=args.api_key, stream=True, timeout=args.timeout)
     print(f"load test of {args.base_url}, model {model}: {args.requests_per_client} requests per client, "
           f"{args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, streaming")
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()[0]
     reports = sweep(send, concurrency, args.requests_per_client, args.prompt_tokens, args.max_tokens)
     result = {"base_url": args.base_url, "model": model, "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
               "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "reports": reports}
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+              # other work on the machine moves the numbers: the 1-minute load average around the run
+              "load_average": [load_before, os.getloadavg()[0]], "reports": reports}
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
