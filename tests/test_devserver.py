@@ -28,7 +28,8 @@ class DevServer:
         env.update(NANOSERVE_MODELS=str(models_file), NANOSERVE_PORT=str(self.port), HF_HUB_OFFLINE="1",
                    NANOSERVE_WEB_WORKERS="1", NANOSERVE_WEB_THREADS="4")
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "web.devserver", "--concurrency", "2"],
+            self.process = subprocess.Popen([sys.executable, "-m", "web.devserver", "--model", "tiny",
+                                             "--concurrency", "2"],
                                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -40,7 +41,7 @@ class DevServer:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"devserver exited early:\n{self.output()[-4000:]}"
             if "nanoserve is up" in self.output():
-                with urllib.request.urlopen(self.url + "/ready", timeout=5) as response:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     assert response.status == 200
                 return
             time.sleep(0.2)
@@ -73,7 +74,10 @@ def still_running(procs: list[psutil.Process]) -> list[str]:
 
 @pytest.fixture()
 def devserver(tmp_path, hf_checkpoint):
-    server = DevServer(tmp_path, write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint}))
+    # Two models, one served (as `make serve` serves one of models/models.toml): /ready stays 503
+    # for the other, and the devserver must still see that its own model is up.
+    models = write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint, "unserved": hf_checkpoint})
+    server = DevServer(tmp_path, models)
     try:
         server.wait_ready()
         yield server
@@ -83,6 +87,7 @@ def devserver(tmp_path, hf_checkpoint):
 
 def test_serves_and_ctrl_c_stops_everything(devserver):
     assert "curl " in devserver.output() and "OpenAI(base_url=" in devserver.output()  # how to call it
+    assert "models: tiny\n" in devserver.output()
     client = openai.OpenAI(base_url=devserver.url + "/v1", api_key="unused", max_retries=0)
     completion = client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=5,
                                            temperature=0)

@@ -148,19 +148,39 @@ class Stack:
             self.redis.process.kill()
 
 
-def wait_until_ready(stack: Stack, base: str, timeout: float) -> tuple[bool, str]:
-    """Poll /ready until it answers 200, a child dies, a stop is asked for, or time runs out."""
+def serving(answer: dict, models: list[str] | None) -> bool:
+    """Whether a /ready answer says our worker serves its models. /ready wants a worker for every
+    model in the registry; with `--model`, the others may have none."""
+    if answer.get("status") == "ready":
+        return True
+    states = answer.get("models") or {}
+    return bool(models) and answer.get("redis") is True and \
+        all(states.get(m, {}).get("workers", 0) > 0 for m in models)
+
+
+def wait_until_ready(stack: Stack, base: str, models: list[str] | None, timeout: float) -> tuple[bool, str]:
+    """Poll /ready until the models are served, a child dies, a stop is asked for, or time runs out."""
     deadline = time.monotonic() + timeout
     body = b""
     while time.monotonic() < deadline and not stack.stop_requested.is_set() and stack.dead_child() is None:
         try:
-            status, body = _get(f"{base}/ready")
-            if status == 200:
+            _status, body = _get(f"{base}/ready")
+            if serving(json.loads(body), models):
                 return True, body.decode(errors="replace")
-        except OSError:
+        except (OSError, ValueError):
             pass  # gunicorn not listening yet
         stack.stop_requested.wait(0.5)
     return False, body.decode(errors="replace")
+
+
+def model_ids(names: list[str] | None, env: dict[str, str]) -> list[str] | None:
+    """Registry ids of the names given to --model (which may be aliases)."""
+    if not names:
+        return None
+    from models.registry import Registry  # torch-free
+
+    registry = Registry.from_file(env.get("NANOSERVE_MODELS"))
+    return [registry.get(name).id for name in names]
 
 
 def banner(base: str, redis_url: str, models: list[str]) -> str:
@@ -242,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(stack: Stack, args: argparse.Namespace, env: dict[str, str], models: list[str] | None) -> int:
+    try:
+        served = model_ids(models, env)
+    except (KeyError, ValueError) as err:  # an unknown --model, a bad registry
+        print(f"devserver: cannot serve {models}: {err}", file=sys.stderr, flush=True)
+        return 2
     if env.get("REDIS_URL"):
         redis_url = env["REDIS_URL"]
     else:
@@ -275,12 +300,13 @@ def run(stack: Stack, args: argparse.Namespace, env: dict[str, str], models: lis
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else ("[::1]" if args.host == "::" else args.host)
     base = f"http://{host}:{args.port}"
     print(f"devserver: waiting for {base}/ready (the worker is loading the model)", flush=True)
-    ready, answer = wait_until_ready(stack, base, float(env.get("NANOSERVE_READY_TIMEOUT", "600")))
+    ready, answer = wait_until_ready(stack, base, served, float(env.get("NANOSERVE_READY_TIMEOUT", "600")))
     if ready:
-        try:
-            served = [m["id"] for m in json.loads(_get(f"{base}/v1/models")[1])["data"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            served = models or []
+        if served is None:  # the worker serves every model of the registry
+            try:
+                served = [m["id"] for m in json.loads(_get(f"{base}/v1/models")[1])["data"]]
+            except (OSError, ValueError, KeyError, TypeError):
+                served = []
         print(banner(base, redis_url, served), flush=True)
     elif not stack.stop_requested.is_set() and stack.dead_child() is None:
         print(f"devserver: not ready yet; /ready says: {answer.strip()}\n"
