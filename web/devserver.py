@@ -186,7 +186,7 @@ def model_ids(names: list[str] | None, env: dict[str, str]) -> list[str] | None:
 def banner(base: str, redis_url: str, models: list[str]) -> str:
     model = models[0] if models else DEFAULT_MODEL
     prompt = "ROMEO:" if model == DEFAULT_MODEL else "Hello, my name is"
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 64})
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 32})
     needs_key = os.environ.get("NANOSERVE_AUTH") == "required"
     curl_auth = ' -H "Authorization: Bearer $NANOSERVE_API_KEY"' if needs_key else ""
     api_key = 'os.environ["NANOSERVE_API_KEY"]' if needs_key else '"unused"'
@@ -200,7 +200,7 @@ python - <<'EOF'   # needs the openai package: pip install openai
 import os
 from openai import OpenAI
 client = OpenAI(base_url="{base}/v1", api_key={api_key})
-for chunk in client.completions.create(model="{model}", prompt={prompt!r}, max_tokens=64, stream=True):
+for chunk in client.completions.create(model="{model}", prompt={prompt!r}, max_tokens=32, stream=True):
     print(chunk.choices[0].text, end="", flush=True)
 print()
 EOF
