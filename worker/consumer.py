@@ -159,6 +159,7 @@ class EngineWorker(SimpleWorker):
     """
 
     death_penalty_class = TimerDeathPenalty
+    max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
     def __init__(self, *args, heartbeat_ttl: int, poll_interval: int, **kwargs):
         self.heartbeat_ttl = heartbeat_ttl
@@ -281,18 +282,21 @@ class WorkerPool:
         """One worker thread: rq's work loop, restarted if it ends before we stop (rq leaves its
         loop on some Redis errors, e.g. when Redis restarts in the middle of a job)."""
         bind(binding)
-        generation = 0
+        generation, failing = 0, False
         while not self.stopping.is_set():
             try:
                 worker = self._new_worker(f"{name}.{generation}", queue)
+                failing = False
                 self.workers[slot] = worker
                 if self.stopping.is_set():
                     break
                 worker.work(logging_level=None)
-            except Exception as exc:  # Redis unreachable: try again shortly
-                log.warning("rq worker loop failed", extra={"worker": name, "error": repr(exc)})
+            except Exception as exc:  # Redis unreachable: try again shortly (said once per outage)
+                log.log(logging.DEBUG if failing else logging.WARNING, "rq worker loop failed",
+                        extra={"worker": name, "error": str(exc)})
+                failing = True
             generation += 1
-            if not self.stopping.wait(2.0):
+            if not self.stopping.wait(2.0) and not failing:
                 log.info("restarting rq worker", extra={"worker": name})
 
     def _heartbeat_loop(self) -> None:
