@@ -171,6 +171,13 @@ def test_models_list_and_retrieve(client):
     assert client.get("/v1/models/tiny-alias").get_json()["context_length"] == CONTEXT
 
 
+
+def test_models_need_a_key_when_auth_is_required(redis_url, models_file, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_AUTH", "required")
+    client = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS}).test_client()
+    for path in ("/v1/models", "/v1/models/tiny"):
+        assert error_of(client.get(path), 401)["message"].startswith("You didn't provide an API key.")
+
 def test_unknown_model_is_404_model_not_found(client):
     error = error_of(client.get("/v1/models/nope/x"), 404)
     assert error["code"] == "model_not_found" and "`nope/x` does not exist" in error["message"]
@@ -189,7 +196,7 @@ def test_unknown_model_is_404_model_not_found(client):
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [50257]}, "prompt"),
     ({"prompt": [[1, 2], [99999]]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": []}, "prompt"), ({"model": None}, "model"), ({"max_tokens": -1}, "max_tokens"),
-    ({"seed": 2**63}, "seed"), ({"top_k": -1}, "top_k"),
+    ({"seed": 2**63}, "seed"), ({"top_k": -1}, "top_k"), ({"user": "u" * 257}, "user"),
 ])
 def test_invalid_values_are_400_with_param(client, body, param):
     error = error_of(complete(client, **body), 400)

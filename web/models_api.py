@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from flask import Blueprint, Flask, current_app, jsonify
+from flask import Blueprint, Flask, current_app, jsonify, request
 
 from models.registry import ModelNotFoundError, ModelSpec, Registry, RegistryError
 from models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from web import access
 from web.config import Settings
 from web.errors import APIError
 
@@ -63,12 +64,14 @@ def served_models() -> ServedModels:
 
 @bp.get("/v1/models")
 def list_models():
+    access.authenticate(request)
     models = served_models()
     return jsonify({"object": "list", "data": [models.model_object(spec) for spec in models.registry.models()]})
 
 
 @bp.get("/v1/models/<path:model_id>")
 def retrieve_model(model_id: str):
+    access.authenticate(request)
     models = served_models()
     spec = models.get(model_id)
     return jsonify(models.model_object(spec))

@@ -55,7 +55,7 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, ge=0, le=1)
     top_k: int = Field(0, ge=0)  # extension (vLLM's name); 0: off
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)  # it names Redis keys: keep it bounded
 
     @field_validator("echo", "frequency_penalty", "n", "presence_penalty", "stream", "temperature",
                      "top_p", "top_k", mode="before")
