@@ -15,6 +15,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from nanogpt.model import GPT, GPTConfig
 
@@ -212,9 +213,19 @@ def _checked_config(config: GPTConfig, source: Path) -> GPTConfig:
 
 
 def _empty_model(config: GPTConfig) -> GPT:
-    # built on the meta device: no time or memory spent on a random init the weights replace
-    with torch.device("meta"):
+    # built on the meta device, without init: no time or memory spent on weights the checkpoint's replace
+    with torch.device("meta"), _SkipInit():
         return GPT(config)
+
+
+class _SkipInit(TorchFunctionMode):
+    """torch.nn.init's functions as no-ops. Even on the meta device they are not free: `normal_`
+    there runs through torch._refs, whose first use imports torch._dynamo (seconds per process)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def _shapes(model: GPT) -> dict[str, tuple[int, ...]]:
