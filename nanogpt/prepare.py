@@ -4,6 +4,7 @@ split) plus what is needed to turn the ids back into text.
     python -m nanogpt.prepare char --out data/shakespeare_char            # the Shakespeare plays
     python -m nanogpt.prepare char --input my.txt --out data/my_char
     python -m nanogpt.prepare bpe --input a.txt b.txt --vocab-dir CKPT_DIR --out data/my_bpe
+    python -m nanogpt.prepare bpe --vocab-dir CKPT_DIR --out data/shakespeare_gpt2   # the plays
 
 char: the vocabulary is the set of characters of the text, saved as `meta.pkl`
       (`{'vocab_size', 'itos', 'stoi'}`), exactly as nanoGPT's shakespeare_char.
@@ -118,13 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     bpe.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    if args.kind == "char":
-        text = args.input.read_text(encoding="utf-8") if args.input else shakespeare_text()
-        prepare_char(text, args.out)
-    else:
-        texts = ([path.read_text(encoding="utf-8") for path in args.input] if args.input
-                 else shakespeare_plays())
-        prepare_bpe(split_documents(texts), args.vocab_dir, args.out)
+    try:
+        if args.kind == "char":
+            text = args.input.read_text(encoding="utf-8") if args.input else shakespeare_text()
+            prepare_char(text, args.out)
+        else:
+            texts = ([path.read_text(encoding="utf-8") for path in args.input] if args.input
+                     else shakespeare_plays())
+            prepare_bpe(split_documents(texts), args.vocab_dir, args.out)
+    except (OSError, ValueError) as e:  # unreadable input, missing vocabulary, ids beyond uint16
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

