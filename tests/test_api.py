@@ -144,9 +144,15 @@ def error_of(response, status: int) -> dict:
 
 
 def sse_events(response) -> list[str]:
-    """The raw frames of a streamed response, in order."""
+    """The raw frames of a streamed response, in order; a comment line (`: keepalive`, sent without
+    a blank line after it) counts as a frame of its own."""
     text = b"".join(response.response).decode()
-    return [frame for frame in text.split("\n\n") if frame]
+    frames = []
+    for block in text.split("\n\n"):
+        lines = block.split("\n")
+        frames += [line for line in lines if line.startswith(":")]
+        frames.append("\n".join(line for line in lines if not line.startswith(":")))
+    return [frame for frame in frames if frame]
 
 
 def frame_data(frames: list[str]) -> list:

@@ -58,7 +58,8 @@ class JobQueue:
         return self.queue(model_id).enqueue_call(
             protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
             timeout=s.job_timeout_s, ttl=s.queue_ttl_s, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
-            retry=Retry(max=s.job_retries) if s.job_retries > 0 else None,
+            # a retried job (its worker crashed) goes to the front: its client may be mid-stream
+            retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
             description=f"completion {job.id} ({job.model})")
 
     def fetch(self, job_id: str) -> Job | None:

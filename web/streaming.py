@@ -139,7 +139,10 @@ def sse_frames(events: Iterator[Event | None], fmt: ChunkFormat) -> Iterator[str
     as `data: {"error": …}`, and `: keepalive` comments while waiting."""
     for event in events:
         if event is None:
-            yield ": keepalive\n\n"
+            # A comment line without the blank line that would end an event: once a frame carried
+            # an `id:`, openai-python's decoder turns a blank line into an empty event and fails to
+            # parse it as JSON (openai/openai-python#2722).
+            yield ": keepalive\n"
             continue
         body = None
         if event.type == "delta":
