@@ -49,6 +49,10 @@ def setup_logging(level: str) -> None:
     # rq logs every job at INFO; ours already says what matters per job.
     for name in ("rq.worker", "rq.job", "rq.queue"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    # an exception that ends a thread (the engine's, a worker's) is logged like the rest
+    threading.excepthook = lambda args: log.critical(
+        "thread died", extra={"thread_name": args.thread.name if args.thread else None},
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
 
 def parse_devices(value: str) -> list[str]:
@@ -115,6 +119,16 @@ def build_engine(spec, device: str, sink, compile: bool = False):
     return engine
 
 
+def check_engines(engines) -> int:
+    """1 when an engine thread has died (an exception escaped its loop): the process then stops,
+    exiting 1 so its supervisor restarts it. The dead engine's jobs fail within a second of their
+    wait (consumer._wait) and rq retries them, at the front of the queue, on any worker."""
+    dead = [model_id for model_id, engine in engines if not engine.is_alive()]
+    if dead:
+        log.error("engine thread died; stopping so the process is restarted", extra={"models": dead})
+    return 1 if dead else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
             metrics.start(engines, args.metrics_port)
         while not status and not stop.wait(0.5):
-            pass
+            status = check_engines(engines)
         pool.stop()
         log.info("taking no new jobs; waiting for running ones", extra={"running": pool.running()})
         pool.join()

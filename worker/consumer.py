@@ -92,7 +92,7 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
     try:
         handle = binding.engine.submit(job, resume=history.tokens or None)
         try:
-            completion = _wait(handle)
+            completion = _wait(handle, binding.engine)
         except EngineFault:
             raise  # no event was written: rq's retry resumes the job
         except EngineError as err:  # refused or cancelled: the engine wrote the event
@@ -110,14 +110,16 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
     return completion
 
 
-def _wait(handle) -> dict[str, Any]:
+def _wait(handle, engine) -> dict[str, Any]:
     # Wait in short slices: rq's TimerDeathPenalty raises its timeout into this thread, and Python
-    # delivers that only between bytecodes, never inside one long blocking wait.
+    # delivers that only between bytecodes, never inside one long blocking wait. A job whose engine
+    # thread is gone (it died, or was stopped) will never end: it fails now, and rq retries it.
     while True:
         try:
             return handle.result(timeout=1.0)
         except TimeoutError:
-            continue
+            if not engine.is_alive() and not handle.done:
+                raise EngineFault("The engine stopped before the job finished.") from None
 
 
 def _abandon(writer: StreamWriter, handle) -> None:

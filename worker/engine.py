@@ -263,6 +263,10 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
             self._thread.start()
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread runs (False before `start`, after `stop`, or once it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the thread; jobs still in the engine fail with EngineFault (and can be retried)."""
         if self._thread is not None:
