@@ -49,6 +49,7 @@ class LocalRedis:
     process: subprocess.Popen
     port: int
     workdir: str
+    owns_workdir: bool = False  # a temporary directory of ours, removed on stop
 
     @property
     def url(self) -> str:
@@ -62,6 +63,8 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def start_redis(port: int | None = None, persist_dir: str | None = None, timeout: float = 10.0) -> LocalRedis:
@@ -78,8 +81,10 @@ def start_redis(port: int | None = None, persist_dir: str | None = None, timeout
             raise RuntimeError(f"redis-server exited with code {process.returncode} (port {port})")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return LocalRedis(process, port, workdir)
+                return LocalRedis(process, port, workdir, owns_workdir=persist_dir is None)
         except OSError:
             time.sleep(0.05)
     process.kill()
+    if persist_dir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
     raise RuntimeError(f"redis-server did not start on port {port} within {timeout}s")
