@@ -16,7 +16,7 @@ all of them alike:
 - `engine`: `worker.engine.Engine` with `max_batch=C`, the C jobs submitted at once;
 - `serial`: the same engine with `max_batch=1`: one request at a time while the others queue,
   which is what a one-request-at-a-time server does (its C requests run one after another, so from
-  C = 16 up it runs once per benchmark: one run already holds C requests);
+  C = 16 up it runs once per benchmark, one run already holding C requests, and not above 32);
 - `engine-int8`, `engine-compile`: the engine's own int8 and torch.compile modes (`engine_mode`),
   or "not available" where the engine has none.
 
@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -47,7 +48,10 @@ import torch
 from bench import EOS, prompt_ids
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile")
-SERIAL_ONCE_FROM = 16  # from this concurrency up, `serial` runs once (see the module docstring)
+# `serial` runs its requests one after another: once per benchmark from 16 up (one run already
+# holds C requests), and not above 32 (64 would take minutes and say nothing new: its tokens/s
+# does not depend on the concurrency)
+SERIAL_ONCE_FROM, SERIAL_UP_TO = 16, 32
 # Targets of issue 3: (system, over, concurrency, ratio at least)
 TARGETS = [("engine", "transformers", 32, 1.5), ("engine", "transformers", 8, 2.1),
            ("engine", "transformers", 1, 1.4), ("engine-int8", "transformers", 1, 3.7),
@@ -156,6 +160,7 @@ class EngineRun:
         from nanogpt.checkpoint import load_model
 
         self.workload, self.max_batch, self.options = workload, max_batch, options or {}
+        self.threaded = True  # the engine's own thread steps it, as in the worker
         self.model = load_model(checkpoint, device="cpu", dtype=torch.float32)
         if prepare is not None:
             self.model = prepare(self.model)
@@ -182,10 +187,13 @@ class EngineRun:
         jobs = [CompletionJob(id=f"r{i}", model="bench", prompts=[prompt], max_tokens=new_tokens,
                               temperature=0.0, logit_bias={EOS: -100.0}, seed=0)
                 for i, prompt in enumerate(self.workload.prompts(count))]
-        engine.start()
+        if self.threaded:
+            engine.start()
         try:
             start = time.perf_counter()
             handles = [engine.submit(job) for job in jobs]
+            while not self.threaded and not all(handle.done for handle in handles):
+                engine.step()  # in this thread: what a profiler of this thread sees
             results = [handle.result() for handle in handles]
             seconds = time.perf_counter() - start
         finally:
@@ -287,7 +295,7 @@ class SystemProcess:
                 self.conn.send(None)
             except OSError:
                 pass
-            self.process.join(30)
+            self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
@@ -324,7 +332,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         for r in range(repeats):
             for c in concurrency:
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
-                    if name == "serial" and c >= SERIAL_ONCE_FROM and r > 0:
+                    if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
                         continue
                     result = procs[name].run(c, workload.new_tokens)
                     result["load_average"] = os.getloadavg()[0]
@@ -340,12 +348,25 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         "workload": {**asdict(workload), "model": config["model_type"], "n_layer": config["n_layer"],
                      "n_embd": config["n_embd"], "n_head": config["n_head"]},
         "limits": limits,
+        "code": code_version(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "systems": {name: {k: v for k, v in info.items() if k != "ready"} for name, info in ready.items()},
         "unavailable": {name: info["reason"].strip().splitlines()[-1] for name, info in unavailable.items()},
         "summary": summarize(runs, ready, config, workload, limits),
         "runs": {name: {str(c): rs for c, rs in by_c.items()} for name, by_c in runs.items()},
     }
+
+
+def code_version() -> dict:
+    """The commit measured, and which files of the engine's code differed from it."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                              text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--", "worker", "nanogpt").splitlines()}
 
 
 def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
@@ -396,6 +417,7 @@ def check_targets(summary) -> list[dict]:
 def markdown(results: dict) -> str:
     """The tables of docs/benchmarks.md."""
     s, limits = results["summary"], results["limits"]
+    loads = [r["load_average"] for by_c in results["runs"].values() for rs in by_c.values() for r in rs]
     lines = ["| C | system | tok/s | × transformers | × serial | TTFT p50 (s) | TTFT max (s) | "
              "peak RSS (MB) | GFLOP/s | % matmul peak |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -425,8 +447,10 @@ def markdown(results: dict) -> str:
     lines += ["", f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
               f"{limits['copy_gbps']:.1f} GB/s copy (read + write); "
               f"greedy tokens equal to transformers: {s['greedy_equals_transformers']}; "
-              f"load average {results['load_average']['before'][0]:.2f} before, "
-              f"{results['load_average']['after'][0]:.2f} after."]
+              f"load average {min(loads):.2f}–{max(loads):.2f} during the runs "
+              f"(median {statistics.median(loads):.2f}), {results['load_average']['before'][0]:.2f} before, "
+              f"{results['load_average']['after'][0]:.2f} after; code {results['code']['commit']}"
+              + (f" + uncommitted {results['code']['uncommitted']}." if results['code']['uncommitted'] else ".")]
     if results["unavailable"]:
         lines.append("Not available: " + "; ".join(f"{k}: {v}" for k, v in results["unavailable"].items()))
     return "\n".join(lines)
@@ -458,6 +482,25 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def profile(checkpoint: Path, system: str, count: int, workload: Workload, rows: int = 25) -> str:
+    """Where one run's time goes: torch.profiler's operators by self CPU time, and the share of
+    the wall time spent outside torch operators (Python: scheduling, sampling glue, events)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    runner = build_system(system, checkpoint, workload)
+    runner.threaded = False
+    runner.run(count, 4)  # warm-up
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = runner.run(count, workload.new_tokens)
+    averages = prof.key_averages()
+    # self times of all operators sum to the time spent inside torch
+    in_torch = sum(e.self_cpu_time_total for e in averages) / 1e6
+    head = (f"{system}, {count} requests: {result['completion_tokens'] / result['seconds']:.1f} tok/s, "
+            f"{result['seconds']:.2f} s wall, {in_torch:.2f} s inside torch operators "
+            f"({100 * in_torch / result['seconds']:.0f}%)\n")
+    return head + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
@@ -470,14 +513,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
     parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
     parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
+    parser.add_argument("--profile", metavar="SYSTEM:C", default=None,
+                        help="instead: profile one system at concurrency C in this process (e.g. engine:8)")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.concurrency, args.new_tokens = 1, "1,8,32", 16
 
     from bench import checkpoint as build_checkpoint
 
+    # SIGTERM unwinds like Ctrl-C, so the systems' subprocesses are stopped too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
     ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint("gpt2-small")
     workload = Workload(args.prompt_tokens, args.new_tokens)
+    if args.profile:
+        system, count = args.profile.split(":")
+        print(profile(ckpt, system, int(count), workload))
+        return {}
     concurrency = [int(c) for c in args.concurrency.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     started = time.perf_counter()
