@@ -304,15 +304,20 @@ class SystemProcess:
 # ---- the benchmark ---------------------------------------------------------------------------
 
 def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], repeats: int,
-                  workload: Workload, limits: dict | None = None, log=print) -> dict:
-    """Start every system, run them alternately, summarize. Returns a JSON-able dict."""
+                  workload: Workload, limits: dict | None = None, quiet_wait: float = 0.0, log=print) -> dict:
+    """Start every system, run them alternately, summarize. Returns a JSON-able dict.
+    quiet_wait: before each run, wait up to this many seconds (and five times that in all) for other
+    processes to leave the machine alone (bench.machine.wait_until_quiet); each run records how
+    much CPU they took."""
+    from bench.machine import ForeignCpu, measure, wait_until_quiet
+
     config = json.loads((checkpoint / "config.json").read_text())
     load_before = os.getloadavg()
-    # First calls allocate and pack weights; a compiled system compiles for each batch size and
-    # sequence length it meets, so it runs the whole workload once at every concurrency first.
+    # First calls allocate, pack weights and meet every sequence length; a compiled system compiles
+    # for each batch size it meets, so it runs the whole workload once at every concurrency first.
     procs = {name: SystemProcess(name, checkpoint, workload,
                                  [(c, workload.new_tokens) for c in sorted(set(concurrency))] if "compile" in name
-                                 else [(min(concurrency), 4)])
+                                 else [(min(concurrency), workload.new_tokens)])
              for name in systems}
     try:
         ready, unavailable = {}, {}
@@ -324,23 +329,29 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         for name in unavailable:
             procs.pop(name).close()
         if limits is None:  # measured here, while the systems sit idle
-            from bench.machine import measure
-
+            wait_until_quiet(max_wait=quiet_wait)
             limits = measure()
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
+        waited_total = 0.0
         for r in range(repeats):
             for c in concurrency:
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
                     if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
                         continue
+                    # at most quiet_wait per run, and 5 × quiet_wait over the benchmark
+                    budget = min(quiet_wait, 5 * quiet_wait - waited_total)
+                    waited = wait_until_quiet(max_wait=budget) if budget > 0 else 0.0
+                    waited_total += waited
+                    foreign = ForeignCpu().start()
                     result = procs[name].run(c, workload.new_tokens)
-                    result["load_average"] = os.getloadavg()[0]
+                    result.update(foreign_cores=foreign.stop(), waited_s=waited, load_average=os.getloadavg()[0])
                     runs[name][c].append(result)
                     log(f"repeat {r + 1}/{repeats}  C={c:<3} {name:<15} "
                         f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
                         f"ttft {statistics.median(result['ttft']):6.2f} s  "
-                        f"rss {result['peak_rss_mb']:6.0f} MB  load {result['load_average']:.2f}")
+                        f"rss {result['peak_rss_mb']:6.0f} MB  others {result['foreign_cores']:.2f} cores "
+                        f"(waited {waited:.0f} s)")
     finally:
         for proc in procs.values():
             proc.close()
@@ -383,6 +394,7 @@ def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
                    "ttft_p50_s": statistics.median(statistics.median(r["ttft"]) for r in rs),
                    "ttft_max_s": statistics.median(max(r["ttft"]) for r in rs),
                    "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
+                   "foreign_cores": statistics.median(r.get("foreign_cores", 0.0) for r in rs),
                    "gflops": tok_s / workload.new_tokens * flops / 1e9}
             row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
             if c == 1:  # one decode step per token: every weight is read once per token
@@ -417,7 +429,9 @@ def check_targets(summary) -> list[dict]:
 def markdown(results: dict) -> str:
     """The tables of docs/benchmarks.md."""
     s, limits = results["summary"], results["limits"]
-    loads = [r["load_average"] for by_c in results["runs"].values() for rs in by_c.values() for r in rs]
+    all_runs = [r for by_c in results["runs"].values() for rs in by_c.values() for r in rs]
+    loads = [r["load_average"] for r in all_runs]
+    foreign = [r["foreign_cores"] for r in all_runs]
     lines = ["| C | system | tok/s | × transformers | × serial | TTFT p50 (s) | TTFT max (s) | "
              "peak RSS (MB) | GFLOP/s | % matmul peak |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -447,7 +461,9 @@ def markdown(results: dict) -> str:
     lines += ["", f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
               f"{limits['copy_gbps']:.1f} GB/s copy (read + write); "
               f"greedy tokens equal to transformers: {s['greedy_equals_transformers']}; "
-              f"load average {min(loads):.2f}–{max(loads):.2f} during the runs "
+              f"other processes took {statistics.median(foreign):.2f} cores (median over runs; "
+              f"max {max(foreign):.2f}) during the runs; "
+              f"load average {min(loads):.2f}–{max(loads):.2f} at the runs' ends "
               f"(median {statistics.median(loads):.2f}), {results['load_average']['before'][0]:.2f} before, "
               f"{results['load_average']['after'][0]:.2f} after; code {results['code']['commit']}"
               + (f" + uncommitted {results['code']['uncommitted']}." if results['code']['uncommitted'] else ".")]
@@ -513,6 +529,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
     parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
     parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
+    parser.add_argument("--quiet-wait", type=float, default=120.0,
+                        help="before each run, wait up to this many seconds (5× that in all) for other "
+                             "processes to go quiet (the machine is shared; 0: never wait)")
     parser.add_argument("--profile", metavar="SYSTEM:C", default=None,
                         help="instead: profile one system at concurrency C in this process (e.g. engine:8)")
     args = parser.parse_args(argv)
@@ -533,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     started = time.perf_counter()
-    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload,
+    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, quiet_wait=args.quiet_wait,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     results["wall_seconds"] = time.perf_counter() - started
     out = Path(args.json)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from bench import checkpoint
 from bench.loadgen import Sample, completion_body, openai_sender, percentile, run
+from bench.machine import ForeignCpu, wait_until_quiet
 
 API_KEY = "unused"  # auth is disabled in the benchmark's stack
 
@@ -59,11 +60,13 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def latency(gateway, engine, http_floor, requests: int, log) -> dict:
+def latency(gateway, engine, http_floor, requests: int, quiet_wait: float, log) -> dict:
     """p50s of one-at-a-time `max_tokens: 1` requests, the systems alternating request by request."""
     body = completion_body(0, 32, 1)
     for _ in range(3):  # warm up connections, threads, the first forward
         gateway(body), engine(body), http_floor()
+    wait_until_quiet(max_wait=quiet_wait)
+    foreign = ForeignCpu().start()
     seconds = {"gateway": [], "engine": [], "http_floor": []}
     for _ in range(requests):
         for name, sample in (("gateway", gateway(body)), ("engine", engine(body))):
@@ -75,6 +78,7 @@ def latency(gateway, engine, http_floor, requests: int, log) -> dict:
     out.update({f"{name}_p90_ms": 1000 * percentile(values, 90) for name, values in seconds.items()})
     out["overhead_p50_ms"] = out["gateway_p50_ms"] - out["engine_p50_ms"]
     out["requests"] = requests
+    out["foreign_cores"] = foreign.stop()
     log(f"latency (max_tokens 1): gateway p50 {out['gateway_p50_ms']:.1f} ms, engine p50 "
         f"{out['engine_p50_ms']:.1f} ms, overhead {out['overhead_p50_ms']:.1f} ms, "
         f"HTTP floor {out['http_floor_p50_ms']:.1f} ms")
@@ -82,19 +86,21 @@ def latency(gateway, engine, http_floor, requests: int, log) -> dict:
 
 
 def throughput(gateway, engine, clients: int, requests_per_client: int, max_tokens: int, repeats: int,
-               log) -> dict:
+               quiet_wait: float, log) -> dict:
     bodies = [completion_body(i, 32, max_tokens) for i in range(clients * requests_per_client)]
     runs = {"gateway": [], "engine": []}
     for r in range(repeats):
         order = [("engine", engine), ("gateway", gateway)]
         for name, send in order if r % 2 == 0 else order[::-1]:
+            waited = wait_until_quiet(max_wait=quiet_wait) if quiet_wait else 0.0
+            foreign = ForeignCpu().start()
             report = run(send, bodies, clients)
+            report.update(foreign_cores=foreign.stop(), waited_s=waited, load_average=os.getloadavg()[0])
             if report["errors"]:
                 raise RuntimeError(f"{name}: {report['errors']} requests failed: {report['first_error']}")
-            report["load_average"] = os.getloadavg()[0]
             runs[name].append(report)
             log(f"throughput repeat {r + 1}/{repeats} {name:<8} {report['tokens_per_s']:7.1f} tok/s  "
-                f"latency p50 {report['latency_p50_s']:.2f} s  load {report['load_average']:.2f}")
+                f"latency p50 {report['latency_p50_s']:.2f} s  others {report['foreign_cores']:.2f} cores")
     out = {f"{name}_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
     out["fraction"] = out["gateway_tokens_per_s"] / out["engine_tokens_per_s"]
     out["runs"] = runs
@@ -103,7 +109,7 @@ def throughput(gateway, engine, clients: int, requests_per_client: int, max_toke
 
 def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: int, max_tokens: int,
                   repeats: int, throughput_model: str, workdir: Path, checkpoints: dict[str, Path] | None = None,
-                  log=print) -> dict:
+                  quiet_wait: float = 0.0, log=print) -> dict:
     """Start the stack, measure, stop it. `checkpoints`: model name -> HF directory (default: the
     bench's cached random-weight checkpoints of `tiny` and the throughput model)."""
     from models.registry import Registry
@@ -127,10 +133,10 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
             result = {
                 "latency": latency(openai_sender(web.url + "/v1", "tiny", api_key=API_KEY),
                                    engine_sender(engines["tiny"], "tiny"), client.models.list,
-                                   latency_requests, log),
+                                   latency_requests, quiet_wait, log),
                 "throughput": throughput(openai_sender(web.url + "/v1", throughput_model, api_key=API_KEY),
                                          engine_sender(engines[throughput_model], throughput_model),
-                                         clients, requests_per_client, max_tokens, repeats, log),
+                                         clients, requests_per_client, max_tokens, repeats, quiet_wait, log),
             }
     finally:
         server.stop()
@@ -154,7 +160,10 @@ def markdown(result: dict) -> str:
         f"| tokens/s, {thr['clients']} clients, {thr['model']} | {thr['gateway_tokens_per_s']:.1f} | "
         f"{thr['engine_tokens_per_s']:.1f} | {thr['fraction']:.2f} | ≥ 0.9 |",
         "",
-        f"HTTP floor (`GET /v1/models` p50): {lat['http_floor_p50_ms']:.1f} ms; load average "
+        f"HTTP floor (`GET /v1/models` p50): {lat['http_floor_p50_ms']:.1f} ms; other processes took "
+        f"{lat['foreign_cores']:.2f} cores during the latency runs and "
+        f"{statistics.median(r['foreign_cores'] for rs in thr['runs'].values() for r in rs):.2f} (median) during "
+        f"the throughput runs; load average "
         f"{result['load_average']['before'][0]:.2f} before, {result['load_average']['after'][0]:.2f} after.",
     ])
 
@@ -168,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--throughput-model", default="gpt2-small", choices=["gpt2-small", "tiny"])
+    parser.add_argument("--quiet-wait", type=float, default=120.0,
+                        help="wait up to this many seconds for other processes to go quiet before each "
+                             "measurement (the machine is shared; 0: never wait)")
     parser.add_argument("--json", default="bench/.cache/gateway_bench.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -178,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_benchmark(latency_requests=args.latency_requests, clients=args.clients,
                                requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
                                repeats=args.repeats, throughput_model=args.throughput_model,
-                               workdir=Path(tmp), log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                               workdir=Path(tmp), quiet_wait=args.quiet_wait,
+                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -8,7 +8,9 @@
   (decode at one request reads every weight once per token, so this bounds it).
 
 Each figure is the best of several timed repeats: a limit is what the machine can do, and on a
-shared machine the best repeat is the one least disturbed by others.
+shared machine the best repeat is the one least disturbed by others. `ForeignCpu` and
+`wait_until_quiet` tell how much of the machine other processes take, so that the benchmarks can
+measure in quiet moments and say how quiet they were.
 """
 from __future__ import annotations
 
@@ -52,6 +54,59 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     seconds = best_seconds(lambda: dst.copy_(src), repeats)
     return 2 * nbytes / seconds
+
+
+# ---- what else is using the machine (it is shared) ----
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds spent busy by the whole machine since boot (all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its living descendants (the systems measured)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:  # it exited meanwhile
+            pass
+    return total
+
+
+class ForeignCpu:
+    """Average number of cores used by other processes than ours between start() and stop()."""
+
+    def start(self) -> "ForeignCpu":
+        self._t, self._busy, self._own = time.monotonic(), busy_cpu_seconds(), own_cpu_seconds()
+        return self
+
+    def stop(self) -> float:
+        wall = time.monotonic() - self._t
+        foreign = (busy_cpu_seconds() - self._busy) - (own_cpu_seconds() - self._own)
+        return max(0.0, foreign / wall) if wall > 0 else 0.0
+
+
+def wait_until_quiet(below: float = 0.2, window: float = 1.0, max_wait: float = 300.0) -> float:
+    """Wait until other processes than ours use less than `below` cores over `window` seconds
+    (at most `max_wait` seconds): on a shared machine, measure in the quiet moments. Returns
+    the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < max_wait:
+        probe = ForeignCpu().start()
+        time.sleep(window)
+        if probe.stop() < below:
+            break
+    return time.monotonic() - started
 
 
 def cpu_name() -> str:

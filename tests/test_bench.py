@@ -3,11 +3,13 @@ measured by `make bench`, never asserted here."""
 from __future__ import annotations
 
 import inspect
+import os
+import time
 
 import pytest
 
 from bench import engine_bench, gateway_bench, loadgen
-from bench.machine import measure
+from bench.machine import ForeignCpu, measure, wait_until_quiet
 from tests.stack import start_gunicorn, start_processor, write_models_toml
 
 
@@ -20,6 +22,13 @@ def test_machine_limits_are_measured(limits):
     assert limits["matmul_gflops"] > 0 and limits["copy_gbps"] > 0
     assert set(limits["decode_matmul_gflops"]) == {1, 8}
     assert limits["cores"] >= 1 and limits["torch_threads"] >= 1
+
+
+def test_other_processes_cpu_is_measured():
+    probe = ForeignCpu().start()
+    time.sleep(0.2)
+    assert 0 <= probe.stop() <= os.cpu_count()
+    assert wait_until_quiet(max_wait=0) == pytest.approx(0, abs=0.1)
 
 
 def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, tmp_path):
