@@ -304,12 +304,13 @@ class SystemProcess:
 # ---- the benchmark ---------------------------------------------------------------------------
 
 def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], repeats: int,
-                  workload: Workload, limits: dict | None = None, quiet_wait: float = 0.0, log=print) -> dict:
+                  workload: Workload, limits: dict | None = None, gate=None, log=print) -> dict:
     """Start every system, run them alternately, summarize. Returns a JSON-able dict.
-    quiet_wait: before each run, wait up to this many seconds (and five times that in all) for other
-    processes to leave the machine alone (bench.machine.wait_until_quiet); each run records how
-    much CPU they took."""
-    from bench.machine import ForeignCpu, measure, wait_until_quiet
+    gate: a bench.machine.Gate that times each run in a quiet moment of the (shared) machine and
+    records how much CPU other processes took meanwhile (default: no waiting)."""
+    from bench.machine import Gate, measure, wait_until_quiet
+
+    gate = gate or Gate()
 
     config = json.loads((checkpoint / "config.json").read_text())
     load_before = os.getloadavg()
@@ -329,29 +330,22 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         for name in unavailable:
             procs.pop(name).close()
         if limits is None:  # measured here, while the systems sit idle
-            wait_until_quiet(max_wait=quiet_wait)
+            wait_until_quiet(max_wait=gate.wait)
             limits = measure()
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
-        waited_total = 0.0
         for r in range(repeats):
             for c in concurrency:
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
                     if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
                         continue
-                    # at most quiet_wait per run, and 5 × quiet_wait over the benchmark
-                    budget = min(quiet_wait, 5 * quiet_wait - waited_total)
-                    waited = wait_until_quiet(max_wait=budget) if budget > 0 else 0.0
-                    waited_total += waited
-                    foreign = ForeignCpu().start()
-                    result = procs[name].run(c, workload.new_tokens)
-                    result.update(foreign_cores=foreign.stop(), waited_s=waited, load_average=os.getloadavg()[0])
+                    result = gate.measure(lambda: procs[name].run(c, workload.new_tokens))
                     runs[name][c].append(result)
                     log(f"repeat {r + 1}/{repeats}  C={c:<3} {name:<15} "
                         f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
                         f"ttft {statistics.median(result['ttft']):6.2f} s  "
                         f"rss {result['peak_rss_mb']:6.0f} MB  others {result['foreign_cores']:.2f} cores "
-                        f"(waited {waited:.0f} s)")
+                        f"(waited {result['waited_s']:.0f} s, try {result['attempts']})")
     finally:
         for proc in procs.values():
             proc.close()
@@ -529,9 +523,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
     parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
     parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
-    parser.add_argument("--quiet-wait", type=float, default=120.0,
-                        help="before each run, wait up to this many seconds (5× that in all) for other "
-                             "processes to go quiet (the machine is shared; 0: never wait)")
+    parser.add_argument("--quiet-wait", type=float, default=60.0,
+                        help="before each run, wait up to this many seconds for other processes to go "
+                             "quiet (the machine is shared; 0: never wait)")
+    parser.add_argument("--quiet-budget", type=float, default=300.0, help="seconds of such waiting in all")
+    parser.add_argument("--max-foreign", type=float, default=0.25,
+                        help="redo a run (up to 3 tries) during which other processes took more cores than this")
     parser.add_argument("--profile", metavar="SYSTEM:C", default=None,
                         help="instead: profile one system at concurrency C in this process (e.g. engine:8)")
     args = parser.parse_args(argv)
@@ -539,6 +536,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.repeats, args.concurrency, args.new_tokens = 1, "1,8,32", 16
 
     from bench import checkpoint as build_checkpoint
+    from bench.machine import Gate
 
     # SIGTERM unwinds like Ctrl-C, so the systems' subprocesses are stopped too
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -552,7 +550,8 @@ def main(argv: list[str] | None = None) -> dict:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     started = time.perf_counter()
-    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, quiet_wait=args.quiet_wait,
+    gate = Gate(args.quiet_wait, args.quiet_budget, args.max_foreign)
+    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, gate=gate,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     results["wall_seconds"] = time.perf_counter() - started
     out = Path(args.json)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench import checkpoint
 from bench.loadgen import Sample, completion_body, openai_sender, percentile, run
-from bench.machine import ForeignCpu, wait_until_quiet
+from bench.machine import Gate
 
 API_KEY = "unused"  # auth is disabled in the benchmark's stack
 
@@ -60,42 +60,41 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def latency(gateway, engine, http_floor, requests: int, quiet_wait: float, log) -> dict:
+def latency(gateway, engine, http_floor, requests: int, gate: Gate, log) -> dict:
     """p50s of one-at-a-time `max_tokens: 1` requests, the systems alternating request by request."""
     body = completion_body(0, 32, 1)
     for _ in range(3):  # warm up connections, threads, the first forward
         gateway(body), engine(body), http_floor()
-    wait_until_quiet(max_wait=quiet_wait)
-    foreign = ForeignCpu().start()
-    seconds = {"gateway": [], "engine": [], "http_floor": []}
-    for _ in range(requests):
-        for name, sample in (("gateway", gateway(body)), ("engine", engine(body))):
-            if sample.error:
-                raise RuntimeError(f"{name} request failed: {sample.error}")
-            seconds[name].append(sample.latency)
-        seconds["http_floor"].append(timed(http_floor))
-    out = {f"{name}_p50_ms": 1000 * percentile(values, 50) for name, values in seconds.items()}
-    out.update({f"{name}_p90_ms": 1000 * percentile(values, 90) for name, values in seconds.items()})
-    out["overhead_p50_ms"] = out["gateway_p50_ms"] - out["engine_p50_ms"]
-    out["requests"] = requests
-    out["foreign_cores"] = foreign.stop()
+
+    def measure() -> dict:
+        seconds = {"gateway": [], "engine": [], "http_floor": []}
+        for _ in range(requests):
+            for name, sample in (("gateway", gateway(body)), ("engine", engine(body))):
+                if sample.error:
+                    raise RuntimeError(f"{name} request failed: {sample.error}")
+                seconds[name].append(sample.latency)
+            seconds["http_floor"].append(timed(http_floor))
+        out = {f"{name}_p50_ms": 1000 * percentile(values, 50) for name, values in seconds.items()}
+        out.update({f"{name}_p90_ms": 1000 * percentile(values, 90) for name, values in seconds.items()})
+        out["overhead_p50_ms"] = out["gateway_p50_ms"] - out["engine_p50_ms"]
+        out["requests"] = requests
+        return out
+
+    out = gate.measure(measure)
     log(f"latency (max_tokens 1): gateway p50 {out['gateway_p50_ms']:.1f} ms, engine p50 "
         f"{out['engine_p50_ms']:.1f} ms, overhead {out['overhead_p50_ms']:.1f} ms, "
-        f"HTTP floor {out['http_floor_p50_ms']:.1f} ms")
+        f"HTTP floor {out['http_floor_p50_ms']:.1f} ms, others {out['foreign_cores']:.2f} cores")
     return out
 
 
 def throughput(gateway, engine, clients: int, requests_per_client: int, max_tokens: int, repeats: int,
-               quiet_wait: float, log) -> dict:
+               gate: Gate, log) -> dict:
     bodies = [completion_body(i, 32, max_tokens) for i in range(clients * requests_per_client)]
     runs = {"gateway": [], "engine": []}
     for r in range(repeats):
         order = [("engine", engine), ("gateway", gateway)]
         for name, send in order if r % 2 == 0 else order[::-1]:
-            waited = wait_until_quiet(max_wait=quiet_wait) if quiet_wait else 0.0
-            foreign = ForeignCpu().start()
-            report = run(send, bodies, clients)
-            report.update(foreign_cores=foreign.stop(), waited_s=waited, load_average=os.getloadavg()[0])
+            report = gate.measure(lambda: run(send, bodies, clients))
             if report["errors"]:
                 raise RuntimeError(f"{name}: {report['errors']} requests failed: {report['first_error']}")
             runs[name].append(report)
@@ -109,9 +108,11 @@ def throughput(gateway, engine, clients: int, requests_per_client: int, max_toke
 
 def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: int, max_tokens: int,
                   repeats: int, throughput_model: str, workdir: Path, checkpoints: dict[str, Path] | None = None,
-                  quiet_wait: float = 0.0, log=print) -> dict:
+                  gate: Gate | None = None, log=print) -> dict:
     """Start the stack, measure, stop it. `checkpoints`: model name -> HF directory (default: the
-    bench's cached random-weight checkpoints of `tiny` and the throughput model)."""
+    bench's cached random-weight checkpoints of `tiny` and the throughput model); `gate`: see
+    bench.machine.Gate (default: no waiting)."""
+    gate = gate or Gate()
     from models.registry import Registry
     from processor import build_engine
     from tests.stack import start_gunicorn, start_processor, write_models_toml
@@ -133,10 +134,10 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
             result = {
                 "latency": latency(openai_sender(web.url + "/v1", "tiny", api_key=API_KEY),
                                    engine_sender(engines["tiny"], "tiny"), client.models.list,
-                                   latency_requests, quiet_wait, log),
+                                   latency_requests, gate, log),
                 "throughput": throughput(openai_sender(web.url + "/v1", throughput_model, api_key=API_KEY),
                                          engine_sender(engines[throughput_model], throughput_model),
-                                         clients, requests_per_client, max_tokens, repeats, quiet_wait, log),
+                                         clients, requests_per_client, max_tokens, repeats, gate, log),
             }
     finally:
         server.stop()
@@ -177,9 +178,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--throughput-model", default="gpt2-small", choices=["gpt2-small", "tiny"])
-    parser.add_argument("--quiet-wait", type=float, default=120.0,
+    parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="wait up to this many seconds for other processes to go quiet before each "
                              "measurement (the machine is shared; 0: never wait)")
+    parser.add_argument("--quiet-budget", type=float, default=300.0, help="seconds of such waiting in all")
+    parser.add_argument("--max-foreign", type=float, default=0.25,
+                        help="redo a measurement (up to 3 tries) during which other processes took more cores")
     parser.add_argument("--json", default="bench/.cache/gateway_bench.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_benchmark(latency_requests=args.latency_requests, clients=args.clients,
                                requests_per_client=args.requests_per_client, max_tokens=args.max_tokens,
                                repeats=args.repeats, throughput_model=args.throughput_model,
-                               workdir=Path(tmp), quiet_wait=args.quiet_wait,
+                               workdir=Path(tmp),
+                               gate=Gate(args.quiet_wait, args.quiet_budget, args.max_foreign),
                                log=lambda msg: print(msg, file=sys.stderr, flush=True))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench import engine_bench, gateway_bench, loadgen
-from bench.machine import ForeignCpu, measure, wait_until_quiet
+from bench.machine import ForeignCpu, Gate, measure, wait_until_quiet
 from tests.stack import start_gunicorn, start_processor, write_models_toml
 
 
@@ -29,6 +29,11 @@ def test_other_processes_cpu_is_measured():
     time.sleep(0.2)
     assert 0 <= probe.stop() <= os.cpu_count()
     assert wait_until_quiet(max_wait=0) == pytest.approx(0, abs=0.1)
+    # a run disturbed by more than max_foreign cores is redone, up to `attempts` tries
+    calls = []
+    result = Gate(max_foreign=-1.0, attempts=2).measure(lambda: {"call": calls.append(1) or len(calls)})
+    assert result["call"] == 2 and result["attempts"] == 2 and result["foreign_cores"] >= 0
+    assert Gate(max_foreign=None).measure(lambda: {})["attempts"] == 1
 
 
 def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, tmp_path):
