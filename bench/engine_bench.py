@@ -236,8 +236,11 @@ def build_system(name: str, checkpoint: Path, workload: Workload):
     raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
 
-def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[tuple[int, int]]) -> None:
+def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[tuple[int, int]],
+                 threads: int | None) -> None:
     """Subprocess body: build the system, warm it up, then answer run requests until None."""
+    if threads:
+        torch.set_num_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
@@ -268,12 +271,13 @@ def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[
 class SystemProcess:
     """The parent's handle on one system's subprocess."""
 
-    def __init__(self, name: str, checkpoint: Path, workload: Workload, warmup: list[tuple[int, int]]):
+    def __init__(self, name: str, checkpoint: Path, workload: Workload, warmup: list[tuple[int, int]],
+                 threads: int | None = None):
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve_system, name=f"bench-{name}", daemon=True,
-                                   args=(child, name, str(checkpoint), asdict(workload), warmup))
+                                   args=(child, name, str(checkpoint), asdict(workload), warmup, threads))
         self.process.start()
         child.close()
         self.info: dict = {}
@@ -304,8 +308,11 @@ class SystemProcess:
 # ---- the benchmark ---------------------------------------------------------------------------
 
 def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], repeats: int,
-                  workload: Workload, limits: dict | None = None, gate=None, log=print) -> dict:
+                  workload: Workload, limits: dict | None = None, gate=None, threads: int | None = None,
+                  log=print) -> dict:
     """Start every system, run them alternately, summarize. Returns a JSON-able dict.
+    threads: torch threads of every system and of the limits' measurement (default: torch's, one
+    per core).
     gate: a bench.machine.Gate that times each run in a quiet moment of the (shared) machine and
     records how much CPU other processes took meanwhile (default: no waiting)."""
     from bench.machine import Gate, measure, wait_until_quiet
@@ -318,7 +325,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
     # for each batch size it meets, so it runs the whole workload once at every concurrency first.
     procs = {name: SystemProcess(name, checkpoint, workload,
                                  [(c, workload.new_tokens) for c in sorted(set(concurrency))] if "compile" in name
-                                 else [(min(concurrency), workload.new_tokens)])
+                                 else [(min(concurrency), workload.new_tokens)], threads)
              for name in systems}
     try:
         ready, unavailable = {}, {}
@@ -330,7 +337,9 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         for name in unavailable:
             procs.pop(name).close()
         if limits is None:  # measured here, while the systems sit idle
-            wait_until_quiet(max_wait=gate.wait)
+            wait_until_quiet(max_wait=gate.wait, below=gate.quiet_below)
+            if threads:
+                torch.set_num_threads(threads)
             limits = measure()
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
@@ -452,7 +461,8 @@ def markdown(results: dict) -> str:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['system']} ≥ {t['target']}× {t['over']} at {t['concurrency']} | {ratio} | {met} |")
-    lines += ["", f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
+    lines += ["", f"Torch threads per system: {limits['torch_threads']} (of {limits['cores']} cores). "
+              f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
               f"{limits['copy_gbps']:.1f} GB/s copy (read + write); "
               f"greedy tokens equal to transformers: {s['greedy_equals_transformers']}; "
               f"other processes took {statistics.median(foreign):.2f} cores (median over runs; "
@@ -523,12 +533,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
     parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
     parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per system (default: one per core); on a machine shared with "
+                             "others, fewer threads than cores keep a run from waiting on a busy core")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each run, wait up to this many seconds for other processes to go "
                              "quiet (the machine is shared; 0: never wait)")
     parser.add_argument("--quiet-budget", type=float, default=300.0, help="seconds of such waiting in all")
-    parser.add_argument("--max-foreign", type=float, default=0.25,
-                        help="redo a run (up to 3 tries) during which other processes took more cores than this")
+    parser.add_argument("--max-foreign", type=float, default=None,
+                        help="redo a run (up to 3 tries) during which other processes took more cores than "
+                             "this (default: the cores the systems leave free, less 0.25)")
     parser.add_argument("--profile", metavar="SYSTEM:C", default=None,
                         help="instead: profile one system at concurrency C in this process (e.g. engine:8)")
     args = parser.parse_args(argv)
@@ -550,8 +564,10 @@ def main(argv: list[str] | None = None) -> dict:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     started = time.perf_counter()
-    gate = Gate(args.quiet_wait, args.quiet_budget, args.max_foreign)
-    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, gate=gate,
+    spare = max(0.25, (os.cpu_count() or 1) - (args.threads or torch.get_num_threads()) - 0.25)
+    max_foreign = spare if args.max_foreign is None else args.max_foreign
+    gate = Gate(args.quiet_wait, args.quiet_budget, max_foreign, quiet_below=max_foreign)
+    results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, gate=gate, threads=args.threads,
                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
     results["wall_seconds"] = time.perf_counter() - started
     out = Path(args.json)

@@ -110,20 +110,22 @@ def wait_until_quiet(below: float = 0.2, window: float = 1.0, max_wait: float = 
 
 
 class Gate:
-    """Measure in quiet moments: before a run, wait for other processes to go quiet (at most `wait`
-    seconds per run and `budget` seconds in all), and redo a run they disturbed anyway (more than
-    `max_foreign` cores on average, up to `attempts` tries; the last try stands)."""
+    """Measure in quiet moments: before a run, wait for other processes to go quiet (use fewer than
+    `quiet_below` cores; at most `wait` seconds per run and `budget` seconds in all), and redo a
+    run they disturbed anyway (more than `max_foreign` cores on average, up to `attempts` tries;
+    the last try stands)."""
 
     def __init__(self, wait: float = 0.0, budget: float = 0.0, max_foreign: float | None = None,
-                 attempts: int = 3):
+                 attempts: int = 3, quiet_below: float = 0.2):
         self.wait, self.budget, self.max_foreign, self.attempts = wait, budget, max_foreign, attempts
+        self.quiet_below = quiet_below  # "quiet": other processes use fewer cores than this
         self.waited = 0.0
 
     def measure(self, run) -> dict:
         """run() -> a result dict, which gets `foreign_cores`, `waited_s`, `attempts`, `load_average`."""
         for attempt in range(1, self.attempts + 1):
             allowed = min(self.wait, self.budget - self.waited)
-            waited = wait_until_quiet(max_wait=allowed) if allowed > 0 else 0.0
+            waited = wait_until_quiet(self.quiet_below, max_wait=allowed) if allowed > 0 else 0.0
             self.waited += waited
             probe = ForeignCpu().start()
             result = run()

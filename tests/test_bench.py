@@ -26,8 +26,8 @@ def test_machine_limits_are_measured(limits):
 
 def test_other_processes_cpu_is_measured():
     probe = ForeignCpu().start()
-    time.sleep(0.2)
-    assert 0 <= probe.stop() <= os.cpu_count()
+    time.sleep(0.5)
+    assert 0 <= probe.stop() <= os.cpu_count() + 0.2  # /proc/stat counts in 10 ms ticks
     assert wait_until_quiet(max_wait=0) == pytest.approx(0, abs=0.1)
     # a run disturbed by more than max_foreign cores is redone, up to `attempts` tries
     calls = []
