@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quiet-budget", type=float, default=300.0, help="seconds of such waiting in all")
     parser.add_argument("--max-foreign", type=float, default=None,
                         help="redo a run (up to 3 tries) during which other processes took more cores than "
-                             "this (default: the cores the systems leave free, less 0.25)")
+                             "this (default: the cores the systems leave free, plus 0.1)")
     parser.add_argument("--profile", metavar="SYSTEM:C", default=None,
                         help="instead: profile one system at concurrency C in this process (e.g. engine:8)")
     args = parser.parse_args(argv)
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     started = time.perf_counter()
-    spare = max(0.25, (os.cpu_count() or 1) - (args.threads or torch.get_num_threads()) - 0.25)
+    spare = (os.cpu_count() or 1) - (args.threads or torch.get_num_threads()) + 0.1
     max_foreign = spare if args.max_foreign is None else args.max_foreign
     gate = Gate(args.quiet_wait, args.quiet_budget, max_foreign, quiet_below=max_foreign)
     results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, gate=gate, threads=args.threads,
