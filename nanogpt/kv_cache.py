@@ -6,7 +6,10 @@ GPT-2 small (12 layers, 768 wide) in float32 holds 2 * 12 * 768 * 4 B = 72 KiB p
 """
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.nn import functional as F
 
 
 class KVCache:
@@ -40,15 +43,16 @@ class CacheWindow:
     cached positions each query may attend to. Built once per forward, shared by every layer.
 
     tokens of row b sit at positions start_pos[b] .. start_pos[b] + lengths[b] - 1 of slot slots[b];
-    the rest of the row is padding, which is never written to the cache.
+    the rest of the row is padding, which is never written to the cache. `span` (the furthest
+    position + 1) saves a host sync when the caller knows it.
     """
 
-    def __init__(self, slots, start_pos, lengths, T: int, max_len: int):
+    def __init__(self, slots, start_pos, lengths, T: int, max_len: int, span: int | None = None):
         device = slots.device
         self.positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
         self.valid = torch.arange(T, device=device) < lengths[:, None]        # (B, T) real tokens
         # attention reads only the cache positions some real query of this batch can see
-        self.span = max(1, int((start_pos + lengths).max()))
+        self.span = max(1, int((start_pos + lengths).max()) if span is None else span)
         if self.span > max_len:
             raise ValueError(f"batch reaches position {self.span - 1}, the cache holds {max_len} positions")
         rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
@@ -67,3 +71,34 @@ class CacheWindow:
         slot, pos = self.write_at
         cache_layer[slot, :, pos] = new.transpose(1, 2)[self.write_from]  # (N, nh, hs)
         return cache_layer[self.rows, :, :self.span]
+
+    def attend(self, q, k, v, cache_k, cache_v) -> torch.Tensor:
+        """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs)."""
+        k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B, nh, span, hs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+class DecodeWindow:
+    """The decode step's window (one new token per row, T = 1), written for torch.compile: no host
+    syncs, and every shape fixed but the span. Row b writes slot slots[b] at positions[b] (slots
+    distinct, except padding rows, which may share a spare slot) and attends to its slot's
+    positions <= its own among `keys` = arange(span).
+
+    Attention is spelled as reductions over the gathered cache rows rather than one fused kernel:
+    inductor fuses the gather into them, so the slots' keys and values are read once, in place,
+    in any slot order.
+    """
+
+    def __init__(self, slots, positions, keys):
+        self.slots, self.positions, self.keys = slots, positions, keys  # (B,), (B,), (span,)
+        self.mask = keys <= positions[:, None, None]  # (B, 1, span)
+
+    def attend(self, q, k, v, cache_k, cache_v) -> torch.Tensor:
+        B, nh, _, hs = q.shape
+        cache_k[self.slots, :, self.positions] = k[:, :, 0]  # (B, nh, hs)
+        cache_v[self.slots, :, self.positions] = v[:, :, 0]
+        span = self.keys.shape[0]
+        keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
+        scores = (q * keys).sum(-1) * (1.0 / math.sqrt(hs))  # (B, nh, span)
+        p = torch.softmax(scores.masked_fill(~self.mask, float("-inf")), dim=-1)
+        return (p[..., None] * values).sum(-2)[:, :, None]  # (B, nh, 1, hs)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from nanogpt.kv_cache import CacheWindow, KVCache
+from nanogpt.kv_cache import CacheWindow, DecodeWindow, KVCache
 
 
 @dataclass
@@ -64,8 +64,7 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         else:
             cache_k, cache_v, window = cache_layer
-            k, v = window.update(cache_k, k), window.update(cache_v, v)  # (B, nh, span, hs)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=window.mask)
+            y = window.attend(q, k, v, cache_k, cache_v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -163,7 +162,7 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False):
+    def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None):
         """Serving forward over a ragged batch; prefill (T > 1) and decode (T = 1) alike.
 
         tokens (B, T) long: row b holds lengths[b] real tokens, left-aligned, then padding.
@@ -173,11 +172,12 @@ class GPT(nn.Module):
         positions <= its own. Padding is never written to the cache; a row may have length 0 (its
         logits are then meaningless). Rows in consecutive slots (slots[b] == slots[0] + b) read the
         cache in place; any other slot order costs a gather (a copy) per layer.
+        span: max(start_pos + lengths) when the caller knows it (saves a host sync).
         Returns float32 logits of each row's last real token (B, V), or of every position (B, T, V)
         when all_logits (padding positions then hold meaningless values).
         """
         B, T = tokens.shape
-        window = CacheWindow(slots, start_pos, lengths, T, cache.max_len)
+        window = CacheWindow(slots, start_pos, lengths, T, cache.max_len, span)
         if window.span > self.config.block_size:
             raise ValueError(f"batch reaches position {window.span - 1}, the model's context is "
                              f"{self.config.block_size} positions")
@@ -190,6 +190,17 @@ class GPT(nn.Module):
             last = (lengths - 1).clamp(min=0)
             x = x[torch.arange(B, device=x.device), last]  # (B, n_embd): only what lm_head must see
         return self.lm_head(self.transformer.ln_f(x)).float()
+
+    @torch.no_grad()
+    def forward_decode(self, tokens, slots, positions, cache: KVCache, keys):
+        """The decode step alone, for torch.compile: one new token per row, no host syncs, no
+        padding logic (see DecodeWindow). tokens, slots, positions (B,) long; keys = arange(span)
+        with span > every position (and <= the context). Returns float32 logits (B, V)."""
+        window = DecodeWindow(slots, positions, keys)
+        x = self.transformer.wte(tokens[:, None]) + self.transformer.wpe(positions[:, None])  # (B, 1, n_embd)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, (cache.k[i], cache.v[i], window))
+        return self.lm_head(self.transformer.ln_f(x[:, 0])).float()
 
     def crop_block_size(self, block_size):
         """Model surgery to use a smaller context than the checkpoint's (e.g. GPT-2's 1024)."""

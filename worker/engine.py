@@ -38,6 +38,7 @@ from collections import Counter, deque
 import torch
 
 from nanogpt.kv_cache import KVCache
+from nanogpt.packed import pack_linears
 from worker import protocol
 from worker.logprobs import MAX_LOGPROBS, TokenLogprob, fragment, score
 from worker.sampling import Sampler, SamplingParams
@@ -50,6 +51,18 @@ SCORE_CHUNK = 128  # prompt tokens scored per step (echo + logprobs): their (T, 
 # recompilation to one graph per bucket
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _DEFAULT = object()
+
+
+def compile_decode(model):
+    """torch.compile of model.forward_decode: on CPU with inductor's weight freezing (the weights
+    become constants of the graph), which lets the matmuls use the prepacked weights of
+    nanogpt/packed.py (or inductor packs them itself)."""
+    # every batch bucket is a graph, and so is each model of the process
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if model.lm_head.weight.device.type == "cpu":
+        import torch._inductor.config as inductor_config
+        inductor_config.freezing = True
+    return torch.compile(model.forward_decode)
 
 
 def quantize_int8(model):
@@ -189,12 +202,16 @@ class Prefill:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, prepack: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
-        compile: torch.compile the decode forward (batch padded to BATCH_BUCKETS; on CPU with
-        inductor's weight freezing, which prepacks the matmul weights — a process-wide setting)."""
+        prepack: on a CPU float32 model, also hold the Linear weights in MKL's packed layout
+        (nanogpt/packed.py, done in place on the model; as much memory again as those weights):
+        decode steps of several sequences run about twice as fast.
+        compile: torch.compile the decode step (GPT.forward_decode), one graph per batch size of
+        BATCH_BUCKETS (the batch is padded up to one), all compiled here before the engine runs;
+        on CPU with inductor's weight freezing."""
         config = model.config
         self.model, self.tokenizer = model, tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)
@@ -218,11 +235,18 @@ class Engine:
         self.slots = slots
         self.compiled = compile
         self._decode_forward = model.forward_cached
+        if prepack and self.device.type == "cpu" and weight.dtype == torch.float32:
+            pack_linears(model)
         if compile:
-            if self.device.type == "cpu":
-                import torch._inductor.config
-                torch._inductor.config.freezing = True
-            self._decode_forward = torch.compile(model.forward_cached)
+            self._decode_compiled = compile_decode(model)
+            for i in range(len(self.cache.k)):  # one graph serves every engine's slot count
+                torch._dynamo.mark_dynamic(self.cache.k[i], 0)
+                torch._dynamo.mark_dynamic(self.cache.v[i], 0)
+            try:
+                self._warm_up()
+            except Exception:  # e.g. no C++ compiler for inductor's CPU kernels: serve uncompiled
+                log.exception("compiling the decode step failed; the engine runs it uncompiled")
+                self.compiled = False
 
         self.requests: dict[str, Request] = {}  # active jobs, in arrival order
         self.waiting: deque[Prefill] = deque()  # no slots yet
@@ -494,13 +518,32 @@ class Engine:
         self._stats["tokens_generated"] += len(rows)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits (B, V) of one step of the decoding sequences."""
         B = len(seqs)
-        pad = self._bucket(B) - B if self.compiled else 0  # padding rows: token 0 at position 0 of the spare slot
-        meta = torch.tensor([[s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
-                             [s.position for s in seqs] + [0] * pad], device=self.device)
-        tokens, slots, start = meta
-        lengths = torch.ones_like(slots)
-        return self._decode_forward(tokens[:, None], lengths, slots, start, self.cache)[:B]
+        span = max(s.position for s in seqs) + 1
+        if self.compiled:
+            pad = self._bucket(B) - B  # padding rows: token 0 at position 0 of the spare slot
+            return self._run_compiled([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
+                                      [s.position for s in seqs] + [0] * pad, span)[:B]
+        tokens, slots, start = torch.tensor([[s.tokens[-1] for s in seqs], [s.slot for s in seqs],
+                                             [s.position for s in seqs]], device=self.device)
+        return self._decode_forward(tokens[:, None], torch.ones_like(slots), slots, start, self.cache, span=span)
+
+    def _run_compiled(self, tokens: list[int], slots: list[int], positions: list[int], span: int) -> torch.Tensor:
+        rows = torch.tensor([tokens, slots, positions], device=self.device)
+        keys = torch.arange(max(span, 2), device=self.device)  # the span is the graph's one dynamic size (never 1,
+        torch._dynamo.mark_dynamic(keys, 0)                    # which would specialize; a longer span is masked)
+        for row in rows:
+            torch._dynamo.mark_static(row, 0)
+        with torch.no_grad():
+            return self._decode_compiled(rows[0], rows[1], rows[2], self.cache, keys)
+
+    def _warm_up(self) -> None:
+        """Compile the decode step for every batch bucket this engine can run, on padding rows only."""
+        for bucket in BATCH_BUCKETS:
+            if bucket > self._bucket(self.slots):
+                break
+            self._run_compiled([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
 
     @staticmethod
     def _bucket(B: int) -> int:
