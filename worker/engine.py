@@ -59,7 +59,7 @@ def compile_decode(model):
     nanogpt/packed.py (or inductor packs them itself)."""
     # every batch bucket is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    if model.lm_head.weight.device.type == "cpu":
+    if model.transformer.wte.weight.device.type == "cpu":
         import torch._inductor.config as inductor_config
         inductor_config.freezing = True
     return torch.compile(model.forward_decode)
