@@ -58,24 +58,38 @@ class CacheWindow:
         rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
         self.write_at = (slots[rows], self.positions[rows, cols])  # (slot, position) of each real token
         self.write_from = (rows, cols)
-        # rows in consecutive slots read the cache in place (a view); any other order is a copy
-        first = int(slots[0])
-        consecutive = torch.equal(slots, torch.arange(first, first + len(slots), device=device))
-        self.rows = slice(first, first + len(slots)) if consecutive else slots
         keys = torch.arange(self.span, device=device)
         self.mask = keys <= self.positions[:, None, :, None]  # (B, 1, T, span): key pos <= query pos
+        # Rows in consecutive slots read the cache in place (a view). Rows in ascending slots with
+        # a few unused slots between them read the whole slot range in place too, the unused
+        # slots as extra rows whose output is dropped: cheaper than copying out the rows' keys and
+        # values in every layer, which is what any other order costs.
+        B = len(slots)
+        first, last = int(slots[0]), int(slots[-1])
+        self.rows, self.pick = slots, None
+        if last - first + 1 <= 2 * B and bool((slots[1:] > slots[:-1]).all()):
+            self.rows = slice(first, last + 1)
+            if last - first + 1 > B:
+                self.pick = slots - first  # each row's place in the slot range
+                mask = torch.ones((last - first + 1, *self.mask.shape[1:]), dtype=torch.bool, device=device)
+                mask[self.pick] = self.mask  # unused slots attend to anything: finite, then dropped
+                self.mask = mask
 
     def update(self, cache_layer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return each row's
-        slot up to the batch's furthest position, (B, nh, span, hs)."""
+        """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return the rows'
+        slots (or their slot range) up to the batch's furthest position, (B or range, nh, span, hs)."""
         slot, pos = self.write_at
         cache_layer[slot, :, pos] = new.transpose(1, 2)[self.write_from]  # (N, nh, hs)
         return cache_layer[self.rows, :, :self.span]
 
     def attend(self, q, k, v, cache_k, cache_v) -> torch.Tensor:
         """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs)."""
-        k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B, nh, span, hs)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
+        if self.pick is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        spread = q.new_zeros((k.shape[0], *q.shape[1:]))
+        spread[self.pick] = q
+        return F.scaled_dot_product_attention(spread, k, v, attn_mask=self.mask)[self.pick]
 
 
 class DecodeWindow:

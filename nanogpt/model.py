@@ -170,8 +170,8 @@ class GPT(nn.Module):
         token (= tokens already cached in that slot). Each row's keys/values are written to its slot
         at start_pos[b] .. start_pos[b] + lengths[b] - 1, and each query attends to its slot's
         positions <= its own. Padding is never written to the cache; a row may have length 0 (its
-        logits are then meaningless). Rows in consecutive slots (slots[b] == slots[0] + b) read the
-        cache in place; any other slot order costs a gather (a copy) per layer.
+        logits are then meaningless). Rows in ascending slots read the cache in place (with few
+        unused slots between them); any other slot order costs a gather (a copy) per layer.
         span: max(start_pos + lengths) when the caller knows it (saves a host sync).
         Returns float32 logits of each row's last real token (B, V), or of every position (B, T, V)
         when all_logits (padding positions then hold meaningless values).

@@ -75,12 +75,14 @@ def test_full_forward_matches_transformers(pair):
     assert_close(last[:, 0], ref.logits[:, -1], **TOL)
 
 
-@pytest.mark.parametrize("slot_of", [dict(a=5, b=1, c=3), dict(a=1, b=2, c=3)], ids=["scattered", "consecutive"])
+@pytest.mark.parametrize("slot_of", [dict(a=5, b=1, c=3), dict(a=1, b=2, c=3), dict(a=1, b=3, c=4)],
+                         ids=["scattered", "consecutive", "ascending-with-gaps"])
 def test_ragged_batch_decoding_matches_full_forward(pair, slot_of):
     """Prefill of different lengths into non-contiguous slots, decode steps, a sequence joining in
     the middle (its prefill batched with the others' decode), a chunked continuation, and an empty
     padding row: every row's logits equal transformers' at that position. Rows in consecutive
-    slots (read in place) and in any other order (gathered) both occur."""
+    slots (read in place), in ascending slots with an unused one between them (the slot range read
+    in place, the unused slot's output dropped) and in any other order (gathered) all occur."""
     model, max_slots = pair.ours, 6
     cache = KVCache(model.config, max_slots=max_slots, max_len=pair.n_positions, device="cpu", dtype=torch.float32)
     seqs = {name: random_seq(pair.n_positions, seed) for seed, name in enumerate("abc", start=1)}

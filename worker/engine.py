@@ -31,6 +31,7 @@ shapes cause in the model's logits matter only at a near-exact tie, as for greed
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections import Counter, deque
@@ -237,7 +238,9 @@ class Engine:
         # one more slot than sequences when compiled: padding rows write their garbage there
         self.cache = KVCache(config, slots + compile, self.max_len, self.device, weight.dtype)
         self.sampler = Sampler(slots, self.vocab_size, self.device)
-        self.free_slots = list(range(slots - 1, -1, -1))
+        # a heap: sequences take the lowest free slot, so the running ones tend to fill slots
+        # 0..n-1 and, taken in slot order, read the KV cache in place (see _run_batch)
+        self.free_slots = list(range(slots))
         self.slots = slots
         self.compiled = compile
         self._decode_forward = model.forward_cached
@@ -469,7 +472,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
-            self.free_slots.append(seq.slot)
+            heapq.heappush(self.free_slots, seq.slot)
             seq.slot = None
 
     def _admit(self) -> None:
@@ -483,7 +486,7 @@ class Engine:
             else:
                 admitted = self.waiting.popleft()
             for s in admitted.seqs:
-                s.slot = self.free_slots.pop()
+                s.slot = heapq.heappop(self.free_slots)
                 self.sampler.assign(s.slot, s.request.params, s.candidate, s.history)
             self.prefilling.append(admitted)
 
@@ -492,6 +495,9 @@ class Engine:
         rows: list[Sequence] = []  # sequences drawing a token this step, and their logits
         logits: list[torch.Tensor] = []
         if self.decoding:
+            # rows in consecutive slots read the cache as a view; in any other order every layer
+            # copies the rows' keys and values first (measured: 18% of the throughput at 32 rows)
+            self.decoding.sort(key=lambda s: s.slot)
             rows += self.decoding
             logits.append(self._decode(self.decoding))
             self._batch_sizes[len(self.decoding)] += 1
