@@ -58,7 +58,8 @@ def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, t
     agreement = results["summary"]["greedy_equals_transformers"]
     assert agreement["engine"] and agreement["serial"] and agreement["transformers"]
     targets = {(t["system"], t["concurrency"]): t for t in results["summary"]["targets"]}
-    assert set(targets) == {("engine", 32), ("engine", 8), ("engine", 1), ("engine-int8", 1)}
+    assert set(targets) == {("engine", 32), ("engine", 8), ("engine", 1), ("engine-int8", 1),
+                            ("engine-compile", 1), ("engine-compile", 8), ("engine-compile", 32)}
     assert targets["engine", 1]["met"] is not None and targets["engine", 8]["met"] is None
 
     table = engine_bench.markdown(results)
