@@ -4,7 +4,8 @@
                                   [--requests-per-client 2] [--repeats 3] [--json PATH]
 
 The real stack (tests/stack.py): a private redis-server, `processor.py` and gunicorn (2 workers ×
-16 threads), with two random-weight models registered: `tiny` (2 layers, 64 wide) and `gpt2-small`
+64 threads, as `make serve` runs it), with two random-weight models registered: `tiny` (2 layers,
+64 wide) and `gpt2-small`
 (GPT-2 124M shape), both `device = "cpu"`, `max_batch = 32`, `context_length = 128`. The engine
 alone is built in this process by `processor.build_engine` from the same registry entry (the
 worker's own construction), without an event sink. Both are driven by bench/loadgen.py's closed
@@ -127,7 +128,8 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
     server = start_redis()
     try:
         with start_processor(server.url, models_file, models=sorted(engines), concurrency=32, log_dir=workdir), \
-                start_gunicorn(server.url, models_file, env={"NANOSERVE_AUTH": "disabled"}, log_dir=workdir) as web:
+                start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
+                               log_dir=workdir) as web:
             import openai
 
             client = openai.OpenAI(base_url=web.url + "/v1", api_key=API_KEY, max_retries=0)
