@@ -5,8 +5,7 @@
 
 The real stack (tests/stack.py): a private redis-server, `processor.py` and gunicorn (2 workers ×
 64 threads, as `make serve` runs it), with two random-weight models registered: `tiny` (2 layers,
-64 wide) and `gpt2-small`
-(GPT-2 124M shape), both `device = "cpu"`, `max_batch = 32`, `context_length = 128`. The engine
+64 wide) and `gpt2-small` (GPT-2 124M shape), both `device = "cpu"`, `max_batch = 32`, `context_length = 128`. The engine
 alone is built in this process by `processor.build_engine` from the same registry entry (the
 worker's own construction), without an event sink. Both are driven by bench/loadgen.py's closed
 loop through the real `openai` client (gateway) or `engine.submit(...).result()` (engine alone),
