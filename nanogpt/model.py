@@ -122,6 +122,17 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    # The serving contract every family's model keeps (worker/ relies on nothing else): `config`
+    # (block_size, vocab_size, n_layer, n_head, n_embd), `device`, `dtype` (of the activations and
+    # the KV cache), `forward_cached`, `forward_decode`.
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.wte.weight.dtype
+
     def get_num_params(self, non_embedding=True):
         """Parameter count; position embeddings excluded by default (token embeddings are tied
         to lm_head, so they count)."""

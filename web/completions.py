@@ -14,7 +14,7 @@ from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 from models.tokenizer import Tokenizer
 from web import access, metrics
 from web.config import settings
-from web.errors import APIError, bad_request
+from web.errors import bad_request
 from web.models_api import served_models
 from web.queue import job_queue
 from web.schemas import CompletionRequest, RequestError, parse_completion_request
@@ -159,10 +159,6 @@ def check_context(prompts: list[list[int]], max_tokens: int | None, context_leng
     for ids in prompts:
         completion = max_tokens if max_tokens is not None else max(context_length - len(ids), 0)
         if len(ids) + completion > context_length:
-            raise APIError(400, f"This model's maximum context length is {context_length} tokens, however "
-                           f"you requested {len(ids) + completion} tokens ({len(ids)} in your prompt; "
-                           f"{completion} for the completion). Please reduce your prompt; or completion length.",
-                           "invalid_request_error", "max_tokens" if max_tokens else "prompt",
-                           "context_length_exceeded")
+            raise protocol.context_length_error(context_length, len(ids), max_tokens)
         total += completion
     return total

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: one exception type, one envelope, registered once on the app."""
+"""OpenAI-shaped errors answered by the app: the handlers, registered once (the error type itself,
+APIError, is worker/protocol.py's, shared with the worker)."""
 from __future__ import annotations
 
 import logging
@@ -7,45 +8,14 @@ import redis
 from flask import Flask, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from worker.protocol import error_body
+from worker.protocol import APIError, bad_request, error_body  # noqa: F401 (web raises them from here)
 
 log = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    """An error answered to the client as `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-# OpenAI's error types and the HTTP status each is answered with.
-_STATUS_BY_TYPE = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
-                   "not_found_error": 404, "rate_limit_error": 429}
+# The OpenAI error type of each status werkzeug raises on its own.
 _TYPE_BY_STATUS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                    413: "invalid_request_error", 429: "rate_limit_error"}
-
-
-def error_from_body(body: dict) -> APIError:
-    """An error envelope that came back from a worker (an `error` event) as an APIError."""
-    err = body.get("error") or {}
-    type_ = err.get("type") or "server_error"
-    return APIError(_STATUS_BY_TYPE.get(type_, 500), err.get("message") or "The request failed.", type_,
-                    err.get("param"), err.get("code"))
 
 
 def register_error_handlers(app: Flask) -> None:

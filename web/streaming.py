@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import redis
 from rq.job import JobStatus
 
-from web.errors import APIError, error_from_body
+from web.errors import APIError
 from web.queue import JobQueue
 from worker import protocol
 
@@ -103,7 +103,7 @@ def wait_for_completion(events: Iterator[Event | None], deadline: float, jq: Job
         if event.type == "done":
             return event.data["completion"]
         if event.type == "error":
-            raise error_from_body(event.data)
+            raise APIError.from_body(event.data)
         if event.type == "cancelled":
             raise cancelled_error()
     jq.cancel(job_id)

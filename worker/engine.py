@@ -60,7 +60,7 @@ def compile_decode(model):
     nanogpt/packed.py (or inductor packs them itself)."""
     # every batch bucket is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    if model.transformer.wte.weight.device.type == "cpu":
+    if model.device.type == "cpu":
         import torch._inductor.config as inductor_config
         inductor_config.freezing = True
     return torch.compile(model.forward_decode)
@@ -82,16 +82,13 @@ def quantize_int8(model):
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
-class EngineError(Exception):
-    """A request the engine cannot run; carries OpenAI's error fields."""
+class EngineError(protocol.APIError):
+    """A request the engine cannot run (OpenAI's error fields; answered as a 400 unless its type says
+    otherwise)."""
 
     def __init__(self, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
-        super().__init__(message)
-        self.message, self.type, self.param, self.code = message, type_, param, code
-
-    def body(self) -> dict:
-        return protocol.error_body(self.message, self.type, self.param, self.code)
+        super().__init__(protocol.STATUS_BY_TYPE.get(type_, 500), message, type_, param, code)
 
 
 class EngineFault(EngineError):
@@ -228,15 +225,14 @@ class Engine:
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id
         self.event_sink = event_sink
         self.prefill_chunk = max(1, prefill_chunk)
-        weight = model.transformer.wte.weight
-        self.device = weight.device
+        self.device, dtype = model.device, model.dtype
         slots = max_batch
         if kv_memory_bytes is not None:
-            slots = min(slots, kv_memory_bytes // (KVCache.bytes_per_token(config, weight.dtype) * self.max_len))
+            slots = min(slots, kv_memory_bytes // (KVCache.bytes_per_token(config, dtype) * self.max_len))
         if slots < 1:
             raise ValueError(f"KV-cache budget of {kv_memory_bytes} bytes holds no slot of {self.max_len} positions")
         # one more slot than sequences when compiled: padding rows write their garbage there
-        self.cache = KVCache(config, slots + compile, self.max_len, self.device, weight.dtype)
+        self.cache = KVCache(config, slots + compile, self.max_len, self.device, dtype)
         self.sampler = Sampler(slots, self.vocab_size, self.device)
         # a heap: sequences take the lowest free slot, so the running ones tend to fill slots
         # 0..n-1 and, taken in slot order, read the KV cache in place (see _run_batch)
@@ -244,7 +240,7 @@ class Engine:
         self.slots = slots
         self.compiled = compile
         self._decode_forward = model.forward_cached
-        if prepack and self.device.type == "cpu" and weight.dtype == torch.float32:
+        if prepack and self.device.type == "cpu" and dtype == torch.float32:
             pack_linears(model)
         if compile:
             self._decode_compiled = compile_decode(model)
@@ -348,13 +344,9 @@ class Engine:
             bad = next((t for t in prompt if not 0 <= t < V), None)
             if bad is not None:
                 raise EngineError(f"Token id {bad} in the prompt is outside the vocabulary (0..{V - 1}).", param="prompt")
-            wanted = len(prompt) + (job.max_tokens or 0)
-            if wanted > ctx:
-                completion = "" if job.max_tokens is None else f"; {job.max_tokens} for the completion"
-                raise EngineError(
-                    f"This model's maximum context length is {ctx} tokens, however you requested {wanted} tokens "
-                    f"({len(prompt)} in your prompt{completion}). Please reduce your prompt; or completion length.",
-                    param="max_tokens" if job.max_tokens else "prompt", code="context_length_exceeded")
+            if len(prompt) + (job.max_tokens or 0) > ctx:
+                error = protocol.context_length_error(ctx, len(prompt), job.max_tokens)
+                raise EngineError(error.message, error.type, error.param, error.code)
         if job.n < 1:
             raise EngineError(f"{job.n} is less than the minimum of 1 - 'n'", param="n")
         if job.best_of is not None and job.best_of < job.n:

@@ -117,3 +117,46 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error envelope; all four keys are always present."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ---- errors: one OpenAI-shaped error type for web and worker ----
+
+# OpenAI's error types and the HTTP status each is answered with.
+STATUS_BY_TYPE = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
+                  "not_found_error": 404, "rate_limit_error": 429}
+
+
+class APIError(Exception):
+    """An error in OpenAI's shape: web answers it as `{"error": {message, type, param, code}}` with
+    `status`; the worker writes it as a job's `error` event, and web reads it back with `from_body`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> "APIError":
+        """An envelope that came back from a worker (an `error` event) as an APIError."""
+        err = body.get("error") or {}
+        type_ = err.get("type") or "server_error"
+        return cls(STATUS_BY_TYPE.get(type_, 500), err.get("message") or "The request failed.", type_,
+                   err.get("param"), err.get("code"))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def context_length_error(context_length: int, prompt_tokens: int, max_tokens: int | None) -> APIError:
+    """OpenAI's refusal of a prompt (plus `max_tokens`) longer than the model's context."""
+    completion = max_tokens or 0
+    return bad_request(
+        f"This model's maximum context length is {context_length} tokens, however you requested "
+        f"{prompt_tokens + completion} tokens ({prompt_tokens} in your prompt; {completion} for the completion). "
+        "Please reduce your prompt; or completion length.",
+        "max_tokens" if max_tokens else "prompt", "context_length_exceeded")
