@@ -9,8 +9,12 @@ Which files make a model's tokenizer, looked for in the checkpoint's directory (
   meta.pkl). tiktoken downloads that file once into its cache (`TIKTOKEN_CACHE_DIR`), so a machine
   without internet needs the cache filled beforehand; checkpoints we produce carry their vocab files.
 
-Literal special-token text in a prompt (`"<|endoftext|>"`) is encoded as ordinary text, never as the
-special token, so a user cannot inject an end-of-text marker (Hugging Face's tokenizer would).
+Special tokens written in a text (`"a<|endoftext|>b"`) become their ids, as transformers' tokenizers
+and vLLM read prompts: a client that separates documents with the end-of-text token's text (as
+lm-evaluation-harness does) is scored on the token the model was trained with. A checkpoint's special
+tokens are `<|endoftext|>` and those its tokenizer files mark special (`added_tokens` of
+tokenizer.json; tokenizer_config.json and special_tokens_map.json beside vocab.json). Training data
+is encoded with `encode_ordinary`, where such text stays text.
 """
 from __future__ import annotations
 
@@ -89,14 +93,20 @@ def _mtime(path: Path) -> int:
 
 
 class Tokenizer:
-    """Text ↔ token ids. Subclasses set `vocab_size`, `eos_token_id` and implement `encode`,
-    `decode_bytes` and `token_bytes`."""
+    """Text ↔ token ids. Subclasses set `vocab_size`, `eos_token_id`, `special_ids` and implement
+    `encode`, `decode_bytes` and `token_bytes`."""
 
     vocab_size: int
     eos_token_id: int | None
+    special_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of a text in which special tokens' text stands for the special tokens."""
         raise NotImplementedError
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of a text taken as plain text throughout."""
+        return self.encode(text)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         raise NotImplementedError
@@ -150,6 +160,7 @@ class BPETokenizer(Tokenizer):
         self.encoding = encoding
         self.vocab_size = encoding.n_vocab
         self.eos_token_id = encoding.eot_token if ENDOFTEXT in encoding.special_tokens_set else None
+        self.special_ids = frozenset(encoding.encode_single_token(name) for name in encoding.special_tokens_set)
 
     @classmethod
     def r50k_base(cls) -> BPETokenizer:
@@ -168,7 +179,8 @@ class BPETokenizer(Tokenizer):
             raise TokenizerError(f"{vocab_file}: expected a JSON object mapping tokens to ids")
         lines = _read_text(merges_file).splitlines()
         merges = [line.split() for line in lines if line and not line.startswith("#version")]
-        return cls._build(vocab, merges, {ENDOFTEXT}, merges_file)
+        names, added = _config_special_tokens(vocab_file.parent)
+        return cls._build(vocab, merges, _specials(vocab, names | {ENDOFTEXT}, added), merges_file)
 
     @classmethod
     def from_tokenizer_json(cls, path: Path) -> BPETokenizer:
@@ -178,17 +190,18 @@ class BPETokenizer(Tokenizer):
             raise TokenizerError(f"{path}: not a BPE tokenizer (model.type is not 'BPE')")
         # merges are "a b" strings in older files, [a, b] pairs in newer ones
         merges = [m.split() if isinstance(m, str) else m for m in model.get("merges", [])]
-        special = {t["content"] for t in data.get("added_tokens") or [] if t.get("special")}
-        return cls._build(model.get("vocab", {}), merges, special | {ENDOFTEXT}, path)
+        added = {t.get("content"): t.get("id") for t in data.get("added_tokens") or []
+                 if isinstance(t, dict) and t.get("special")}
+        vocab = model.get("vocab", {})
+        return cls._build(vocab, merges, _specials(vocab, {ENDOFTEXT}, added), path)
 
     @classmethod
-    def _build(cls, vocab: dict, merges: list, special_names: set[str], origin: Path) -> BPETokenizer:
+    def _build(cls, vocab: dict, merges: list, special: dict[str, int], origin: Path) -> BPETokenizer:
         """tiktoken ranks from a Hugging Face-style vocabulary and merge list. tiktoken merges the pair
         whose concatenation has the lowest id, so this is the same BPE only when every multi-byte token
         is made by exactly one merge and ids grow in merge order — true of GPT-2; checked here."""
         decoder = _gpt2_byte_decoder()
         try:
-            special = {name: i for name, i in vocab.items() if name in special_names}
             ranks = {bytes(decoder[c] for c in name): i for name, i in vocab.items()
                      if name not in special}
             merged = [bytes(decoder[c] for c in a + b) for a, b in merges]
@@ -209,7 +222,10 @@ class BPETokenizer(Tokenizer):
         return cls(encoding)
 
     def encode(self, text: str) -> list[int]:
-        return self.encoding.encode_ordinary(text)  # special-token text stays ordinary text
+        return self.encoding.encode(text, allowed_special="all")
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         ids = list(ids)
@@ -282,6 +298,48 @@ def _gpt2_byte_decoder() -> dict[str, int]:
                  *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+def _specials(vocab: dict, names: set[str], added: dict) -> dict[str, int]:
+    """Special tokens and their ids: those listed with an id (`added`), and those named in `names`
+    that the vocabulary holds."""
+    special = {name: vocab[name] for name in names if name in vocab}
+    special.update({name: i for name, i in added.items() if isinstance(name, str) and name and type(i) is int})
+    return special
+
+
+def _config_special_tokens(directory: Path) -> tuple[set[str], dict[str, int]]:
+    """The special tokens a Hugging Face tokenizer directory declares beside vocab.json: names
+    (bos/eos/unk/pad/… and additional special tokens of tokenizer_config.json and
+    special_tokens_map.json) and tokens with their ids (`added_tokens_decoder` entries marked special).
+    A token is written either as its text or as `{"content": text, ...}`."""
+    names: set[str] = set()
+    added: dict[str, int] = {}
+
+    def add(token) -> None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and token:
+            names.add(token)
+
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = directory / file
+        if not path.is_file():
+            continue
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            continue
+        decoder = data.get("added_tokens_decoder")
+        for i, token in (decoder.items() if isinstance(decoder, dict) else ()):
+            if isinstance(token, dict) and token.get("special") and str(i).isdigit():
+                added[token.get("content")] = int(i)
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+            add(data.get(key))
+        for key in ("additional_special_tokens", "extra_special_tokens"):  # transformers 4's and 5's name
+            extra = data.get(key)
+            for token in (extra if isinstance(extra, list) else ()):
+                add(token)
+    return names, added
 
 
 def _read_text(path: Path) -> str:

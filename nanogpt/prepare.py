@@ -92,7 +92,7 @@ def prepare_bpe(documents: list[str], vocab_dir: str | Path, out: str | Path) ->
     tokenizer = load_tokenizer(Path(vocab_dir))
     ids: list[int] = []
     for doc in documents:
-        ids.extend(tokenizer.encode(doc))  # literal "<|endoftext|>" in a document stays text
+        ids.extend(tokenizer.encode_ordinary(doc))  # literal "<|endoftext|>" in a document stays text
         ids.append(tokenizer.eos_token_id)
     n_train, n_val = write_split(np.array(ids, dtype=np.int64), out)
     for f in files:

@@ -95,12 +95,73 @@ def test_bpe_shape_and_round_trip(bpe):
         assert bpe.decode(bpe.encode(text)) == text
 
 
-def test_endoftext_text_is_ordinary_text(bpe):
-    ids = bpe.encode("a<|endoftext|>b")
-    assert 50256 not in ids
-    assert bpe.decode(ids) == "a<|endoftext|>b"
+SPECIAL_TEXTS = [
+    "a<|endoftext|>b",
+    "<|endoftext|>",
+    "<|endoftext|><|endoftext|>",
+    " <|endoftext|> x",
+    "First document.\n\n<|endoftext|>\n\nSecond document",
+    "<|endoftext|>Hello world<|endoftext|>",
+    "<|endoftext|",  # not the whole token's text: ordinary text
+    "<|endoftext|>>",
+    "end<|endoftext|>日本語 🎉<|endoftext|>  spaces",
+]
+
+
+def test_special_token_text_becomes_its_id_as_in_transformers(bpe, hf_tokenizer):
+    for text in SPECIAL_TEXTS:
+        assert bpe.encode(text) == hf_tokenizer.encode(text), text
+        assert bpe.decode(bpe.encode(text)) == text
+    assert bpe.encode("a<|endoftext|>b") == [64, 50256, 65]
+    assert bpe.special_ids == {50256}
     assert bpe.token_string(50256) == "<|endoftext|>"
-    assert bpe.decode([50256]) == "<|endoftext|>"
+
+
+def test_encode_ordinary_keeps_special_token_text_as_text(bpe):
+    ids = bpe.encode_ordinary("a<|endoftext|>b")
+    assert 50256 not in ids and bpe.decode(ids) == "a<|endoftext|>b"
+    assert bpe.encode_ordinary(CORPUS[8]) == bpe.encode(CORPUS[8])
+
+
+@pytest.mark.parametrize("layout", ["tokenizer.json", "vocab.json"])
+def test_a_checkpoints_own_special_tokens_become_their_ids(tmp_path, gpt2_dir, layout):
+    """Special tokens a checkpoint adds (`<|sep|>` and `<|pad|>`, ids 50257 and 50258) are read from
+    tokenizer.json's added_tokens, or from tokenizer_config.json's added_tokens_decoder beside
+    vocab.json; transformers reads the same files."""
+    from transformers import GPT2TokenizerFast
+
+    if layout == "tokenizer.json":
+        hf = GPT2TokenizerFast.from_pretrained(gpt2_dir)
+        hf.add_special_tokens({"additional_special_tokens": ["<|sep|>"], "pad_token": "<|pad|>"})
+        hf.save_pretrained(tmp_path)
+        assert not (tmp_path / "vocab.json").exists()
+    else:
+        write_gpt2_tokenizer(tmp_path)
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        config["added_tokens_decoder"] = {
+            str(i): {"content": name, "lstrip": False, "rstrip": False, "normalized": False,
+                     "single_word": False, "special": True}
+            for i, name in [(50256, "<|endoftext|>"), (50257, "<|sep|>"), (50258, "<|pad|>")]}
+        config.update(pad_token="<|pad|>", additional_special_tokens=["<|sep|>"])
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = GPT2TokenizerFast.from_pretrained(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    assert len(hf) == tokenizer.vocab_size == 50259 and tokenizer.special_ids == {50256, 50257, 50258}
+    for text in SPECIAL_TEXTS + ["q<|sep|>a<|pad|><|pad|>", "<|sep|> <|endoftext|>\n<|sep|"]:
+        assert tokenizer.encode(text) == hf.encode(text), text
+    assert {tokenizer.decode([i]) for i in (50257, 50258)} == {"<|sep|>", "<|pad|>"}
+    assert [tokenizer.decode([i]) for i in (50257, 50258)] == [hf.decode([i]) for i in (50257, 50258)]
+
+
+def test_char_vocabulary_has_no_special_tokens(tmp_path):
+    path = tmp_path / "meta.pkl"
+    chars = sorted(set("<|endoftext|> ab"))
+    path.write_bytes(pickle.dumps({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                                   "stoi": {c: i for i, c in enumerate(chars)}}))
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.special_ids == frozenset()
+    assert tokenizer.encode("a<|endoftext|>") == tokenizer.encode_ordinary("a<|endoftext|>")
+    assert len(tokenizer.encode("a<|endoftext|>")) == 14
 
 
 def test_token_string_uses_openai_bytes_form_for_partial_characters(bpe):
