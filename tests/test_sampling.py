@@ -104,7 +104,7 @@ def test_adjusted_logits_match_direct_computation():
     history = [[2, 2, 4], [1], [9, 9, 9]]
     for slot, (p, h) in enumerate(zip(params, history)):
         s.assign(slot, p, choice=slot, history=h)
-    got = s.adjusted_logits(logits, torch.tensor([0, 1, 2]), params)
+    got = s.adjusted_logits(logits, [0, 1, 2])
     want = logits.clone()
     for b, (p, h) in enumerate(zip(params, history)):
         for j in range(V):
@@ -176,3 +176,77 @@ def test_fragment_top_dicts_hold_top_n_plus_chosen():
     assert f == {"tokens": ["c", "a", "b", "b"], "token_logprobs": [-2.5, -0.2, None, -9999.0],
                  "top_logprobs": [{"a": -0.1, "b": -1.0, "c": -2.5}, {"a": -0.2}, None, {"b": -9999.0}],
                  "text_offset": [7, 8, 0, 9]}
+
+
+# ---- the logits processors through the sampler, row by row against transformers ----
+
+def test_processors_in_a_mixed_batch_match_transformers_row_by_row():
+    from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                        NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                                                        RepetitionPenaltyLogitsProcessor)
+    V = 30
+    prompt, output = [4, 5, 6, 4, 5], [7, 4, 5]
+    rows = [
+        (SamplingParams(temperature=0), []),
+        (SamplingParams(temperature=0, repetition_penalty=1.7), [RepetitionPenaltyLogitsProcessor(1.7)]),
+        (SamplingParams(temperature=0, no_repeat_ngram_size=2), [NoRepeatNGramLogitsProcessor(2)]),
+        (SamplingParams(temperature=0, bad_words=((9,), (4, 5, 11), (5, 12)), stop_ids=(0,)),
+         [NoBadWordsLogitsProcessor([[9], [4, 5, 11], [5, 12]], eos_token_id=0)]),
+        (SamplingParams(temperature=0, stop_ids=(0, 3), min_tokens=5),
+         [MinNewTokensLengthLogitsProcessor(len(prompt), 5, [0, 3])]),
+        (SamplingParams(temperature=0, stop_ids=(0, 3), min_tokens=3),  # reached: nothing banned
+         [MinNewTokensLengthLogitsProcessor(len(prompt), 3, [0, 3])]),
+        (SamplingParams(temperature=0, repetition_penalty=0.8, no_repeat_ngram_size=3, bad_words=((2,),)),
+         [NoBadWordsLogitsProcessor([[2]], eos_token_id=0), NoRepeatNGramLogitsProcessor(3),
+          RepetitionPenaltyLogitsProcessor(0.8)]),
+    ]
+    sampler = Sampler(len(rows), V)
+    for slot, (params, _) in enumerate(rows):
+        sampler.assign(slot, params, choice=0, history=output, prompt=prompt)
+    torch.manual_seed(0)
+    logits = torch.randn(len(rows), V) * 3
+    got = sampler.adjusted_logits(logits, list(range(len(rows))), [output] * len(rows))
+    ids = torch.tensor([prompt + output])
+    for b, (_, procs) in enumerate(rows):
+        want = LogitsProcessorList(procs)(ids, logits[b:b + 1].clone())[0]
+        assert torch.equal(got[b], want), b
+    assert torch.isinf(got[3, [9, 11, 12]]).all() and torch.isfinite(got[3, 10])  # the output ends in 4 5
+    assert torch.isinf(got[4, [0, 3]]).all() and torch.isfinite(got[5]).all()
+
+
+def test_allowed_token_ids_and_the_counts_that_follow_draws():
+    V = 12
+    sampler = Sampler(2, V)
+    sampler.assign(0, SamplingParams(temperature=1.0, seed=3, allowed_token_ids=(2, 7)), choice=0)
+    sampler.assign(1, SamplingParams(temperature=0, repetition_penalty=2.0), choice=0, prompt=[1])
+    seen = set()
+    for _ in range(40):
+        tokens = sampler.sample(torch.zeros(2, V), [0, 1], [[], []])
+        seen.add(tokens[0].item())
+    assert seen == {2, 7}
+    # greedy row 1 with flat logits: repetition_penalty does not move zeros; it took token 0 each time
+    assert sampler.seen[1].nonzero().flatten().tolist() == [0, 1] and sampler.step[1] == 40
+
+
+def test_min_p_draws_only_likely_enough_tokens():
+    V = 50
+    logits = torch.linspace(0, -6, V)[None].repeat(200, 1)  # probabilities fall by e^-6 across the vocabulary
+    sampler = Sampler(200, V)
+    for slot in range(200):
+        sampler.assign(slot, SamplingParams(temperature=1.0, min_p=0.2, seed=slot), choice=0)
+    tokens = sampler.sample(logits, list(range(200)))
+    kept = (torch.softmax(logits[0], -1) >= 0.2 * torch.softmax(logits[0], -1).max()).sum().item()
+    assert tokens.max().item() < kept and len(set(tokens.tolist())) == kept  # all of them, none beyond
+
+
+def test_fork_copies_a_slots_state_to_another():
+    V = 10
+    sampler = Sampler(3, V)
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, no_repeat_ngram_size=2)
+    for slot in range(3):
+        sampler.assign(slot, params, choice=0, prompt=[1, 2])
+    sampler.sample(torch.eye(V)[[3, 4, 5]] * 5, [0, 1, 2], [[], [], []])
+    sampler.fork([1, 2], [0, 0])  # beams 1 and 2 now continue beam 0 (token 3)
+    assert torch.equal(sampler.seen[2], sampler.seen[0]) and torch.equal(sampler.counts[1], sampler.counts[0])
+    sampler.ngrams[1].push(3)
+    assert sampler.ngrams[0].tokens == [1, 2]  # copies, not shared

@@ -122,6 +122,12 @@ class NGramBans:
             gram = self.tokens[len(self.tokens) - self.size:]
             self.followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
 
+    def copy(self) -> "NGramBans":
+        other = NGramBans(self.size)
+        other.tokens = list(self.tokens)
+        other.followers = {gram: set(nexts) for gram, nexts in self.followers.items()}
+        return other
+
     def banned(self) -> set[int]:
         """The tokens that may not come next."""
         if len(self.tokens) < self.size - 1:

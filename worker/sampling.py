@@ -1,5 +1,6 @@
-"""Choosing the next token for every row of a batch: logit_bias, presence/frequency penalties,
-temperature, top_k, top_p, and seeded draws that do not depend on what else shares the batch.
+"""Choosing the next token for every row of a batch: the logits processors (allowed_token_ids, bad
+words, min_tokens, logit_bias, repetition and presence/frequency penalties, n-gram bans), then
+temperature, min_p, top_k, top_p, and seeded draws that do not depend on what else shares the batch.
 
 Every per-sequence setting lives in per-slot tensors on the model's device (`Sampler`), so one
 decode step samples the whole batch with a handful of tensor ops. Only row *groups* are chosen on
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from worker.logits_processors import (NGramBans, apply_bans, apply_min_p, apply_repetition_penalty,
+                                      apply_token_mask, bad_word_bans, token_mask)
 
 # ---- counter-based randomness: a generator seed = hash(seed, choice, step) ----
 _MASK64 = (1 << 64) - 1
@@ -106,11 +110,14 @@ def _draw_sorted(p_sorted, order, top_k, top_p, noise):
     return order.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def draw(logits, temperature, top_k, top_p, noise, truncated: list[bool]):
+def draw(logits, temperature, top_k, top_p, noise, truncated: list[bool], min_p=None):
     """Sample one token per row of (B, V) logits at the given temperatures (> 0) with the rows'
-    Gumbel noise (B, V). Rows with top_k/top_p (`truncated`) draw from their truncated
-    distribution; the others need no probabilities at all."""
+    Gumbel noise (B, V). min_p (B,) drops the tempered distribution's unlikely tokens first (vLLM's
+    order: temperature, min_p, then top_k and top_p). Rows with top_k/top_p (`truncated`) draw from
+    their truncated distribution; the others need no probabilities at all."""
     scaled = logits / temperature[:, None]
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
     tokens = (scaled + noise).argmax(-1)
     rows = [i for i, t in enumerate(truncated) if t]
     if rows:
@@ -126,10 +133,23 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every token
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token may not follow the rest
+    stop_ids: tuple[int, ...] = ()  # tokens that end a sequence: none of them before min_tokens
+    min_tokens: int = 0
+    no_repeat_ngram_size: int = 0  # 0: off
+
+    @property
+    def banned_ids(self) -> frozenset[int] | None:
+        """Tokens never drawn whatever came before (one-token bad words), or None."""
+        single = frozenset(w[0] for w in self.bad_words if len(w) == 1)
+        return single or None
 
     @property
     def greedy(self) -> bool:
@@ -143,36 +163,57 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def masked(self) -> bool:
+        """Whether some tokens are banned outright (allowed_token_ids, one-token bad words)."""
+        return self.allowed_token_ids is not None or self.banned_ids is not None
+
+    @property
+    def sequence_bans(self) -> bool:
+        """Whether bans depend on the tokens so far (multi-token bad words, n-gram bans)."""
+        return self.no_repeat_ngram_size > 0 or any(len(w) > 1 for w in self.bad_words)
+
 
 class Sampler:
     """Sampling state of every KV-cache slot: parameters (tensors (max_slots,)), per-token counts of
-    generated tokens for penalties and a dense logit_bias row (max_slots, V), and on the host the
-    choice index and draw counter that seed the slot's draws."""
+    generated tokens for penalties, a dense logit_bias row, the tokens seen (prompt and output, for
+    repetition_penalty), the banned and stop tokens (max_slots, V); on the host the choice index and
+    draw counter that seed the slot's draws, and the n-gram bans of slots that ask for them."""
 
     def __init__(self, max_slots: int, vocab_size: int, device="cpu"):
         self.vocab_size = vocab_size
         self.params: list[SamplingParams | None] = [None] * max_slots
         f32 = dict(device=device, dtype=torch.float32)
         i64 = dict(device=device, dtype=torch.long)
+        flags = dict(device=device, dtype=torch.bool)
         self.temperature = torch.ones(max_slots, **f32)
         self.top_p = torch.ones(max_slots, **f32)
         self.top_k = torch.zeros(max_slots, **i64)
+        self.min_p = torch.zeros(max_slots, **f32)
         self.presence = torch.zeros(max_slots, **f32)
         self.frequency = torch.zeros(max_slots, **f32)
+        self.repetition = torch.ones(max_slots, **f32)
         self.choice = [0] * max_slots
         self.step = [0] * max_slots  # tokens drawn so far = index of the next draw
         self.counts = torch.zeros(max_slots, vocab_size, **f32)
         self.bias = torch.zeros(max_slots, vocab_size, **f32)
+        self.seen = torch.zeros(max_slots, vocab_size, **flags)
+        self.banned = torch.zeros(max_slots, vocab_size, **flags)
+        self.stops = torch.zeros(max_slots, vocab_size, **flags)
+        self.ngrams: list[NGramBans | None] = [None] * max_slots
+        self.prompt_len = [0] * max_slots  # tokens of the prompt in ngrams[slot]
 
-    def assign(self, slot: int, params: SamplingParams, choice: int, history: list[int] = ()):
-        """Give `slot` to choice `choice` of a request; `history` are tokens it already generated
-        (a resumed job), which count for penalties and advance the draw counter."""
+    def assign(self, slot: int, params: SamplingParams, choice: int, history: list[int] = (), prompt: list[int] = ()):
+        """Give `slot` to choice `choice` of a request with this `prompt`; `history` are tokens it
+        already generated (a resumed job), which count for penalties and advance the draw counter."""
         self.params[slot] = params
         self.temperature[slot] = max(params.temperature, 1e-6)  # unused when greedy
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
+        self.min_p[slot] = params.min_p
         self.presence[slot] = params.presence_penalty
         self.frequency[slot] = params.frequency_penalty
+        self.repetition[slot] = params.repetition_penalty
         self.choice[slot] = choice
         self.step[slot] = len(history)
         self.counts[slot].zero_()
@@ -183,22 +224,56 @@ class Sampler:
         if params.logit_bias:
             ids = torch.tensor(list(params.logit_bias), device=self.bias.device)
             self.bias[slot, ids] = torch.tensor(list(params.logit_bias.values()), device=self.bias.device)
+        device = self.seen.device
+        self.seen[slot] = token_mask([*prompt, *history], self.vocab_size, device)
+        banned = token_mask(params.banned_ids or (), self.vocab_size, device)
+        if params.allowed_token_ids is not None:
+            banned |= ~token_mask(params.allowed_token_ids, self.vocab_size, device)
+        self.banned[slot] = banned
+        self.stops[slot] = token_mask(params.stop_ids, self.vocab_size, device)
+        size = params.no_repeat_ngram_size
+        self.ngrams[slot] = NGramBans(size, [*prompt, *history]) if size else None
+        self.prompt_len[slot] = len(prompt)
 
-    def adjusted_logits(self, logits: torch.Tensor, slots: torch.Tensor, params: list[SamplingParams]):
-        """Raw (B, V) logits plus logit_bias, minus penalties (skipped when no row has any:
-        adding zeros would change nothing)."""
+    def fork(self, slots: list[int], parents: list[int]) -> None:
+        """Slot slots[i] takes over the state of slot parents[i] (beam search forks its beams)."""
+        dst, src = torch.tensor(slots, device=self.counts.device), torch.tensor(parents, device=self.counts.device)
+        for table in (self.counts, self.seen):
+            table[dst] = table[src]
+        ngrams, steps = [self.ngrams[p] for p in parents], [self.step[p] for p in parents]
+        for slot, parent, gram, step in zip(slots, parents, ngrams, steps):
+            self.ngrams[slot] = gram.copy() if gram is not None else None
+            self.step[slot] = step
+            self.prompt_len[slot] = self.prompt_len[parent]
+
+    def adjusted_logits(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None):
+        """Raw (B, V) logits (or log-probabilities: beam search) through the logits processors, in
+        vLLM's order: banned tokens, bad words and n-gram bans, stop tokens before min_tokens,
+        logit_bias, repetition penalty, presence/frequency penalties. Each is skipped when no row
+        uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them."""
+        params = [self.params[s] for s in slots]
+        idx = torch.tensor(slots, device=logits.device)
+        if any(p.masked for p in params):
+            logits = apply_token_mask(logits, self.banned[idx])
+        if any(p.sequence_bans for p in params):
+            logits = apply_bans(logits, self._sequence_bans(slots, params, outputs))
+        early = [self.step[s] < p.min_tokens for s, p in zip(slots, params)]
+        if any(early):
+            logits = apply_token_mask(logits, self.stops[idx], torch.tensor(early, device=logits.device))
         if any(p.logit_bias for p in params):
-            logits = logits + self.bias[slots]
+            logits = logits + self.bias[idx]
+        if any(p.repetition_penalty != 1 for p in params):
+            logits = apply_repetition_penalty(logits, self.seen[idx], self.repetition[idx])
         if any(p.penalized for p in params):
-            logits = apply_penalties(logits, self.counts[slots], self.presence[slots], self.frequency[slots])
+            logits = apply_penalties(logits, self.counts[idx], self.presence[idx], self.frequency[idx])
         return logits
 
-    def sample(self, logits: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None) -> torch.Tensor:
         """One token per row of raw (B, V) float32 logits, row b belonging to slot slots[b]
         (distinct). Advances each slot's draw counter and token counts. Returns (B,) long, on device."""
         params = [self.params[s] for s in slots]
         idx = torch.tensor(slots, device=logits.device)
-        x = self.adjusted_logits(logits, idx, params)
+        x = self.adjusted_logits(logits, slots, outputs)
         random = [b for b, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum, like transformers
         tokens = x.argmax(-1) if len(random) < len(params) else torch.empty_like(idx)
@@ -207,10 +282,33 @@ class Sampler:
             s = idx[rows]
             keys = [draw_key(params[b].seed, self.choice[slots[b]], self.step[slots[b]]) for b in random]
             noise = gumbel_noise(keys, x.shape[-1], x.device)
+            min_p = self.min_p[s] if any(params[b].min_p > 0 for b in random) else None
             tokens[rows] = draw(x[rows], self.temperature[s], self.top_k[s], self.top_p[s], noise,
-                                [params[b].truncated for b in random])
+                                [params[b].truncated for b in random], min_p)
+        self.advance(slots, tokens)
+        return tokens
+
+    def advance(self, slots: list[int], tokens: torch.Tensor) -> None:
+        """Count the tokens the rows took (drawn here, or chosen by beam search)."""
+        params = [self.params[s] for s in slots]
+        idx = torch.tensor(slots, device=tokens.device)
         for slot in slots:
             self.step[slot] += 1
         if any(p.penalized for p in params):
             self.counts.index_put_((idx, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
-        return tokens
+        if any(p.repetition_penalty != 1 for p in params):
+            self.seen[idx, tokens] = True
+
+    def _sequence_bans(self, slots, params, outputs) -> list[tuple[int, int]]:
+        if outputs is None:
+            raise ValueError("bad words and n-gram bans need each row's output tokens")
+        bans = []
+        for b, (slot, p) in enumerate(zip(slots, params)):
+            past = outputs[b]
+            bans += [(b, t) for t in bad_word_bans(past, [w for w in p.bad_words if len(w) > 1])]
+            ngrams = self.ngrams[slot]
+            if ngrams is not None:
+                for token in past[len(ngrams.tokens) - self.prompt_len[slot]:]:  # those not pushed yet
+                    ngrams.push(token)
+                bans += [(b, t) for t in ngrams.banned()]
+        return bans
