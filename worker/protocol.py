@@ -67,6 +67,22 @@ class CompletionJob(BaseModel):
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    # beyond OpenAI's (vLLM's names and meanings; docs/decoding.md)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: list[list[int]] = Field(default_factory=list)  # token sequences (web tokenizes the words)
+    allowed_token_ids: list[int] | None = None
+    no_repeat_ngram_size: int = 0  # transformers' name; 0: off
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False  # width best_of (or n), the n best returned
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def to_payload(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
