@@ -68,3 +68,11 @@ def test_random_texts_and_splits(seed):
     pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
     out, stopped = run(stops, pieces)
     assert ("".join(out), stopped) == expected(stops, text)
+
+
+def test_include_stop_keeps_the_stop_sequence_and_names_it():
+    m = StopMatcher(["END", "\n\n"], include_stop=True)
+    assert m.push("abc E") == "abc "
+    assert m.push("ND tail") == "END" and m.stopped and m.matched == "END"
+    plain = StopMatcher(["END"])
+    assert plain.push("abcEND") == "abc" and plain.matched == "END"

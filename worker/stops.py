@@ -9,13 +9,15 @@ from __future__ import annotations
 
 class StopMatcher:
     """`push(text)` -> the text now safe to release; `stopped` turns True when a stop sequence
-    completes (text from its start on is dropped). `flush()` releases what is held when the sequence
-    ends for another reason."""
+    completes (text from its start on is dropped, or, with `include_stop`, from its end on) and
+    `matched` names it. `flush()` releases what is held when the sequence ends for another reason."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self.held = ""  # tail that could still be the start of a stop sequence
         self.stopped = False
+        self.matched: str | None = None
 
     def push(self, text: str) -> str:
         if self.stopped:
@@ -26,10 +28,11 @@ class StopMatcher:
         # everything before self.held was released, so a stop can only start inside buf
         # the stop that completes first wins (as if the text had come one character at a time);
         # of two ending together, the longer
-        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
+            end, start, self.matched = min(hits)
             self.stopped, self.held = True, ""
-            return buf[:min(hits)[1]]
+            return buf[:end] if self.include_stop else buf[:start]
         keep = self._partial_stop_len(buf)
         self.held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep]
