@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import redis
@@ -114,18 +114,23 @@ def wait_for_completion(events: Iterator[Event | None], deadline: float, jq: Job
 
 @dataclass
 class ChunkFormat:
-    """What every SSE chunk of one completion shares."""
+    """What every SSE chunk of one completion shares. With `continuous_usage` (vLLM's
+    `stream_options.continuous_usage_stats`) each choice's chunk carries the usage of that choice so
+    far: its prompt's tokens (`prompt_tokens[index]`) and the tokens it generated."""
 
     id: str
     created: int
     model: str
     include_usage: bool
     logprobs: bool  # requested: a finish chunk then carries empty logprobs lists, not null
+    continuous_usage: bool = False
+    prompt_tokens: list[int] = field(default_factory=list)  # per choice index
+    echo: bool = False  # a choice's first delta then carries its prompt's ids too
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices}
-        if self.include_usage:
+        if self.include_usage or self.continuous_usage:
             body["usage"] = usage
         return body
 
@@ -134,9 +139,12 @@ EMPTY_LOGPROBS = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_
 
 
 def sse_frames(events: Iterator[Event | None], fmt: ChunkFormat) -> Iterator[str]:
-    """Server-sent events for a completion: one choice per chunk, a separate chunk with each choice's
-    `finish_reason`, the usage chunk (`choices: []`) when asked for, `data: [DONE]` at the end, errors
-    as `data: {"error": …}`, and `: keepalive` comments while waiting."""
+    """Server-sent events for a completion: one choice per chunk; a choice's `finish_reason` on the
+    chunk with its last text when both came in the same engine step (as vLLM sends it), else on a
+    chunk of its own; the usage chunk (`choices: []`) when asked for; `data: [DONE]` at the end;
+    errors as `data: {"error": …}`; and `: keepalive` comments while waiting."""
+    generated: dict[int, int] = {}  # choice index -> completion tokens so far
+    finished: set[int] = set()  # choices whose finish_reason went out
     for event in events:
         if event is None:
             # A comment line without the blank line that would end an event: once a frame carried
@@ -145,19 +153,34 @@ def sse_frames(events: Iterator[Event | None], fmt: ChunkFormat) -> Iterator[str
             yield ": keepalive\n"
             continue
         body = None
+        data = event.data
         if event.type == "delta":
-            if event.data.get("text") or event.data.get("logprobs"):
-                body = fmt.chunk([{"index": event.data["index"], "text": event.data.get("text", ""),
-                                   "logprobs": event.data.get("logprobs"), "finish_reason": None}])
+            index = data["index"]
+            first = index not in generated
+            generated[index] = generated.get(index, 0) + len(data.get("token_ids", ()))
+            if first and fmt.echo:
+                generated[index] -= _prompt_tokens(fmt, index)
+            reason = data.get("finish_reason")
+            if data.get("text") or data.get("logprobs") or reason:
+                choice = {"index": index, "text": data.get("text", ""), "logprobs": data.get("logprobs"),
+                          "finish_reason": reason}
+                if reason:
+                    choice["stop_reason"] = data.get("stop_reason")
+                    finished.add(index)
+                body = fmt.chunk([choice], _usage_so_far(fmt, index, generated))
         elif event.type == "finish":
-            body = fmt.chunk([{"index": event.data["index"], "text": "",
-                               "logprobs": dict(EMPTY_LOGPROBS) if fmt.logprobs else None,
-                               "finish_reason": event.data["finish_reason"]}])
+            index = data["index"]
+            if index not in finished:
+                finished.add(index)
+                body = fmt.chunk([{"index": index, "text": "",
+                                   "logprobs": dict(EMPTY_LOGPROBS) if fmt.logprobs else None,
+                                   "finish_reason": data["finish_reason"], "stop_reason": data.get("stop_reason")}],
+                                 _usage_so_far(fmt, index, generated))
         elif event.type == "usage":
             if fmt.include_usage:
-                body = fmt.chunk([], usage=event.data)
+                body = fmt.chunk([], usage=data)
         elif event.type == "error":
-            body = event.data
+            body = data
         elif event.type == "cancelled":
             body = cancelled_error().body()
         if body is not None:
@@ -165,6 +188,17 @@ def sse_frames(events: Iterator[Event | None], fmt: ChunkFormat) -> Iterator[str
         if event.type in protocol.TERMINAL_EVENTS:
             yield "data: [DONE]\n\n"
             return
+
+
+def _prompt_tokens(fmt: ChunkFormat, index: int) -> int:
+    return fmt.prompt_tokens[index] if index < len(fmt.prompt_tokens) else 0
+
+
+def _usage_so_far(fmt: ChunkFormat, index: int, generated: dict[int, int]) -> dict | None:
+    if not fmt.continuous_usage:
+        return None
+    prompt, completion = _prompt_tokens(fmt, index), generated.get(index, 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def sse_frame(body: dict[str, Any], entry_id: str | None = None) -> str:
