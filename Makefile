@@ -30,7 +30,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 serve: install
-	$(BIN)/python -m web.devserver
+	$(BIN)/python -m web.dev.devserver
 
 test: install-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
