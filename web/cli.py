@@ -154,7 +154,7 @@ def blocklist_log(limit: int) -> None:
 
 @jobs_cli.command("list")
 @click.option("--key", "key_name", metavar="NAME", help="Only the jobs of the API key NAME.")
-@click.option("--status", type=click.Choice(["queued", "in_progress", "completed", "failed", "cancelled"]),
+@click.option("--status", type=click.Choice(jobs.STATUSES),
               help="Only the jobs in this state.")
 @click.option("--model", help="Only the jobs of this model.")
 @click.option("-n", "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="How many, newest first.")
@@ -190,12 +190,13 @@ def jobs_show(job_id: str) -> None:
 @admin_command
 def jobs_cancel(job_id: str) -> None:
     """Cancel the job JOB_ID, whoever made it (a finished job stays as it ended)."""
-    before = jobs.job_state(rq_job := _job(job_id))["status"]
-    after = jobs.cancel(rq_job)["status"]
-    if before in jobs.ACTIVE:
-        click.echo(f"Cancelled job {job_id} (it was {before}).")
-    else:
-        click.echo(f"Job {job_id} had already ended: {after}.")
+    rq_job = _job(job_id)
+    status = jobs.job_state(rq_job)["status"]
+    if status not in jobs.ACTIVE:
+        click.echo(f"Job {job_id} had already ended: {status}.")
+        return
+    jobs.cancel(rq_job)
+    click.echo(f"Cancelled job {job_id} (it was {status}).")
 
 
 def _job(job_id: str):

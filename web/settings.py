@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -38,8 +39,8 @@ def _seconds(var: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value >= 0:  # also refuses nan
+        value = math.nan
+    if not 0 <= value < math.inf:
         raise ValueError(f"{var} must be a number of seconds, not {text!r}")
     return value
 

@@ -29,6 +29,7 @@ bp = Blueprint("jobs", __name__)
 _STATUS = {JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
            JobStatus.SCHEDULED: "queued", JobStatus.STARTED: "in_progress", JobStatus.FINISHED: "completed",
            JobStatus.FAILED: "failed", JobStatus.CANCELED: "cancelled", JobStatus.STOPPED: "cancelled"}
+STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "in_progress")
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
 
