@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from flask import Flask, g
 
-from web import access, cli, completions, health, jobs, logs, metrics, models_api, queue
+from web import access, cli, completions, health, jobs, logs, metrics, models_api, playground, queue
 from web.config import Settings
 from web.errors import register_error_handlers
 
@@ -33,6 +33,6 @@ def create_app(config: Settings | Mapping[str, Any] | None = None) -> Flask:
         response.headers.update(access.rate_limit_headers(g.get("grant")))
         return response
 
-    for blueprint in (completions.bp, models_api.bp, jobs.bp, health.bp):
+    for blueprint in (completions.bp, models_api.bp, jobs.bp, health.bp, playground.bp):
         app.register_blueprint(blueprint)
     return app
