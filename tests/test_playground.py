@@ -53,6 +53,7 @@ def test_page_is_public_with_correct_types(redis_url, hf_checkpoint, tmp_path, m
         expected = "javascript" if path.endswith(".js") else "css"
         assert expected in asset.content_type, (path, asset.content_type)
     assert client.head("/").status_code == 200
+    assert client.get("/static/playground.js").status_code == 404  # one URL per file
     # the page is public, the API behind it is not
     assert client.get("/v1/models").status_code == 401
 
@@ -317,6 +318,8 @@ def admin(stack):
 
 
 def test_with_keys_required_401_until_a_key_is_given(stack, browser, admin):
+    from selenium.webdriver.common.keys import Keys
+
     page = Page(browser, stack["auth"])
     assert page.models() == []
     assert page.error().startswith("Error 401: You didn't provide an API key")
@@ -332,8 +335,8 @@ def test_with_keys_required_401_until_a_key_is_given(stack, browser, admin):
     page.fill(api_key=key)
     page.wait_for(lambda: page.models() == ["tiny"])
     assert not page.error()
-    page.fill(prompt="Hello", max_tokens=8, seed=3)
-    page.run()
+    page.fill(max_tokens=8, seed=3)
+    page.el("#prompt").send_keys(Keys.CONTROL, Keys.ENTER)  # the keyboard way to run
     assert page.wait_finished() == "done", page.error()
     assert page.els("#output .completion .token") and page.completion()
 

@@ -15,7 +15,7 @@ def create_app(config: Settings | Mapping[str, Any] | None = None) -> Flask:
     """`config`: a `Settings`, or overrides of `Settings.from_env()` by field name."""
     settings = config if isinstance(config, Settings) else Settings.from_env().replace(**(config or {}))
 
-    app = Flask(__name__)
+    app = Flask(__name__, static_folder=None)  # web/static belongs to the playground blueprint
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # keep OpenAI's field order
     app.extensions["nanoserve.settings"] = settings

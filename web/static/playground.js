@@ -108,7 +108,7 @@ function tokenSpan(text, token) {
   span.style.backgroundColor = `hsl(${Math.round(120 * Math.exp(token.logprob))} 75% 80%)`;
   span.dataset.logprob = token.logprob;
   const alternatives = Object.entries(token.top || {}).sort((a, b) => b[1] - a[1])
-    .map(([text, logprob]) => `  ${JSON.stringify(text)}  ${percent(logprob)}  (${logprob.toFixed(3)})`);
+    .map(([alternative, logprob]) => `  ${JSON.stringify(alternative)}  ${percent(logprob)}  (${logprob.toFixed(3)})`);
   span.dataset.tip = [`${JSON.stringify(token.token)}  ${percent(token.logprob)}  (logprob ${token.logprob.toFixed(3)})`,
                       ...(alternatives.length ? ["top alternatives:", ...alternatives] : [])].join("\n");
   return span;
@@ -178,7 +178,6 @@ class Completion {
       if (text) this.element.append(tokenSpan(text, token));
       this.drawn += 1;
     }
-    this.element.dataset.tokens = this.drawn;
   }
 }
 
@@ -193,7 +192,7 @@ function summary(completion, seconds) {
   const usage = completion.usage;
   if (usage) {
     parts.push(`${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion = ${usage.total_tokens} tokens`);
-    parts.push(`${(usage.completion_tokens / seconds).toFixed(1)} tokens/s`);
+    parts.push(`${(usage.completion_tokens / seconds).toFixed(1)} tokens/s`); // queueing and prefill included
   }
   parts.push(`${seconds.toFixed(2)} s`);
   return parts.join(" · ");
@@ -250,6 +249,9 @@ document.addEventListener("DOMContentLoaded", () => {
     loadModels();
   });
   $("run-form").addEventListener("submit", run);
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey) && !controller) $("run-form").requestSubmit();
+  });
   $("stop-run").addEventListener("click", () => controller && controller.abort());
   $("output").addEventListener("mouseover", showTip);
   $("output").addEventListener("mouseout", () => { $("tooltip").hidden = true; });
