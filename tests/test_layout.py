@@ -15,7 +15,7 @@ LAYERS = [
     ("web.access",),
     ("web.metrics", "web.logs"),
     ("web.api",),
-    ("web.health", "web.cli"),
+    ("web.health", "web.cli", "web.playground"),
     ("web.app",),
 ]
 

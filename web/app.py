@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from flask import Flask, g
 
-from web import access, cli, health, logs, metrics
+from web import access, cli, health, logs, metrics, playground
 from web import settings as web_settings
 from web.api import completions, jobs, models, queue
 from web.api.errors import register_error_handlers
@@ -15,7 +15,7 @@ from web.settings import Settings
 
 def create_app(config: Settings | Mapping[str, Any] | None = None) -> Flask:
     """`config`: a `Settings`, or overrides of `Settings.from_env()` by field name."""
-    app = Flask(__name__)
+    app = Flask(__name__, static_folder=None)  # web/static belongs to the playground blueprint
     settings = web_settings.init_app(app, config)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # keep OpenAI's field order
@@ -33,6 +33,6 @@ def create_app(config: Settings | Mapping[str, Any] | None = None) -> Flask:
         response.headers.update(access.rate_limit_headers(g.get("grant")))
         return response
 
-    for blueprint in (completions.bp, models.bp, jobs.bp, health.bp):
+    for blueprint in (completions.bp, models.bp, jobs.bp, health.bp, playground.bp):
         app.register_blueprint(blueprint)
     return app
