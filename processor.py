@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=None,
                         help="rq worker threads per engine = jobs one engine runs at once "
                              "(default: the model's max_batch)")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", protocol.DEFAULT_REDIS_URL))
     parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")

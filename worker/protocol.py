@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+# The Redis of web, worker and admin CLI when REDIS_URL is not set.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
 # rq queue per served model; the job function is named by dotted path so web never imports it.
 QUEUE_PREFIX = "completions:"
 JOB_FUNCTION = "worker.consumer.run_completion"
