@@ -24,7 +24,7 @@ import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import tiktoken
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
@@ -281,6 +281,22 @@ class CharTokenizer(Tokenizer):
     def token_bytes(self, token_id: int) -> bytes:
         self._check_ids([token_id])
         return self.itos[token_id].encode("utf-8")
+
+
+def bad_words_token_ids(words: Iterable[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The token sequences that spell each bad word, as vLLM finds them: the word without leading
+    spaces, and, when a tokenizer marks word starts with a space (GPT-2's BPE), the same word after a
+    space if that is a different first token and the same number of tokens."""
+    spellings: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        if not bare:
+            continue
+        spellings.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            spellings.append(spaced)
+    return spellings
 
 
 class _PlainUnpickler(pickle.Unpickler):

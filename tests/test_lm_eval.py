@@ -14,7 +14,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not in
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from tests.stack import start_gunicorn, start_processor, write_models_toml  # noqa: E402
-from web.local_redis import start_redis  # noqa: E402
+from web.dev.local_redis import start_redis  # noqa: E402
 
 EOT = "<|endoftext|>"
 PAIRS = [  # (context, continuation) as a task hands them to the harness

@@ -10,8 +10,9 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor)
 
+from models.tokenizer import bad_words_token_ids
 from worker.logits_processors import (NGramBans, apply_bans, apply_min_p, apply_repetition_penalty,
-                                      apply_token_mask, bad_word_bans, bad_words_token_ids, token_mask)
+                                      apply_token_mask, bad_word_bans, token_mask)
 
 V = 40
 

@@ -39,9 +39,20 @@ def test_null_means_default_everywhere_openai_allows_it():
     assert parse(max_tokens=None).max_tokens is None  # null max_tokens: up to the end of the context
 
 
-def test_unknown_fields_are_ignored():
-    req = parse(prompt="x", frobnicate=3, stream=True, stream_options={"include_usage": True, "include_obfuscation": 1})
+@pytest.mark.parametrize("fields,name", [({"frobnicate": 3}, "frobnicate"), ({"num_beams": 2}, "num_beams"),
+                                         ({"guided_json": {}}, "guided_json"),
+                                         ({"stream": True, "stream_options": {"include_usage": True, "x": 1}},
+                                          "stream_options.x")])
+def test_unknown_fields_are_a_400_naming_them(fields, name):
+    err = rejected(prompt="x", **fields)
+    assert err.message == f"Unrecognized request argument supplied: {name}" and err.param == name
+
+
+def test_unknown_fields_are_dropped_in_the_lenient_mode():
+    req = parse_completion_request({"model": "m", "prompt": "x", "frobnicate": 3, "stream": True,
+                                    "stream_options": {"include_usage": True, "x": 1}}, unknown_fields="ignore")
     assert req.include_usage and not hasattr(req, "frobnicate")
+    assert parse(stream=True, stream_options={"include_usage": True, "include_obfuscation": True}).include_usage
 
 
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]], ""])
@@ -67,7 +78,7 @@ def test_malformed_prompts(prompt):
     ("frequency_penalty", -3, "-3 is less than the minimum of -2"),
     ("max_tokens", -1, "-1 is less than the minimum of 0 - 'max_tokens'"),
     ("best_of", 21, "21 is greater than the maximum of 20 - 'best_of'"),
-    ("top_k", -1, "-1 is less than the minimum of 0 - 'top_k'"),
+    ("top_k", -2, "-2 is less than the minimum of -1 - 'top_k'"),  # -1: vLLM's "off"
     ("seed", INT64_MAX + 1, "is greater than the maximum of"),
     ("n", "2", "\"2\" is not of type 'integer' - 'n'"),
     ("n", 2.0, "2.0 is not of type 'integer' - 'n'"),
@@ -107,9 +118,16 @@ def test_stop_forms(stop):
     assert parse(stop=stop).stop == expected
 
 
-@pytest.mark.parametrize("stop", [["a"] * 5, "", ["a", ""], [1], {"a": 1}])
+@pytest.mark.parametrize("stop", [["a"] * 17, "", ["a", ""], [1], {"a": 1}])
 def test_bad_stops(stop):
     assert rejected(stop=stop).param == "stop"
+
+
+def test_more_than_four_stop_strings_up_to_the_cap():
+    assert len(parse(stop=[str(i) for i in range(16)]).stop) == 16
+    with pytest.raises(APIError) as info:
+        parse_completion_request({"model": "m", "stop": ["a", "b", "c"]}, max_stop=2)
+    assert info.value.param == "stop" and "at most 2" in info.value.message
 
 
 @pytest.mark.parametrize("bias", [{"x": 1}, {"1": 101}, {"1": -100.5}, {"1": "a"}, {"1": True}, [1, 2], "1"])
@@ -160,3 +178,65 @@ def test_a_valid_request_becomes_its_job():
     assert (streamed.stream, streamed.include_usage, streamed.max_tokens, streamed.n) == (True, True, 16, 1)
     # every job field is set from the request (none left at the job's own default by omission)
     assert set(protocol.CompletionJob.model_fields) - {"created"} <= set(job.model_dump(exclude_unset=True))
+
+
+# ---- vLLM's extras and transformers' options ----
+
+def test_extras_defaults_are_vllms_and_nulls_mean_them():
+    req = parse(prompt="x")
+    assert (req.min_p, req.repetition_penalty, req.min_tokens, req.stop_token_ids, req.ignore_eos) == (0.0, 1.0, 0, [], False)
+    assert (req.include_stop_str_in_output, req.skip_special_tokens, req.bad_words, req.allowed_token_ids) == (False, True, [], None)
+    assert (req.prompt_logprobs, req.truncate_prompt_tokens, req.return_tokens_as_token_ids) == (None, None, False)
+    assert (req.use_beam_search, req.length_penalty, req.early_stopping, req.no_repeat_ngram_size) == (False, 1.0, False, 0)
+    nulls = parse(**{name: None for name in ("min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                                             "skip_special_tokens", "bad_words", "allowed_token_ids", "use_beam_search",
+                                             "length_penalty", "early_stopping", "no_repeat_ngram_size")})
+    assert (nulls.skip_special_tokens, nulls.stop_token_ids, nulls.repetition_penalty) == (True, [], 1.0)
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": "3"}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"bad_words": ["ok", ""]}, "bad_words"), ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": ["w"] * 129}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 6}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"), ({"top_k": -2}, "top_k"),
+    ({"length_penalty": float("inf")}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"), ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha"),
+    ({"penalty_alpha": 2}, "penalty_alpha"), ({"include_stop_str_in_output": None, "skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+    ({"use_beam_search": True, "stream": True}, "stream"), ({"use_beam_search": True, "top_p": 0.9}, "top_p"),
+    ({"use_beam_search": True, "top_k": 5}, "top_k"), ({"use_beam_search": True, "min_p": 0.1}, "min_p"),
+    ({"use_beam_search": "true"}, "use_beam_search"),
+])
+def test_bad_extras_are_a_400_naming_their_param(fields, param):
+    assert rejected(prompt="x", **fields).param == param
+
+
+def test_continuous_usage_implies_the_usage_chunk_unless_refused():
+    on = parse(stream=True, stream_options={"continuous_usage_stats": True})
+    assert on.include_usage and on.continuous_usage
+    refused = parse(stream=True, stream_options={"include_usage": False, "continuous_usage_stats": True})
+    assert not refused.include_usage and not refused.continuous_usage
+    assert not parse(stream=True, stream_options={"include_usage": True}).continuous_usage
+
+
+def test_extras_go_into_the_job():
+    spec = ModelSpec(id="m", checkpoint="unused")
+    req = parse(prompt="x", top_k=-1, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[7],
+                ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, allowed_token_ids=[1, 2],
+                prompt_logprobs=2, return_tokens_as_token_ids=True, no_repeat_ngram_size=3, use_beam_search=True,
+                n=2, best_of=3, length_penalty=0.5, early_stopping="never", temperature=0)
+    job = req.to_job(spec, [[1, 2]], seed=5, bad_words=[[9], [4, 5]])
+    assert job.top_k == 0 and job.bad_words == [[9], [4, 5]]
+    assert (job.repetition_penalty, job.min_tokens, job.stop_token_ids, job.ignore_eos) == (1.2, 2, [7], True)
+    assert parse(prompt="x", min_p=0.05).to_job(spec, [[1]], seed=0).min_p == 0.05
+    assert (job.include_stop_str_in_output, job.skip_special_tokens, job.allowed_token_ids) == (True, False, [1, 2])
+    assert (job.prompt_logprobs, job.return_tokens_as_token_ids, job.no_repeat_ngram_size) == (2, True, 3)
+    assert (job.use_beam_search, job.best_of, job.n, job.length_penalty, job.early_stopping) == (True, 3, 2, 0.5, "never")
+    assert protocol.CompletionJob.from_payload(job.to_payload()) == job

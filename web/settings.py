@@ -103,6 +103,10 @@ class Settings:
     result_ttl_s: int = _setting(protocol.RESULT_TTL, "NANOSERVE_RESULT_TTL", _COUNT)  # rq result_ttl / failure_ttl
     cancel_ttl_s: int = _setting(protocol.STREAM_TTL, None)  # how long a cancel flag stays set
 
+    # the request schema (web/api/schemas.py)
+    unknown_fields: str = _setting("reject", "NANOSERVE_UNKNOWN_FIELDS", _choice("reject", "ignore"))  # 400 or drop
+    max_stop: int = _setting(16, "NANOSERVE_MAX_STOP", _THRESHOLD)  # stop strings per request
+
     # access control (web/access/)
     auth_required: bool = _setting(False, "NANOSERVE_AUTH", _REQUIRED)  # `Authorization: Bearer <key>` on /v1
     metrics_auth_required: bool = _setting(False, "NANOSERVE_METRICS_AUTH", _REQUIRED)  # the same on /metrics

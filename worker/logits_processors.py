@@ -17,13 +17,13 @@ Semantics follow vLLM's SamplingParams (names and ranges) and transformers' logi
   tokens were generated (MinNewTokensLengthLogitsProcessor).
 - allowed_token_ids / one-token bad words: a static ban mask per sequence.
 - bad_words: the last token of a bad word is banned when the tokens before it end the output
-  (NoBadWordsLogitsProcessor; vLLM's spellings of a word: `bad_words_token_ids`).
+  (NoBadWordsLogitsProcessor; the spellings of a word: models.tokenizer.bad_words_token_ids).
 - no_repeat_ngram_size: a token that would repeat an n-gram of the sequence is banned
   (NoRepeatNGramLogitsProcessor).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -85,22 +85,6 @@ def bad_word_bans(past: Sequence[int], bad_words: Sequence[Sequence[int]]) -> li
         if prefix == 0 or (prefix <= len(past) and list(past[len(past) - prefix:]) == list(word[:-1])):
             banned.append(word[-1])
     return banned
-
-
-def bad_words_token_ids(words: Iterable[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """The token sequences that spell each bad word, as vLLM finds them: the word without leading
-    spaces, and, when a tokenizer marks word starts with a space (GPT-2's BPE), the same word after a
-    space if that is a different first token and the same number of tokens."""
-    spellings: list[list[int]] = []
-    for word in words:
-        bare = encode(word.lstrip())
-        if not bare:
-            continue
-        spellings.append(bare)
-        spaced = encode(" " + word.lstrip())
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-            spellings.append(spaced)
-    return spellings
 
 
 class NGramBans:

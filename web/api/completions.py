@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 
-from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer, bad_words_token_ids
 from web import access, metrics
 from web.access.ownership import owner_of
 from web.api.models import served_models
@@ -42,7 +42,9 @@ def create_completion():
     events = _accounted(events, admitted.grant, job.model, started)
     if not job.stream:
         return jsonify(wait_for_completion(events, deadline, jq, job.id, s.sync_timeout_s))
-    fmt = ChunkFormat(job.id, job.created, job.model, job.include_usage, job.logprobs is not None)
+    fmt = ChunkFormat(job.id, job.created, job.model, job.include_usage, job.logprobs is not None,
+                      continuous_usage=admitted.request.continuous_usage, echo=job.echo,
+                      prompt_tokens=[len(p) for p in job.prompts for _ in range(job.n)])
     frames = guarded(sse_frames(events, fmt), jq, job.id, cancel_on_disconnect=True)
     return sse_response(frames)
 
@@ -79,13 +81,18 @@ def admit_completion(for_job: bool = False) -> Admitted:
         g.user = body["user"]
     if for_job and isinstance(body, dict) and body.get("stream"):
         raise bad_request("stream is not supported on /v1/jobs; follow GET /v1/jobs/{id}/stream instead.", "stream")
-    req = parse_completion_request(body)
+    s = settings()
+    req = parse_completion_request(body, max_stop=s.max_stop, unknown_fields=s.unknown_fields)
 
     models = served_models()
     spec = models.get(req.model)
     tokenizer = models.tokenizer(spec)
-    prompts = tokenize_prompts(req.prompt, tokenizer)
+    prompts = truncate_prompts(tokenize_prompts(req.prompt, tokenizer), req.truncate_prompt_tokens,
+                               spec.context_length)
     check_logit_bias(req.logit_bias, tokenizer.vocab_size)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        check_token_ids(getattr(req, name) or [], tokenizer.vocab_size, name)
+    bad_words = bad_words_token_ids(req.bad_words, tokenizer.encode_ordinary)
     completion_tokens = check_context(prompts, req.max_tokens, spec.context_length)
     per_prompt = req.best_of or req.n  # sequences generated for each prompt
     if len(prompts) * per_prompt > settings().max_choices:
@@ -97,7 +104,8 @@ def admit_completion(for_job: bool = False) -> Admitted:
     jq.check_capacity(spec.id)
     reserved = sum(map(len, prompts)) + completion_tokens * per_prompt
     g.grant = grant = access.admit(g.caller, req.user, reserved)
-    job = req.to_job(spec, prompts, seed=req.seed if req.seed is not None else random.getrandbits(63))
+    job = req.to_job(spec, prompts, seed=req.seed if req.seed is not None else random.getrandbits(63),
+                     bad_words=bad_words)
     jq.enqueue(job, spec.id, owner=owner_of(g.caller))
     return Admitted(req, job, grant)
 
@@ -133,6 +141,24 @@ def tokenize_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
             raise bad_request(f"Token id {bad[0]} in the prompt is out of vocabulary (vocabulary size: "
                               f"{tokenizer.vocab_size}).", "prompt")
     return prompts
+
+
+def truncate_prompts(prompts: list[list[int]], keep: int | None, context_length: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: as many as the context holds)."""
+    if keep is None:
+        return prompts
+    if keep > context_length:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than the model's context length "
+                          f"({context_length}).", "truncate_prompt_tokens")
+    keep = context_length if keep == -1 else keep
+    return [ids[-keep:] for ids in prompts]
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = sorted(t for t in ids if t >= vocab_size)
+    if bad:
+        raise bad_request(f"{param} contains token ids that are out of vocabulary: {bad[:10]} "
+                          f"(vocabulary size: {vocab_size}).", param)
 
 
 def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:

@@ -1,25 +1,32 @@
-"""The OpenAI protocol of `/v1/completions`: the request model with OpenAI's names, ranges and
-defaults, the conversion of its validation errors into OpenAI's 400s, and the one conversion of a
-valid request into the job the worker runs (`CompletionRequest.to_job`).
+"""The protocol of `/v1/completions`: the request model with OpenAI's names, ranges and defaults,
+vLLM's extras (its names and meanings) and a few of transformers' `generate` options, the conversion
+of validation errors into OpenAI's 400s, and the one conversion of a valid request into the job the
+worker runs (`CompletionRequest.to_job`). README's "Request parameters" lists them all.
 
-This is the only place OpenAI's ranges and defaults are written: the worker trusts a job built here
-and checks only what only it knows. `null` is accepted wherever OpenAI accepts it and means the
-default, except `max_tokens: null`, which means "up to the end of the context". Unknown fields are
-ignored. Types are strict (no `"5"` for 5), as OpenAI's schema is. What needs the model (vocabulary,
-context length) is checked in `web.api.completions`, with the model's tokenizer at hand.
+This is the only place the ranges and defaults are written: the worker trusts a job built here and
+checks only what only it knows. `null` is accepted wherever OpenAI (or vLLM) accepts it and means the
+default, except `max_tokens: null`, which means "up to the end of the context". A field that is not
+in the model is a 400 naming it, as OpenAI answers, unless the caller asks to drop unknown fields
+(the operator's `NANOSERVE_UNKNOWN_FIELDS=ignore`). Types are strict (no `"5"` for 5), as OpenAI's
+schema is. What needs the model (vocabulary, context length, tokenizing bad words) is checked in
+`web.api.completions`, with the model's tokenizer at hand.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models.registry import ModelSpec
 from worker import protocol
 
+log = logging.getLogger(__name__)
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_STOP = 4
+MAX_STOP = 16  # default cap on stop strings (OpenAI's is 4; vLLM and llama.cpp have none)
+MAX_BAD_WORDS = 128
 
 # Prompt after normalisation: either texts or token ids, always a list of prompts.
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -35,13 +42,15 @@ class RequestError(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's: accepted; chunks are not padded here
+    continuous_usage_stats: bool | None = None  # vLLM: every chunk carries its choice's usage so far
 
 
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str
     prompt: Prompt | None = None  # null: OpenAI's default, the end-of-text token
@@ -60,14 +69,50 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, ge=0, le=1)  # 0, as at OpenAI: the most likely token only
-    top_k: int = Field(0, ge=0)  # extension (vLLM's name); 0: off
     user: str | None = Field(None, max_length=256)  # it names Redis keys: keep it bounded
+    # vLLM's extras (its SamplingParams and OpenAI protocol models: names, meanings, ranges)
+    top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's): off
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=5)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    # transformers' generate options
+    no_repeat_ngram_size: int = Field(0, ge=0)
+    penalty_alpha: float | None = Field(None, ge=0, le=1)  # contrastive search: refused, see _check_combinations
 
     @field_validator("echo", "frequency_penalty", "n", "presence_penalty", "stream", "temperature",
-                     "top_p", "top_k", mode="before")
+                     "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+                     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "bad_words",
+                     "return_tokens_as_token_ids", "use_beam_search", "length_penalty", "early_stopping",
+                     "no_repeat_ngram_size", mode="before")
     @classmethod
     def _null_means_default(cls, value: Any, info) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) if value is None else value
+
+    @field_validator("stop_token_ids", "allowed_token_ids")
+    @classmethod
+    def _check_token_ids(cls, value: list[int] | None, info) -> list[int] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise RequestError(f"{info.field_name} must hold token ids (integers >= 0).", info.field_name)
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, value: list[str]) -> list[str]:
+        if any(not w.strip() for w in value):
+            raise RequestError("bad_words must be non-empty strings.", "bad_words")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -86,14 +131,15 @@ class CompletionRequest(BaseModel):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _check_stop(cls, value: Any) -> Any:
+    def _check_stop(cls, value: Any, info) -> Any:
         if value is None:
             return []
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise RequestError(f"{json.dumps(value)} is not valid under any of the given schemas - 'stop'", "stop")
-        if len(stops) > MAX_STOP:
-            raise RequestError(f"{json.dumps(value)} is too long - 'stop' (at most {MAX_STOP} stop sequences)", "stop")
+        limit = (info.context or {}).get("max_stop", MAX_STOP)
+        if len(stops) > limit:
+            raise RequestError(f"{json.dumps(value)} is too long - 'stop' (at most {limit} stop sequences)", "stop")
         if any(s == "" for s in stops):
             raise RequestError("stop sequences must be non-empty strings.", "stop")
         return stops
@@ -129,23 +175,62 @@ class CompletionRequest(BaseModel):
                                "when all are finished.", "best_of")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true.", "stream_options")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens must be less than or equal to max_tokens (got min_tokens="
+                               f"{self.min_tokens}, max_tokens={self.max_tokens}).", "min_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs are not available when stream is true.", "prompt_logprobs")
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError("truncate_prompt_tokens must be at least 1 (or -1: the model's context).",
+                               "truncate_prompt_tokens")
+        if self.penalty_alpha is not None:
+            raise RequestError("penalty_alpha (contrastive search) is not supported by this server.", "penalty_alpha")
+        if self.use_beam_search:
+            self._check_beam_search()
         return self
+
+    def _check_beam_search(self) -> None:
+        """Beam search is deterministic: truncations of a sampled distribution have no meaning in it."""
+        if self.stream:
+            raise RequestError("Streaming is not supported with beam search.", "stream")
+        for name, neutral in (("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                raise RequestError(f"{name} cannot be used with use_beam_search.", name)
+        if self.top_k > 0:
+            raise RequestError("top_k cannot be used with use_beam_search.", "top_k")
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        """The usage chunk at the end of a stream: asked for, or implied by continuous usage (as vLLM's
+        stream options default include_usage to true) unless refused."""
+        options = self.stream_options
+        if not (self.stream and options):
+            return False
+        return bool(options.include_usage or (options.continuous_usage_stats and options.include_usage is None))
 
-    def to_job(self, spec: ModelSpec, prompts: list[list[int]], seed: int) -> protocol.CompletionJob:
-        """The job for this request: `prompts` tokenized with the model's tokenizer, and always a `seed`
-        (the caller draws one when the request has none), so a job retried after a worker crash
-        replays the tokens it already streamed."""
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def to_job(self, spec: ModelSpec, prompts: list[list[int]], seed: int,
+               bad_words: list[list[int]] = ()) -> protocol.CompletionJob:
+        """The job for this request: `prompts` tokenized with the model's tokenizer, and so are the
+        `bad_words` (their spellings), and always a `seed` (the caller draws one when the request has
+        none), so a job retried after a worker crash replays the tokens it already streamed."""
         return protocol.CompletionJob(
             id=protocol.new_completion_id(), model=spec.id, prompts=prompts, max_tokens=self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias, seed=seed, n=self.n, best_of=self.best_of, stop=self.stop,
             logprobs=self.logprobs, echo=self.echo, stream=self.stream, include_usage=self.include_usage,
-            user=self.user)
+            user=self.user, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, bad_words=list(bad_words),
+            allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size,
+            prompt_logprobs=self.prompt_logprobs, return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+            use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -157,15 +242,31 @@ _TYPE_NAMES = {"int_type": "integer", "float_type": "number", "bool_type": "bool
                "model_type": "object", "int_from_float": "integer"}
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a decoded JSON body; the first problem is a 400 `APIError` naming its param."""
+def parse_completion_request(body: Any, *, max_stop: int = MAX_STOP, unknown_fields: str = "reject") -> CompletionRequest:
+    """Validate a decoded JSON body; the first problem is a 400 `APIError` naming its param.
+    `unknown_fields`: "reject" (a 400 naming the first one, as OpenAI) or "ignore" (dropped, logged)."""
     if not isinstance(body, dict):
         raise protocol.bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
+    if unknown_fields == "ignore":
+        body = _known_fields(body)
     try:
-        return CompletionRequest.model_validate(body)
+        return CompletionRequest.model_validate(body, context={"max_stop": max_stop})
     except ValidationError as err:
         problem = request_error(err)
         raise protocol.bad_request(str(problem), problem.param) from None
+
+
+def _known_fields(body: dict) -> dict:
+    """The body without the fields the request model does not know (at the top and in stream_options)."""
+    unknown = [k for k in body if k not in CompletionRequest.model_fields]
+    kept = {k: v for k, v in body.items() if k in CompletionRequest.model_fields}
+    options = kept.get("stream_options")
+    if isinstance(options, dict):
+        unknown += [f"stream_options.{k}" for k in options if k not in StreamOptions.model_fields]
+        kept["stream_options"] = {k: v for k, v in options.items() if k in StreamOptions.model_fields}
+    if unknown:
+        log.info("request fields ignored: %s", ", ".join(unknown))
+    return kept
 
 
 def request_error(err: ValidationError) -> RequestError:
@@ -179,6 +280,8 @@ def request_error(err: ValidationError) -> RequestError:
     where = ".".join(loc)
     value = json.dumps(first.get("input"), default=str)
     kind = first["type"]
+    if kind == "extra_forbidden":
+        return RequestError(f"Unrecognized request argument supplied: {where}", where)
     if kind == "missing":
         message = f"Missing required parameter: '{where}'."
         if where == "model":
