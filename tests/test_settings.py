@@ -20,6 +20,7 @@ ENV = {
     "NANOSERVE_ABUSE": "off", "NANOSERVE_ABUSE_WINDOW": "2m", "NANOSERVE_ABUSE_MAX_429": "7",
     "NANOSERVE_ABUSE_MAX_INVALID": "9", "NANOSERVE_ABUSE_BAN": "1d",
     "NANOSERVE_LOG_FORMAT": "text", "NANOSERVE_LOG_LEVEL": "debug",
+    "NANOSERVE_UNKNOWN_FIELDS": "ignore", "NANOSERVE_MAX_STOP": "32",
 }
 
 
@@ -34,6 +35,7 @@ def test_every_variable_is_read():
     assert (s.abuse_enabled, s.abuse_window_s, s.abuse_max_rate_limited, s.abuse_max_invalid, s.abuse_ban_s) == \
         (False, 120, 7, 9, 86400)
     assert (s.log_format, s.log_level) == ("text", "DEBUG")
+    assert (s.unknown_fields, s.max_stop) == ("ignore", 32)
     # every field but one is read from the environment, and this test sets each of them
     read = {f.metadata["env"] for f in dataclasses.fields(Settings) if f.metadata["env"]}
     assert read == set(ENV) and len(read) == len(dataclasses.fields(Settings)) - 1
