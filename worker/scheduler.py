@@ -221,12 +221,13 @@ class Scheduler:
         admitted."""
         admitted = []
         while self.waiting and self.free_slots:
-            unit = self.waiting[0]
-            if len(unit.seqs) > len(self.free_slots):
+            head = self.waiting[0]
+            if len(head.seqs) > len(self.free_slots):
                 take = len(self.free_slots)
-                unit.seqs, unit = unit.seqs[take:], Prefill(unit.seqs[:take], unit.context, unit.score_from)
+                unit = Prefill(head.seqs[:take], head.context, head.score_from)
+                head.seqs = head.seqs[take:]
             else:
-                self.waiting.popleft()
+                unit = self.waiting.popleft()
             for s in unit.seqs:
                 s.slot = heapq.heappop(self.free_slots)
             admitted += unit.seqs
