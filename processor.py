@@ -100,7 +100,8 @@ def build_engine(spec, device: str, sink, compile: bool = False):
 
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
-    from worker.engine import Engine, quantize_int8
+    from nanogpt.quantize import quantize_int8
+    from worker.engine import Engine
 
     if spec.dtype == "int8" and device != "cpu":
         raise SystemExit(f"model `{spec.id}`: dtype int8 runs on the CPU only, not on {device}")

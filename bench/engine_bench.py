@@ -17,8 +17,7 @@ all of them alike:
 - `serial`: the same engine with `max_batch=1`: one request at a time while the others queue,
   which is what a one-request-at-a-time server does (its C requests run one after another, so from
   C = 16 up it runs once per benchmark, one run already holding C requests, and not above 32);
-- `engine-int8`, `engine-compile`: the engine's own int8 and torch.compile modes (`engine_mode`),
-  or "not available" where the engine has none.
+- `engine-int8`, `engine-compile`: the engine's int8 and torch.compile modes (`engine_mode`).
 
 Per run: aggregate completion tokens/s (C × 64 over the time from submission to the last token),
 time to first token (submission to the first generated token, median over the C requests), peak
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import multiprocessing
 import os
@@ -220,21 +218,14 @@ class EngineRun:
 
 
 def engine_mode(mode: str) -> tuple:
-    """(prepare, engine keyword arguments) of the engine's own `int8` or `compile` mode:
-    a model transform (`worker.engine.quantize_int8`) or a constructor option; NotAvailable when
-    the engine has neither."""
-    import worker.engine
-
-    accepted = inspect.signature(worker.engine.Engine.__init__).parameters
-    if mode == "compile" and "compile" in accepted:
-        return None, {"compile": True}
+    """(prepare, engine keyword arguments) of the engine's `int8` mode (the model transform
+    `nanogpt.quantize.quantize_int8`) or `compile` mode (the Engine's `compile` option)."""
     if mode == "int8":
-        for name, value in (("dtype", "int8"), ("quantize", "int8"), ("int8", True)):
-            if name in accepted:
-                return None, {name: value}
-        if hasattr(worker.engine, "quantize_int8"):
-            return worker.engine.quantize_int8, {}
-    raise NotAvailable(f"worker.engine has no {mode} mode")
+        from nanogpt.quantize import quantize_int8
+        return quantize_int8, {}
+    if mode == "compile":
+        return None, {"compile": True}
+    raise NotAvailable(f"the engine has no {mode} mode")
 
 
 def build_system(name: str, checkpoint: Path, workload: Workload):

@@ -68,31 +68,25 @@ def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, t
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_int8_and_compile_modes_are_found_or_said_missing():
+def test_int8_and_compile_modes_are_the_engines():
+    from nanogpt.quantize import quantize_int8
     from worker.engine import Engine
 
-    for mode in ("int8", "compile"):
-        try:
-            prepare, options = engine_bench.engine_mode(mode)
-        except engine_bench.NotAvailable as err:
-            assert mode in str(err)
-        else:
-            assert callable(prepare) or options
-            assert set(options) <= set(inspect.signature(Engine.__init__).parameters)
+    assert engine_bench.engine_mode("int8") == (quantize_int8, {})
+    assert engine_bench.engine_mode("compile") == (None, {"compile": True})
+    assert "compile" in inspect.signature(Engine.__init__).parameters
+    with pytest.raises(engine_bench.NotAvailable, match="fp8"):
+        engine_bench.engine_mode("fp8")
 
 
 def test_int8_weights_read_are_a_quarter_of_float32(hf_checkpoint):
     from nanogpt.checkpoint import load_model
 
-    try:
-        prepare, options = engine_bench.engine_mode("int8")
-    except engine_bench.NotAvailable:
-        pytest.skip("the engine has no int8 mode")
+    prepare, _ = engine_bench.engine_mode("int8")
     model = load_model(hf_checkpoint)
     fp32 = engine_bench.weight_bytes_per_step(model)
-    if prepare is not None:
-        int8 = engine_bench.weight_bytes_per_step(prepare(model))
-        assert 0.24 * fp32 < int8 < 0.3 * fp32
+    int8 = engine_bench.weight_bytes_per_step(prepare(model))
+    assert 0.24 * fp32 < int8 < 0.3 * fp32
 
 
 def test_flops_of_gpt2_small():

@@ -12,7 +12,9 @@ from torch.testing import assert_close
 from conftest import make_hf_checkpoint
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
-from worker.engine import Engine, EngineError, EngineFault, RequestCancelled, quantize_int8
+from nanogpt.quantize import quantize_int8
+from worker.engine import Engine
+from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
@@ -217,9 +219,12 @@ def test_context_end_and_too_long_requests(model, tok):
         "message": "This model's maximum context length is 16 tokens, however you requested 17 tokens (11 in your "
                    "prompt; 6 for the completion). Please reduce your prompt; or completion length.",
         "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}})]
-    for kw in (dict(prompts=[[50257]]), dict(logprobs=6), dict(best_of=1, n=2), dict(prompts=[[]])):
-        with pytest.raises(EngineError):
+    # what only the engine knows (OpenAI's ranges are the request schema's: tests/test_schemas.py)
+    for kw, param in ((dict(prompts=[[50257]]), "prompt"), (dict(prompts=[[]]), "prompt"), (dict(prompts=[]), "prompt"),
+                      (dict(logit_bias={50257: 1.0}), "logit_bias")):
+        with pytest.raises(EngineError) as refused:
             engine.generate(job(tok, **kw))
+        assert (refused.value.status, refused.value.param) == (400, param)
     assert engine.generate(job(tok, max_tokens=2))["usage"]["completion_tokens"] == 2  # still serving
 
 
@@ -281,6 +286,18 @@ def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
     assert other_seed["choices"][0]["text"] != alone
 
 
+def test_top_p_0_keeps_only_the_most_likely_token(model, tok, hf):
+    # as OpenAI's: whatever the temperature and seed, the greedy tokens
+    prompt = tok.encode(PROMPTS[1])
+    greedy = tok.decode(hf_greedy(hf, prompt, 12)[0])
+    engine, _ = make_engine(model, tok)
+    kw = dict(n=3, temperature=1.0, seed=11, max_tokens=12)
+    truncated = engine.generate(job(tok, [prompt], top_p=0.0, **kw))["choices"]
+    assert [c["text"] for c in truncated] == [greedy] * 3
+    sampled = engine.generate(job(tok, [prompt], top_p=1.0, **kw))["choices"]  # the same draws, untruncated
+    assert all(c["text"] != greedy for c in sampled)
+
+
 def test_cancel_takes_effect_at_the_next_step(model, tok):
     engine, sink = make_engine(model, tok)
     h = engine.submit(job(tok, max_tokens=50))
@@ -338,7 +355,7 @@ def test_engine_thread_runs_concurrent_jobs(model, tok):
     try:
         handles = [engine.submit(job(tok, [p], max_tokens=5)) for p in PROMPTS]
         texts = [h.result(timeout=30)["choices"][0]["text"] for h in handles]
-        bad = engine.submit(job(tok, logprobs=9))
+        bad = engine.submit(job(tok, prompts=[[50257]]))
         with pytest.raises(EngineError):
             bad.result(timeout=30)
         assert engine.generate(job(tok, [PROMPTS[0]], max_tokens=5))["choices"][0]["text"] == texts[0]
@@ -348,7 +365,7 @@ def test_engine_thread_runs_concurrent_jobs(model, tok):
     assert stats["tokens_generated"] == 25 and stats["kv_slots_used"] == 0 and sum(stats["batch_size_counts"].values()) > 0
 
 
-def test_a_fault_fails_the_batch_without_events_and_the_engine_goes_on(model, tok):
+def test_a_fault_fails_the_batch_without_events_and_the_engine_goes_on(model, tok, monkeypatch):
     engine, sink = make_engine(model, tok)
     h = engine.submit(job(tok, max_tokens=10))
     engine.step()
@@ -356,13 +373,13 @@ def test_a_fault_fails_the_batch_without_events_and_the_engine_goes_on(model, to
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
-    engine._decode_forward = broken
+    monkeypatch.setattr(model, "forward_cached", broken)
     engine.step()
     with pytest.raises(EngineFault):
         h.result(timeout=0)
     assert [t for t, _ in sink.of(h.job_id)] == ["delta", "delta"]  # no error event: a retry may resume
     assert engine.stats()["kv_slots_used"] == 0
-    engine._decode_forward = model.forward_cached
+    monkeypatch.undo()
     assert engine.generate(job(tok, max_tokens=3))["usage"]["completion_tokens"] == 3
 
 

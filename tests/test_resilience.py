@@ -245,7 +245,7 @@ from worker import engine
 _step = engine.Engine.step
 
 def step(self):
-    if self.requests:
+    if self.scheduler.requests:
         self.busy_steps = getattr(self, "busy_steps", 0) + 1
         if self.busy_steps == 10:
             raise RuntimeError("injected engine fault")

@@ -48,6 +48,20 @@ def test_truncate_sorted_top_k_then_top_p():
     assert torch.allclose(truncate_sorted(head, torch.tensor([0]), torch.tensor([0.55])), torch.tensor([[0.3, 0.2, 0.1]]))
 
 
+def test_top_p_0_keeps_the_most_likely_token_alone():
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    got = truncate_sorted(p, torch.tensor([0, 3]), torch.tensor([0.0, 0.0]))
+    assert torch.equal(got, torch.tensor([[0.4, 0, 0, 0], [0.25, 0, 0, 0]]))
+    # through the sampler, at temperature 1 and with seeds: the argmax of every row, even flat ones
+    torch.manual_seed(5)
+    R, V = 16, 500
+    logits = torch.randn(R, V) * torch.tensor([0.01, 0.1, 1.0, 5.0]).repeat(R // 4)[:, None]
+    sampler = Sampler(R, V)
+    for slot in range(R):
+        sampler.assign(slot, SamplingParams(temperature=1.0, top_p=0.0, seed=slot), choice=0)
+    assert torch.equal(sampler.sample(logits, list(range(R))), logits.argmax(-1))
+
+
 def test_truncated_draw_from_candidates_equals_a_full_sort():
     torch.manual_seed(4)
     V, R = 3000, 64

@@ -30,7 +30,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
 
 from worker import protocol
-from worker.engine import EngineError, EngineFault
+from worker.errors import EngineError, EngineFault
 from worker.events import StreamWriter, append_event, read_history
 
 log = logging.getLogger(__name__)

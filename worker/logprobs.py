@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` for completions
 FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 

@@ -77,12 +77,13 @@ def apply_penalties(logits, counts, presence, frequency):
 def truncate_sorted(probs_sorted, top_k, top_p):
     """Zero the tail of each row of descending probabilities (R, K), the K best of a distribution
     over the whole vocabulary (K = V or fewer): keep the top_k first (0 = all), then, renormalised
-    over those top_k, the smallest prefix whose mass reaches top_p."""
+    over those top_k, the smallest prefix whose mass reaches top_p, never less than the first token
+    (top_p 0 keeps the most likely token alone, as OpenAI's does)."""
     rank = torch.arange(probs_sorted.shape[-1], device=probs_sorted.device)
     p = probs_sorted * ((rank < top_k[:, None]) | (top_k[:, None] == 0))
     mass = torch.where(top_k > 0, p.sum(-1), 1.0)  # without top_k: the whole distribution, summing to 1
     mass_before = (p.cumsum(-1) - p) / mass[:, None]  # mass of the strictly better-ranked tokens
-    return p * (mass_before < top_p[:, None])  # the first token always stays (0 < top_p)
+    return p * ((mass_before < top_p[:, None]) | (rank == 0))
 
 
 CANDIDATES = 256  # truncated rows sort only their best tokens when those hold the truncation

@@ -1,0 +1,187 @@
+"""The model side of a step: the forward passes over the KV cache and the drawing of tokens.
+
+A step runs one decode forward for every decoding sequence (T = 1; compiled, when asked, with the
+batch padded to a bucket size), then its prefill chunk: plain prefills in one forward, prefills
+that score their context (echo with logprobs, or a resumed job's logprobs) in another, which keeps
+every position's logits. A completed prefill's keys and values are copied from its leader's slot
+to those of the prompt's other copies (`n`/`best_of` share one prefill). Every row that has logits
+then draws its token (sampling.py) and is scored (logprobs.py), and all of it comes to the host in
+one `.tolist()`: the step's one sync.
+
+The model is used through its serving contract only: `config`, `device`, `dtype`,
+`forward_cached` (prefill, and eager decode) and `forward_decode` (the compiled decode).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+
+from nanogpt.compile import compile_decode
+from nanogpt.kv_cache import KVCache
+from nanogpt.packed import pack_linears
+from worker.logprobs import score
+from worker.sampling import Sampler
+from worker.scheduler import Prefill, Sequence
+
+log = logging.getLogger(__name__)
+
+# compiled decode pads its batch to one of these sizes (then to multiples of the last), bounding
+# recompilation to one graph per bucket
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Draw(NamedTuple):
+    """A row's drawn token, its logprob (None when no row of the step needed scores) and the top
+    logprobs its request asked for [(id, logprob)]."""
+    token: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+class Runner:
+    def __init__(self, model, vocab_size: int, *, max_batch: int, max_len: int, kv_memory_bytes: int | None = None,
+                 compile: bool = False, prepack: bool = True):
+        """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
+        cannot hold that many (`slots`). See Engine for `compile` and `prepack`."""
+        self.model, self.vocab_size, self.device = model, vocab_size, model.device
+        config, dtype = model.config, model.dtype
+        slots = max_batch
+        if kv_memory_bytes is not None:
+            slots = min(slots, kv_memory_bytes // (KVCache.bytes_per_token(config, dtype) * max_len))
+        if slots < 1:
+            raise ValueError(f"KV-cache budget of {kv_memory_bytes} bytes holds no slot of {max_len} positions")
+        self.slots = slots
+        # one more slot than sequences when compiled: padding rows write their garbage there
+        self.cache = KVCache(config, slots + compile, max_len, self.device, dtype)
+        self.sampler = Sampler(slots, vocab_size, self.device)
+        self.prompt_tokens = self.tokens_generated = 0
+        self.batch_sizes = Counter()  # decode forwards by batch size
+        if prepack and self.device.type == "cpu" and dtype == torch.float32:
+            pack_linears(model)
+        self.compiled = compile
+        if compile:
+            self._decode_compiled = compile_decode(model)
+            for i in range(len(self.cache.k)):  # one graph serves every engine's slot count
+                torch._dynamo.mark_dynamic(self.cache.k[i], 0)
+                torch._dynamo.mark_dynamic(self.cache.v[i], 0)
+            try:
+                self._warm_up()
+            except Exception:  # e.g. no C++ compiler for inductor's CPU kernels: serve uncompiled
+                log.exception("compiling the decode step failed; the engine runs it uncompiled")
+                self.compiled = False
+
+    def stats(self) -> dict:
+        return {"tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
+                "batch_size_counts": dict(self.batch_sizes)}
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Sampling state for sequences given a slot: their request's parameters, and the tokens a
+        resumed one already drew (penalties, draw counter)."""
+        for s in seqs:
+            self.sampler.assign(s.slot, s.request.params, s.candidate, s.history)
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits (B, V) of one step of the decoding sequences."""
+        self.batch_sizes[len(seqs)] += 1
+        B = len(seqs)
+        span = max(s.position for s in seqs) + 1
+        if self.compiled:
+            pad = self._bucket(B) - B  # padding rows: token 0 at position 0 of the spare slot
+            return self._run_compiled([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
+                                      [s.position for s in seqs] + [0] * pad, span)[:B]
+        tokens, slots, start = torch.tensor([[s.tokens[-1] for s in seqs], [s.slot for s in seqs],
+                                             [s.position for s in seqs]], device=self.device)
+        return self.model.forward_cached(tokens[:, None], torch.ones_like(slots), slots, start, self.cache, span=span)
+
+    def prefill(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
+        """Feed each prefill its next n context tokens; return the prefills completed, each with its
+        last position's logits (V,) and its keys/values copied to its other sequences' slots."""
+        done = []
+        for all_logits in (False, True):  # plain prefills, then those scoring their context
+            group = [(unit, n) for unit, n in chunks if (unit.score_from is not None) == all_logits]
+            if not group:
+                continue
+            T = max(n for _, n in group)
+            tokens = torch.tensor([u.context[u.fed:u.fed + n] + [0] * (T - n) for u, n in group], device=self.device)
+            meta = torch.tensor([[n for _, n in group], [u.seqs[0].slot for u, _ in group],
+                                 [u.fed for u, _ in group]], device=self.device)
+            out = self.model.forward_cached(tokens, meta[0], meta[1], meta[2], self.cache, all_logits=all_logits)
+            for b, (unit, n) in enumerate(group):
+                if all_logits:
+                    self._score_context(unit, out[b, :n, :self.vocab_size])
+                unit.fed += n
+                self.prompt_tokens += n
+                if unit.fed == len(unit.context):
+                    done.append((unit, out[b, n - 1] if all_logits else out[b]))
+        for unit, _ in done:
+            self._share_cache(unit)
+        return done
+
+    def sample(self, rows: list[Sequence], logits: list[torch.Tensor]) -> list[Draw]:
+        """Draw a token for every row from its logits (pieces of (B, V), in row order) and score it
+        as its request asks; one host sync for all of it."""
+        if not rows:
+            return []
+        x = (logits[0] if len(logits) == 1 else torch.cat(logits))[:, :self.vocab_size]  # (B, V); nanoGPT pads V
+        tokens = self.sampler.sample(x, [s.slot for s in rows])
+        self.tokens_generated += len(rows)
+        if not any(s.request.needs_scores for s in rows):
+            return [Draw(t, None, []) for t in tokens.tolist()]
+        k = max((s.request.job.logprobs or 0) for s in rows)
+        chosen, top_lp, top_ids = score(x, tokens, k)
+        packed = torch.cat([tokens[:, None].double(), chosen[:, None].double(), top_lp.double(),
+                            top_ids.double()], 1).tolist()  # the step's one sync
+        draws = []
+        for s, row in zip(rows, packed):
+            kk = s.request.job.logprobs or 0
+            draws.append(Draw(int(row[0]), row[1], [(int(i), lp) for lp, i in zip(row[2:2 + kk], row[2 + k:2 + k + kk])]))
+        return draws
+
+    # ---- the compiled decode ----
+
+    def _run_compiled(self, tokens: list[int], slots: list[int], positions: list[int], span: int) -> torch.Tensor:
+        rows = torch.tensor([tokens, slots, positions], device=self.device)
+        keys = torch.arange(max(span, 2), device=self.device)  # the span is the graph's one dynamic size (never 1,
+        torch._dynamo.mark_dynamic(keys, 0)                    # which would specialize; a longer span is masked)
+        for row in rows:
+            torch._dynamo.mark_static(row, 0)
+        with torch.no_grad():
+            return self._decode_compiled(rows[0], rows[1], rows[2], self.cache, keys)
+
+    def _warm_up(self) -> None:
+        """Compile the decode step for every batch bucket this engine can run, on padding rows only."""
+        for bucket in BATCH_BUCKETS:
+            if bucket > self._bucket(self.slots):
+                break
+            self._run_compiled([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
+
+    @staticmethod
+    def _bucket(B: int) -> int:
+        last = BATCH_BUCKETS[-1]
+        return next((b for b in BATCH_BUCKETS if b >= B), -(-B // last) * last)
+
+    # ---- prefill helpers ----
+
+    def _score_context(self, unit: Prefill, logits: torch.Tensor) -> None:
+        """Logprobs of the context tokens this chunk predicts: logits (n, V) of positions
+        fed .. fed+n-1 score tokens fed+1 .. fed+n, those at or after score_from."""
+        lo = max(unit.fed, unit.score_from - 1)
+        hi = min(unit.fed + logits.shape[0], len(unit.context) - 1)
+        if lo >= hi:
+            return
+        k = unit.seqs[0].request.job.logprobs
+        targets = torch.tensor(unit.context[lo + 1:hi + 1], device=logits.device)
+        chosen, top_lp, top_ids = score(logits[lo - unit.fed:hi - unit.fed], targets, k)
+        for lp, tl, ti in zip(chosen.tolist(), top_lp.tolist(), top_ids.tolist()):
+            unit.scores.append((lp, list(zip(ti, tl))))
+
+    def _share_cache(self, unit: Prefill) -> None:
+        """Copy the leader's prefilled keys/values to the other sequences of the prefill."""
+        if len(unit.seqs) > 1:
+            src, L = unit.seqs[0].slot, len(unit.context)
+            dst = torch.tensor([s.slot for s in unit.seqs[1:]], device=self.device)
+            for layer in self.cache.k + self.cache.v:
+                layer[dst, :, :L] = layer[src, :, :L]
