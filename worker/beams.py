@@ -59,6 +59,8 @@ def advance(group: BeamGroup, logits: torch.Tensor, cache, sampler, tokenizer) -
         _fork(group.seqs[:len(running)], [group.seqs[p] for p in parents], cache, sampler, rows[0])
         for seq, beam in zip(group.seqs, running):
             seq.tokens = list(beam.tokens)
+        for seq in group.seqs[len(running):]:  # idle while fewer beams run (their rows are not used)
+            seq.tokens = list(running[0].tokens)
         new = torch.tensor([beam.tokens[-1] for beam in running], device=logits.device)
         sampler.advance([s.slot for s in group.seqs[:len(running)]], new)
     if group.search.done:

@@ -27,6 +27,7 @@ import threading
 import torch
 
 from worker import protocol
+from worker.beams import BeamGroup
 from worker.errors import EngineError, EngineFault
 from worker.output import OutputProcessor
 from worker.runner import Runner
@@ -181,14 +182,27 @@ class Engine:
             if len(prompt) + (job.max_tokens or 0) > ctx:
                 error = protocol.context_length_error(ctx, len(prompt), job.max_tokens)
                 raise EngineError(error.message, error.type, error.param, error.code)
-        bad = next((t for t in job.logit_bias if not 0 <= t < V), None)
-        if bad is not None:
-            raise EngineError(f"logit_bias token id {bad} is outside the vocabulary (0..{V - 1}).", param="logit_bias")
+        for param, ids in (("logit_bias", list(job.logit_bias)), ("stop_token_ids", job.stop_token_ids),
+                           ("allowed_token_ids", job.allowed_token_ids or []),
+                           ("bad_words", [t for word in job.bad_words for t in word])):
+            bad = next((t for t in ids if not 0 <= t < V), None)
+            if bad is not None:
+                raise EngineError(f"{param} token id {bad} is outside the vocabulary (0..{V - 1}).", param=param)
+        width = job.best_of or job.n
+        if job.use_beam_search and width > self.runner.slots:
+            raise EngineError(f"Beam search of width {width} needs as many KV-cache slots; this worker has "
+                              f"{self.runner.slots}.", param="best_of" if job.best_of else "n")
+        eos = self.output.eos_token_id
+        stop_ids = [*job.stop_token_ids, *([eos] if eos is not None and not job.ignore_eos else [])]
         params = SamplingParams(
-            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, presence_penalty=job.presence_penalty,
-            frequency_penalty=job.frequency_penalty, seed=job.seed,
-            logit_bias={t: min(100.0, max(-100.0, b)) for t, b in job.logit_bias.items()})
-        if (job.best_of or job.n) > job.n:
+            temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, min_p=job.min_p,
+            presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+            repetition_penalty=job.repetition_penalty, seed=job.seed,
+            logit_bias={t: min(100.0, max(-100.0, b)) for t, b in job.logit_bias.items()},
+            allowed_token_ids=tuple(job.allowed_token_ids) if job.allowed_token_ids is not None else None,
+            bad_words=tuple(tuple(w) for w in job.bad_words if w), stop_ids=tuple(dict.fromkeys(stop_ids)),
+            min_tokens=job.min_tokens, no_repeat_ngram_size=job.no_repeat_ngram_size)
+        if width > job.n or job.use_beam_search:
             return params, {}  # nothing of such a job is emitted before it ends: start over
         choices = len(job.prompts) * job.n
         for index, ids in resume.items():
@@ -233,9 +247,22 @@ class Engine:
             started = self.output.start(unit)  # those not finished by their echo or replay draw
             rows += started
             logits += [last[None]] * len(started)
-        draws = self.runner.sample(rows, logits)
-        self.output.accept(rows, draws)
+            req = unit.seqs[0].request
+            if req.beam and started:
+                req.beams[unit.seqs[0].prompt_index] = BeamGroup(unit.seqs, self.output.eos_token_id)
+        x = torch.cat(logits) if logits else None
+        sampled = [i for i, s in enumerate(rows) if not s.request.beam]
+        draws = self.runner.sample([rows[i] for i in sampled], [x[sampled]] if sampled else [])
+        self.output.accept([rows[i] for i in sampled], draws)
+        self.runner.step_beams(self._beam_rows(rows, x), self.tokenizer)
         self.scheduler.update([unit for unit, _ in prefilled], rows)
+
+    @staticmethod
+    def _beam_rows(rows, x) -> list:
+        """Each beam group of the step with the logits of its running beams."""
+        where = {id(s): i for i, s in enumerate(rows)}
+        groups = {id(g): g for s in rows if s.request.beam for g in s.request.beams.values() if s in g.seqs}
+        return [(g, x[[where[id(s)] for s in g.rows]]) for g in groups.values()]
 
     def _emit(self, events: list[Event]) -> set[str]:
         if self.event_sink is None:

@@ -101,7 +101,10 @@ EventType = Literal["delta", "finish", "usage", "done", "error", "cancelled"]
 TERMINAL_EVENTS = ("done", "error", "cancelled")
 # delta:     {"index": int, "text": str, "token_ids": [int], "logprobs": Logprobs-fragment | null}
 #            the logprobs fragment has OpenAI's four lists for exactly the tokens of this delta
-# finish:    {"index": int, "finish_reason": "stop" | "length"}
+#            and, when the choice ended in the same engine step, its finish_reason and stop_reason
+#            (the finish event still follows)
+# finish:    {"index": int, "finish_reason": "stop" | "length", "stop_reason": str | int | null}
+#            stop_reason: the stop string or stop token id that ended the choice (vLLM's field)
 # usage:     {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int}
 # done:      {"completion": <the final OpenAI completion object>}
 # error:     {"error": {"message", "type", "param", "code"}}

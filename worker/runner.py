@@ -22,6 +22,7 @@ import torch
 from nanogpt.compile import compile_decode
 from nanogpt.kv_cache import KVCache
 from nanogpt.packed import pack_linears
+from worker.beams import BeamGroup, advance
 from worker.logprobs import score
 from worker.sampling import Sampler
 from worker.scheduler import Prefill, Sequence
@@ -81,7 +82,7 @@ class Runner:
         """Sampling state for sequences given a slot: their request's parameters, and the tokens a
         resumed one already drew (penalties, draw counter)."""
         for s in seqs:
-            self.sampler.assign(s.slot, s.request.params, s.candidate, s.history)
+            self.sampler.assign(s.slot, s.request.params, s.candidate, s.history, s.prompt)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits (B, V) of one step of the decoding sequences."""
@@ -126,7 +127,7 @@ class Runner:
         if not rows:
             return []
         x = (logits[0] if len(logits) == 1 else torch.cat(logits))[:, :self.vocab_size]  # (B, V); nanoGPT pads V
-        tokens = self.sampler.sample(x, [s.slot for s in rows])
+        tokens = self.sampler.sample(x, [s.slot for s in rows], [s.tokens for s in rows])
         self.tokens_generated += len(rows)
         if not any(s.request.needs_scores for s in rows):
             return [Draw(t, None, []) for t in tokens.tolist()]
@@ -139,6 +140,12 @@ class Runner:
             kk = s.request.job.logprobs or 0
             draws.append(Draw(int(row[0]), row[1], [(int(i), lp) for lp, i in zip(row[2:2 + kk], row[2 + k:2 + k + kk])]))
         return draws
+
+    def step_beams(self, groups: list[tuple[BeamGroup, torch.Tensor]], tokenizer) -> None:
+        """One beam-search step for each group, from the logits (R, V) of its running beams."""
+        for group, logits in groups:
+            self.tokens_generated += len(group.rows)
+            advance(group, logits[:, :self.vocab_size], self.cache, self.sampler, tokenizer)
 
     # ---- the compiled decode ----
 
@@ -172,9 +179,13 @@ class Runner:
         hi = min(unit.fed + logits.shape[0], len(unit.context) - 1)
         if lo >= hi:
             return
-        k = unit.seqs[0].request.job.logprobs
+        job = unit.seqs[0].request.job
+        k = max(job.logprobs or 0, job.prompt_logprobs or 0)
         targets = torch.tensor(unit.context[lo + 1:hi + 1], device=logits.device)
-        chosen, top_lp, top_ids = score(logits[lo - unit.fed:hi - unit.fed], targets, k)
+        rows = logits[lo - unit.fed:hi - unit.fed]
+        chosen, top_lp, top_ids = score(rows, targets, k)
+        if job.prompt_logprobs is not None:  # vLLM's rank: 1 + the tokens more likely than it
+            unit.ranks += (rows.float() > rows.float().gather(-1, targets[:, None])).sum(-1).add(1).tolist()
         for lp, tl, ti in zip(chosen.tolist(), top_lp.tolist(), top_ids.tolist()):
             unit.scores.append((lp, list(zip(ti, tl))))
 

@@ -33,10 +33,14 @@ class Request:
                  tokenizer, max_len: int):
         self.job, self.handle, self.params = job, handle, params
         self.n = job.n
-        self.best_of = job.best_of or job.n
-        self.streams = self.best_of == self.n  # best_of > n: choices are decided at the end
+        self.best_of = job.best_of or job.n  # with beam search: the beam width
+        self.beam = job.use_beam_search
+        self.beams: dict[int, object] = {}  # prompt index -> its beams (worker/beams.BeamGroup)
+        # best_of > n and beam search: the choices are decided at the end
+        self.streams = self.best_of == self.n and not self.beam
         self.wants_logprobs = job.logprobs is not None
         self.needs_scores = self.wants_logprobs or not self.streams  # best_of ranks by mean logprob
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> vLLM's prompt_logprobs list
         self.prompt_texts = [tokenizer.decode(p) for p in job.prompts]
         self.echo_entries: dict[int, list[TokenLogprob]] = {}  # prompt index -> prompt's logprobs
         self.seqs = []
@@ -66,8 +70,9 @@ class Sequence:
         self.chars = 0  # characters decoded so far, where the next token's text starts
         self.text_base = len(request.prompt_texts[prompt_index])  # text_offset counts from the prompt's end
         self.decoder = tokenizer.incremental_decoder()
-        self.stops = StopMatcher(job.stop)
+        self.stops = StopMatcher(job.stop, job.include_stop_str_in_output)
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.finish_sent = False
         # what the next delta carries
         self.out_text, self.out_ids, self.out_entries = "", [], []
@@ -83,12 +88,14 @@ class Sequence:
 
 class Prefill:
     """Context to feed into the leader's slot (seqs[0]); the other seqs get a copy of its cache.
-    `scores[i]` is (logprob, top) of context[score_from + i] when logprobs of the context are needed."""
+    `scores[i]` is (logprob, top) of context[score_from + i] when logprobs of the context are needed,
+    `ranks[i]` that token's rank in its distribution (1: the most likely)."""
 
     def __init__(self, seqs: list[Sequence], context: list[int], score_from: int | None):
         self.seqs, self.context, self.score_from = seqs, context, score_from
         self.fed = 0
         self.scores: list[tuple[float, list[tuple[int, float]]]] = []
+        self.ranks: list[int] = []
 
 
 @dataclass
@@ -195,7 +202,7 @@ class Scheduler:
     def _queue(self, req: Request) -> None:
         """Group the request's sequences into prefills: the fresh copies of a prompt share one,
         a resumed sequence feeds its own prompt + emitted tokens."""
-        echo_scores = req.wants_logprobs and req.job.echo
+        echo_scores = (req.wants_logprobs and req.job.echo) or req.job.prompt_logprobs is not None
         score_from = 1 if echo_scores else None  # logprobs of the prompt's tokens, from the second
         for p, prompt in enumerate(req.job.prompts):
             seqs = req.seqs[p * req.best_of:(p + 1) * req.best_of]
@@ -217,11 +224,13 @@ class Scheduler:
 
     def _admit(self) -> list[Sequence]:
         """Waiting prefills take free slots in arrival order; one too big for what is free is split
-        (its remaining copies wait for slots and a prefill of their own). Returns the sequences
-        admitted."""
+        (its remaining copies wait for slots and a prefill of their own), except a prompt's beams,
+        which start together or wait. Returns the sequences admitted."""
         admitted = []
         while self.waiting and self.free_slots:
             head = self.waiting[0]
+            if len(head.seqs) > len(self.free_slots) and head.seqs[0].request.beam:
+                break
             if len(head.seqs) > len(self.free_slots):
                 take = len(self.free_slots)
                 unit = Prefill(head.seqs[:take], head.context, head.score_from)
