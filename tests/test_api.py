@@ -197,7 +197,7 @@ def test_unknown_model_is_404_model_not_found(client):
 @pytest.mark.parametrize("body, param", [
     ({"n": 0}, "n"), ({"n": 129}, "n"), ({"logprobs": 6}, "logprobs"), ({"temperature": 2.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"), ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"frequency_penalty": 9}, "frequency_penalty"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"frequency_penalty": 9}, "frequency_penalty"), ({"stop": ["s"] * 17}, "stop"),
     ({"logit_bias": {"5": 200}}, "logit_bias"), ({"logit_bias": {"50257": 1}}, "logit_bias"),
     ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"), ({"suffix": "x"}, "suffix"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [50257]}, "prompt"),

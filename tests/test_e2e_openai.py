@@ -273,11 +273,33 @@ def test_job_stream_resumes(stack):
 @pytest.mark.parametrize("kwargs, param", [
     ({"logprobs": 6}, "logprobs"), ({"n": 0}, "n"), ({"n": 129}, "n"), ({"temperature": 2.1}, "temperature"),
     ({"top_p": 1.2}, "top_p"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"stop": ["s"] * 17}, "stop"),
     ({"logit_bias": {"50257": 1}}, "logit_bias"), ({"logit_bias": {"1": 150}}, "logit_bias"),
     ({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"), ({"suffix": "end"}, "suffix"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [50257]}, "prompt"),
-    ({"prompt": ""}, "prompt"), ({"max_tokens": CONTEXT}, "max_tokens"), ({"extra_body": {"top_k": -1}}, "top_k"),
+    ({"prompt": ""}, "prompt"), ({"max_tokens": CONTEXT}, "max_tokens"), ({"extra_body": {"top_k": -2}}, "top_k"),
+    # vLLM's extras and transformers' options
+    ({"extra_body": {"min_p": 2}}, "min_p"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 20}, "max_tokens": 5}, "min_tokens"),
+    ({"extra_body": {"stop_token_ids": [50257]}}, "stop_token_ids"),
+    ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ({"extra_body": {"allowed_token_ids": [99999]}}, "allowed_token_ids"),
+    ({"extra_body": {"bad_words": [""]}}, "bad_words"), ({"extra_body": {"ignore_eos": "no"}}, "ignore_eos"),
+    ({"extra_body": {"include_stop_str_in_output": 1}}, "include_stop_str_in_output"),
+    ({"extra_body": {"skip_special_tokens": "yes"}}, "skip_special_tokens"),
+    ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+    ({"extra_body": {"prompt_logprobs": 1}, "stream": True}, "prompt_logprobs"),
+    ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ({"extra_body": {"truncate_prompt_tokens": CONTEXT + 1}}, "truncate_prompt_tokens"),
+    ({"extra_body": {"return_tokens_as_token_ids": "y"}}, "return_tokens_as_token_ids"),
+    ({"extra_body": {"use_beam_search": True, "top_p": 0.5}}, "top_p"),
+    ({"extra_body": {"use_beam_search": True}, "stream": True}, "stream"),
+    ({"extra_body": {"use_beam_search": True, "n": 9}}, "n"),  # wider than the worker's 8 slots
+    ({"extra_body": {"length_penalty": "long"}}, "length_penalty"),
+    ({"extra_body": {"early_stopping": "soon"}}, "early_stopping"),
+    ({"extra_body": {"no_repeat_ngram_size": -1}}, "no_repeat_ngram_size"),
+    ({"extra_body": {"penalty_alpha": 0.6, "top_k": 4}}, "penalty_alpha"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
 ])
 def test_bad_request_errors_name_the_param(client, kwargs, param):
     kwargs = {"model": "tiny", "prompt": PROMPT, **kwargs}
@@ -340,3 +362,98 @@ def test_health_and_ready(stack):
     ready = requests.get(f"{stack['url']}/ready", timeout=10)
     assert ready.status_code == 503 and ready.json()["models"]["tiny"]["workers"] == 4  # `parked` has none
     assert ready.json()["models"]["parked"]["workers"] == 0
+
+
+# ---- beyond OpenAI's parameters (vLLM's extras through extra_body) ----
+
+@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"num_beams": 2}, {"guided_regex": "a+"}])
+def test_unknown_fields_are_a_400_naming_them(client, extra):
+    with pytest.raises(openai.BadRequestError) as info:
+        greedy(client, max_tokens=2, extra_body=extra)
+    (name,) = extra
+    assert info.value.param == name and info.value.type == "invalid_request_error"
+    assert info.value.body["message"] == f"Unrecognized request argument supplied: {name}"
+
+
+def test_beam_search_returns_transformers_hypotheses_prompt_major(client, hf_checkpoint, tokenizer):
+    """vLLM's test_batch_completions with beam search: n=2 beams of two prompts, distinct, in order,
+    and equal to transformers' beam search."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    prompts = [PROMPT, "The sky"]
+    result = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0, n=2,
+                                       extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    texts = [c.text for c in result.choices]
+    assert texts[0] != texts[1] and texts[2] != texts[3]
+    model = GPT2LMHeadModel.from_pretrained(hf_checkpoint).eval()
+    for p, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt)
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=5, num_beams=2, num_return_sequences=2, length_penalty=0.5,
+                             do_sample=False, pad_token_id=50256)
+        assert texts[2 * p:2 * p + 2] == [tokenizer.decode(row[len(ids):]) for row in out.tolist()]
+    assert result.usage.completion_tokens == 4 * 5
+
+
+def test_prompt_logprobs_a_list_per_prompt_token_first_null(client, tokenizer):
+    result = greedy(client, prompt=[PROMPT, "The sky"], max_tokens=1, extra_body={"prompt_logprobs": 1})
+    for choice, prompt in zip(result.choices, [PROMPT, "The sky"]):
+        ids = tokenizer.encode(prompt)
+        plp = choice.prompt_logprobs
+        assert len(plp) == len(ids) and plp[0] is None
+        assert all(str(t) in entry and 1 <= len(entry) <= 2 for t, entry in zip(ids[1:], plp[1:]))
+    assert greedy(client, max_tokens=1).choices[0].model_extra.get("prompt_logprobs") is None
+
+
+def test_usage_on_every_chunk_with_continuous_usage_stats(client, tokenizer):
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    stream = greedy(client, max_tokens=5, stream=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    texts, finish, chunks = collect_stream(stream)
+    *body, last = chunks
+    assert body and all(c.usage is not None for c in body)
+    for c in body:
+        assert c.usage.prompt_tokens == prompt_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    assert [c.usage.completion_tokens for c in body] == sorted(c.usage.completion_tokens for c in body)
+    assert body[-1].usage.completion_tokens == 5 and last.choices == [] and last.usage.completion_tokens == 5
+
+
+def test_finish_reason_rides_on_the_last_text_chunk(client):
+    texts, finish, chunks = collect_stream(greedy(client, max_tokens=5, stream=True))
+    (last,) = [c for c in chunks if c.choices[0].finish_reason is not None]
+    assert last is chunks[-1] and last.choices[0].text != "" and finish == {0: "length"}
+
+
+def test_more_than_four_stop_strings_and_vllms_stop_options(client, tokenizer):
+    whole = greedy(client, max_tokens=12).choices[0].text
+    stop = whole[4:7]
+    stops = ["zzz1", "zzz2", "zzz3", "zzz4", stop]  # lm-evaluation-harness sends five
+    cut = greedy(client, max_tokens=12, stop=stops).choices[0]
+    kept = greedy(client, max_tokens=12, stop=stops, extra_body={"include_stop_str_in_output": True}).choices[0]
+    start = whole.index(stop)
+    assert cut.text == whole[:start] and kept.text == whole[:start + len(stop)]
+    assert cut.model_extra["stop_reason"] == stop
+
+
+def test_extras_through_extra_body_change_the_output_as_transformers(client, hf_checkpoint, tokenizer):
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    ids = tokenizer.encode(PROMPT)
+    model = GPT2LMHeadModel.from_pretrained(hf_checkpoint).eval()
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=8, do_sample=False, pad_token_id=50256, repetition_penalty=1.5,
+                         no_repeat_ngram_size=2)
+    result = greedy(client, max_tokens=8, logprobs=1,
+                    extra_body={"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "return_tokens_as_token_ids": True})
+    assert result.choices[0].logprobs.tokens == [f"token_id:{t}" for t in out[0, len(ids):].tolist()]
+
+
+def test_special_token_text_in_a_prompt_is_the_token(client, tokenizer):
+    result = greedy(client, prompt="<|endoftext|>Hello", max_tokens=1, echo=True, logprobs=0)
+    assert result.usage.prompt_tokens == 2
+    assert result.choices[0].logprobs.tokens[:2] == ["<|endoftext|>", "Hello"]
+    truncated = greedy(client, prompt=[1, 2, 3, 4, 5], max_tokens=1, extra_body={"truncate_prompt_tokens": 2})
+    assert truncated.usage.prompt_tokens == 2
