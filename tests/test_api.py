@@ -203,7 +203,7 @@ def test_unknown_model_is_404_model_not_found(client):
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": [50257]}, "prompt"),
     ({"prompt": [[1, 2], [99999]]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": []}, "prompt"), ({"model": None}, "model"), ({"max_tokens": -1}, "max_tokens"),
-    ({"seed": 2**63}, "seed"), ({"top_k": -1}, "top_k"), ({"user": "u" * 257}, "user"),
+    ({"seed": 2**63}, "seed"), ({"top_k": -2}, "top_k"), ({"user": "u" * 257}, "user"),
 ])
 def test_invalid_values_are_400_with_param(client, body, param):
     error = error_of(complete(client, **body), 400)
