@@ -5,35 +5,15 @@ share the batch), the logits processors through whole generations, and vLLM's ou
 logprob tokens)."""
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import pytest
 import torch
 
-from models.tokenizer import load_tokenizer
-from nanogpt.checkpoint import load_model
+from test_engine import Sink, hf, job, model, run_all, tok  # noqa: F401 (fixtures)
 from worker.engine import Engine
-from worker.protocol import CompletionJob
 
-_ids = itertools.count()
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "Once upon a time, in a land far away,"]
-
-
-@pytest.fixture(scope="module")
-def model(hf_checkpoint):
-    return load_model(str(hf_checkpoint))
-
-
-@pytest.fixture(scope="module")
-def tok(hf_checkpoint):
-    return load_tokenizer(hf_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def hf(hf_checkpoint):
-    from transformers import GPT2LMHeadModel
-    return GPT2LMHeadModel.from_pretrained(hf_checkpoint).eval()
 
 
 @pytest.fixture(scope="module")
@@ -49,36 +29,12 @@ def stop_token(hf, tok):
     return counts.most_common(1)[0][0]
 
 
-class Sink:
-    def __init__(self):
-        self.events = []
-
-    def __call__(self, events):
-        self.events += events
-        return set()
-
-    def token_ids(self, job_id):
-        """Each choice's tokens: its deltas' token_ids joined."""
-        ids = {}
-        for j, t, d in self.events:
-            if j == job_id and t == "delta":
-                ids.setdefault(d["index"], []).extend(d["token_ids"])
-        return ids
-
-
-def job(tok, prompts, **kw):
-    kw.setdefault("temperature", 0.0)
-    kw.setdefault("seed", 0)
-    kw.setdefault("max_tokens", 8)
-    ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-    return CompletionJob(id=f"x-{next(_ids)}", model="tiny", prompts=ids, **kw)
-
-
-def run_all(engine, jobs):
-    handles = [engine.submit(j) for j in jobs]
-    while not all(h.done for h in handles):
-        engine.step()
-    return [h.result() for h in handles]
+def token_ids(sink, job_id) -> dict[int, list[int]]:
+    """Each choice's tokens: its deltas' token_ids joined."""
+    ids: dict[int, list[int]] = {}
+    for _, d in sink.of(job_id, "delta"):
+        ids.setdefault(d["index"], []).extend(d["token_ids"])
+    return ids
 
 
 def hf_beams(hf, prompt, *, width, n, max_new, length_penalty, early_stopping, eos, **kw):
@@ -114,7 +70,7 @@ def test_beam_search_equals_transformers_beside_ordinary_requests(model, tok, hf
     beam_results = [results[0], results[2], results[3]]
     finished_early = set()
     for j, result, want, (width, n, max_new, lp, es) in zip(beam_jobs, beam_results, expected, BEAMS):
-        got = sink.token_ids(j.id)
+        got = token_ids(sink, j.id)
         for p, hyps in enumerate(want):
             assert [got[p * n + i] for i in range(n)] == hyps, (j.id, p)
             for i, hyp in enumerate(hyps):
@@ -134,7 +90,7 @@ def test_beam_search_with_repetition_penalty_and_ngram_bans_equals_transformers(
     j = job(tok, PROMPTS[:2], use_beam_search=True, n=2, best_of=3, max_tokens=10,
             repetition_penalty=1.6, no_repeat_ngram_size=2)
     engine.generate(j)
-    got = sink.token_ids(j.id)
+    got = token_ids(sink, j.id)
     for p, prompt in enumerate(PROMPTS[:2]):
         want = hf_beams(hf, tok.encode(prompt), width=3, n=2, max_new=10, length_penalty=1.0, early_stopping=False,
                         eos=stop_token, repetition_penalty=1.6, no_repeat_ngram_size=2)
@@ -164,7 +120,7 @@ def test_greedy_with_processors_equals_transformers(model, tok, hf, kw, hf_kw):
     jobs = [job(tok, [p], max_tokens=12, **kw) for p in PROMPTS]
     run_all(engine, jobs)
     for j, p in zip(jobs, PROMPTS):
-        assert sink.token_ids(j.id)[0] == hf_greedy(hf, tok.encode(p), 12, **hf_kw)
+        assert token_ids(sink, j.id)[0] == hf_greedy(hf, tok.encode(p), 12, **hf_kw)
 
 
 def test_bad_words_and_allowed_tokens_through_a_generation(model, tok):
@@ -172,36 +128,36 @@ def test_bad_words_and_allowed_tokens_through_a_generation(model, tok):
     sampled = dict(temperature=1.0, seed=3)  # the same draws whatever is banned, up to the first ban
     plain = job(tok, [PROMPTS[0]], max_tokens=10, **sampled)
     run_all(engine, [plain])
-    tokens = sink.token_ids(plain.id)[0]
+    tokens = token_ids(sink, plain.id)[0]
     first_new = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
     pair = tokens[:2]  # a two-token bad word: its second token may not follow its first
     banned = job(tok, [PROMPTS[0]], max_tokens=10, bad_words=[[tokens[first_new]]], **sampled)
     banned_pair = job(tok, [PROMPTS[0]], max_tokens=10, bad_words=[pair], **sampled)
     allowed = job(tok, [PROMPTS[0]], max_tokens=6, allowed_token_ids=[11, 13, 262])
     run_all(engine, [banned, banned_pair, allowed])
-    got = sink.token_ids(banned.id)[0]
+    got = token_ids(sink, banned.id)[0]
     assert got[:first_new] == tokens[:first_new] and tokens[first_new] not in got
-    got = sink.token_ids(banned_pair.id)[0]
+    got = token_ids(sink, banned_pair.id)[0]
     assert got[0] == pair[0] and all(got[i:i + 2] != pair for i in range(len(got) - 1))
-    assert set(sink.token_ids(allowed.id)[0]) <= {11, 13, 262}
+    assert set(token_ids(sink, allowed.id)[0]) <= {11, 13, 262}
 
 
 def test_stop_token_ids_ignore_eos_min_tokens(model, tok):
     engine = Engine(model, tok, max_batch=4, event_sink=(sink := Sink()))
     plain = job(tok, [PROMPTS[1]], max_tokens=10)
     run_all(engine, [plain])
-    tokens = sink.token_ids(plain.id)[0]
+    tokens = token_ids(sink, plain.id)[0]
     stop = tokens[3]
     stopped, late, kept = (job(tok, [PROMPTS[1]], max_tokens=10, stop_token_ids=[stop]),
                            job(tok, [PROMPTS[1]], max_tokens=10, stop_token_ids=[stop], min_tokens=6),
                            job(tok, [PROMPTS[1]], max_tokens=10, stop_token_ids=[stop], include_stop_str_in_output=True))
     r_stopped, r_late, r_kept = run_all(engine, [stopped, late, kept])
     first = tokens.index(stop)
-    assert sink.token_ids(stopped.id)[0] == tokens[:first + 1]  # the stop token is generated, its text not shown
+    assert token_ids(sink, stopped.id)[0] == tokens[:first + 1]  # the stop token is generated, its text not shown
     assert r_stopped["choices"][0]["text"] == tok.decode(tokens[:first])
     assert (r_stopped["choices"][0]["finish_reason"], r_stopped["choices"][0]["stop_reason"]) == ("stop", stop)
     assert r_kept["choices"][0]["text"] == tok.decode(tokens[:first + 1])
-    assert stop not in sink.token_ids(late.id)[0][:6]  # banned before min_tokens
+    assert stop not in token_ids(sink, late.id)[0][:6]  # banned before min_tokens
     # ignore_eos: with the end-of-text token forced first, the choice goes on, its text skipped by default
     eos = tok.eos_token_id
     forced = dict(max_tokens=4, logit_bias={eos: 100}, ignore_eos=True)
@@ -249,6 +205,6 @@ def test_a_finish_rides_on_the_last_delta(model, tok):
     engine = Engine(model, tok, max_batch=4, event_sink=(sink := Sink()))
     j = job(tok, [PROMPTS[0]], max_tokens=3)
     engine.generate(j)
-    deltas = [d for jid, t, d in sink.events if jid == j.id and t == "delta"]
+    deltas = [d for _, d in sink.of(j.id, "delta")]
     assert deltas[-1]["finish_reason"] == "length" and "finish_reason" not in deltas[0]
-    assert [t for jid, t, _ in sink.events if jid == j.id].count("finish") == 1
+    assert len(sink.of(j.id, "finish")) == 1
