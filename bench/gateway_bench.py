@@ -116,7 +116,7 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
     from models.registry import Registry
     from processor import build_engine
     from tests.stack import start_gunicorn, start_processor, write_models_toml
-    from web.local_redis import start_redis
+    from web.dev.local_redis import start_redis
 
     checkpoints = checkpoints or {name: checkpoint(name) for name in sorted({"tiny", throughput_model})}
     models_file = write_models_toml(workdir / "models.toml", checkpoints, device="cpu", max_batch=32,

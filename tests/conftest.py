@@ -62,7 +62,7 @@ def hf_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port for the whole session."""
-    from web.local_redis import start_redis
+    from web.dev.local_redis import start_redis
 
     server = start_redis()
     yield server

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import redis
 
-from web.local_redis import free_port
+from web.dev.local_redis import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

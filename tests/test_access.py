@@ -1,5 +1,5 @@
 """Access control against a real redis-server: API keys, the blocklist, rate limits (atomic across
-concurrent callers), automatic abuse bans, and the seam `web/access.py` behind a Flask route."""
+concurrent callers), automatic abuse bans, and the seam `web/access/__init__.py` behind a Flask route."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +9,12 @@ import pytest
 import redis
 from flask import Flask, jsonify, request
 
-from web import abuse, access, blocklist, keys, ratelimit
-from web.errors import register_error_handlers
+from web import access
+from web import settings as web_settings
+from web.access import abuse, blocklist, keys, ratelimit
+from web.api.errors import register_error_handlers
+from web.durations import parse_duration
+from web.settings import Settings
 
 
 @pytest.fixture()
@@ -102,13 +106,13 @@ def test_timed_entry_expires_by_itself(r):
 @pytest.mark.parametrize("text, seconds", [("24h", 86400), ("30m", 1800), ("2s", 2), ("90", 90), ("1h30m", 5400),
                                            ("7d", 604800), ("1.5h", 5400), ("250ms", 0.25), (" 2 H ", 7200)])
 def test_parse_duration(text, seconds):
-    assert blocklist.parse_duration(text) == pytest.approx(seconds)
+    assert parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["", "h", "-1h", "0s", "1x", "1h-", "tomorrow", "1.h", "h1"])
 def test_parse_duration_rejects_malformed(text):
     with pytest.raises(ValueError, match="Invalid duration"):
-        blocklist.parse_duration(text)
+        parse_duration(text)
 
 
 # ---- rate limits ----
@@ -207,7 +211,7 @@ def test_reset_header_format(ms, text):
 # ---- abuse ----
 
 def test_strikes_reach_a_temporary_ban_once(r):
-    policy = abuse.AbusePolicy(window=60, max_rate_limited=3, max_invalid=2, ban=120)
+    policy = Settings(abuse_window_s=60, abuse_max_rate_limited=3, abuse_max_invalid=2, abuse_ban_s=120)
     subject = [("user", "mallory")]
     assert abuse.strike(r, policy, "rate_limited", subject) == []
     assert abuse.strike(r, policy, "rate_limited", subject) == []
@@ -222,7 +226,7 @@ def test_strikes_reach_a_temporary_ban_once(r):
 
 
 def test_offences_are_counted_separately_per_subject(r):
-    policy = abuse.AbusePolicy(window=60, max_rate_limited=2, max_invalid=2, ban=60)
+    policy = Settings(abuse_window_s=60, abuse_max_rate_limited=2, abuse_max_invalid=2, abuse_ban_s=60)
     abuse.strike(r, policy, "invalid", [("user", "a")])
     abuse.strike(r, policy, "rate_limited", [("user", "a")])
     abuse.strike(r, policy, "invalid", [("key", "a")])
@@ -231,32 +235,23 @@ def test_offences_are_counted_separately_per_subject(r):
 
 
 def test_forgive_and_disabled_policy(r):
-    policy = abuse.AbusePolicy(window=60, max_invalid=2, ban=60)
+    policy = Settings(abuse_window_s=60, abuse_max_invalid=2, abuse_ban_s=60)
     abuse.strike(r, policy, "invalid", [("user", "a")])
     abuse.forgive(r, "user", "a")
     assert abuse.strike(r, policy, "invalid", [("user", "a")]) == []
-    off = abuse.AbusePolicy(enabled=False, max_invalid=1)
+    off = Settings(abuse_enabled=False, abuse_max_invalid=1)
     assert abuse.strike(r, off, "invalid", [("user", "b")]) == []
     assert blocklist.entries(r) == []
-
-
-def test_abuse_policy_from_env():
-    env = {"NANOSERVE_ABUSE": "off", "NANOSERVE_ABUSE_WINDOW": "2m", "NANOSERVE_ABUSE_MAX_429": "7",
-           "NANOSERVE_ABUSE_MAX_INVALID": "9", "NANOSERVE_ABUSE_BAN": "1d"}
-    assert abuse.AbusePolicy.from_env(env.get) == abuse.AbusePolicy(False, 120, 7, 9, 86400)
-    assert abuse.AbusePolicy.from_env({}.get) == abuse.AbusePolicy()
-    with pytest.raises(ValueError, match="NANOSERVE_ABUSE_BAN"):
-        abuse.AbusePolicy.from_env({"NANOSERVE_ABUSE_BAN": "soon"}.get)
-    with pytest.raises(ValueError, match="NANOSERVE_ABUSE_MAX_429"):
-        abuse.AbusePolicy.from_env({"NANOSERVE_ABUSE_MAX_429": "-3"}.get)
 
 
 # ---- the seam behind a route ----
 
 def seam_app(redis_url: str, **config) -> Flask:
-    """The seam as the completions route uses it, without a model: {"user", "tokens"} in, headers out."""
+    """The seam as the completions route uses it, without a model: {"user", "tokens"} in, headers out.
+    `config`: settings by field name (strings are parsed as from the environment)."""
     app = Flask(__name__)
-    app.config.update(REDIS_URL=redis_url, **config)
+    settings = web_settings.init_app(app, {"redis_url": redis_url, **config})
+    access.init_app(app, settings)
     register_error_handlers(app)
 
     @app.post("/v1/echo")
@@ -284,7 +279,7 @@ def post(client, token=None, **body):
 
 
 def test_auth_required(redis_url, r):
-    client = seam_app(redis_url, NANOSERVE_AUTH="required").test_client()
+    client = seam_app(redis_url, auth_required="required").test_client()
     missing = post(client)
     assert missing.status_code == 401
     assert missing.json["error"]["message"].startswith("You didn't provide an API key.")
@@ -301,16 +296,16 @@ def test_auth_required(redis_url, r):
 
 @pytest.mark.parametrize("auth", ["required", "disabled"])
 def test_metrics_auth(redis_url, r, auth):
-    client = seam_app(redis_url, NANOSERVE_AUTH=auth, NANOSERVE_METRICS_AUTH="required").test_client()
+    client = seam_app(redis_url, auth_required=auth, metrics_auth_required="required").test_client()
     token, _ = keys.create(r, "prometheus")
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"Authorization": "Bearer sk-nope-nope-nope"}).status_code == 401
     assert client.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
-    assert seam_app(redis_url, NANOSERVE_AUTH="required").test_client().get("/metrics").status_code == 200
+    assert seam_app(redis_url, auth_required="required").test_client().get("/metrics").status_code == 200
 
 
 def test_auth_disabled_lets_anyone_in_with_limits_per_address(redis_url):
-    client = seam_app(redis_url, NANOSERVE_AUTH="disabled", NANOSERVE_KEY_RPM=2).test_client()
+    client = seam_app(redis_url, auth_required="disabled", key_rpm=2).test_client()
     assert post(client).status_code == 200
     assert post(client, "anything").status_code == 200
     limited = post(client)
@@ -319,7 +314,7 @@ def test_auth_disabled_lets_anyone_in_with_limits_per_address(redis_url):
 
 def test_success_carries_rate_limit_headers(redis_url, r):
     token, _ = keys.create(r, "ci", rpm=50, tpm=1000)
-    client = seam_app(redis_url, NANOSERVE_AUTH="required", NANOSERVE_USER_RPM=20).test_client()
+    client = seam_app(redis_url, auth_required="required", user_rpm=20).test_client()
     response = post(client, token, user="alice", tokens=100, used=40)
     assert response.status_code == 200
     # requests: the user's 20 rpm is tighter than the key's 50; tokens: only the key has a tpm below the default
@@ -335,7 +330,7 @@ def test_success_carries_rate_limit_headers(redis_url, r):
 
 def test_blocked_user_and_key_get_403_without_the_reason(redis_url, r):
     token, _ = keys.create(r, "ci")
-    client = seam_app(redis_url, NANOSERVE_AUTH="required").test_client()
+    client = seam_app(redis_url, auth_required="required").test_client()
     blocklist.add(r, "user", "mallory", reason="secret reason")
     blocked = post(client, token, user="mallory")
     assert blocked.status_code == 403
@@ -350,8 +345,8 @@ def test_blocked_user_and_key_get_403_without_the_reason(redis_url, r):
 
 
 def test_rate_limited_429_then_automatic_ban(redis_url, r):
-    client = seam_app(redis_url, NANOSERVE_USER_RPM=1, NANOSERVE_ABUSE_MAX_429=3,
-                      NANOSERVE_ABUSE_BAN="1h").test_client()
+    client = seam_app(redis_url, user_rpm=1, abuse_max_rate_limited=3,
+                      abuse_ban_s="1h").test_client()
     assert post(client, user="eve").status_code == 200
     for _ in range(2):
         limited = post(client, user="eve")
@@ -369,14 +364,14 @@ def test_rate_limited_429_then_automatic_ban(redis_url, r):
 
 
 def test_too_large_is_not_retried(redis_url):
-    client = seam_app(redis_url, NANOSERVE_KEY_TPM=50).test_client()
+    client = seam_app(redis_url, key_tpm=50).test_client()
     response = post(client, tokens=51)
     assert response.status_code == 429 and response.headers["x-should-retry"] == "false"
     assert "Request too large" in response.json["error"]["message"]
 
 
 def test_invalid_requests_earn_a_ban(redis_url, r):
-    client = seam_app(redis_url, NANOSERVE_ABUSE_MAX_INVALID=2).test_client()
+    client = seam_app(redis_url, abuse_max_invalid=2).test_client()
     assert post(client, user="fuzz", invalid=True).status_code == 400
     assert post(client, user="fuzz", invalid=True).status_code == 400
     assert post(client, user="fuzz").status_code == 403
@@ -385,7 +380,7 @@ def test_invalid_requests_earn_a_ban(redis_url, r):
 
 def test_a_normal_request_costs_one_round_trip_per_step(redis_url, r, monkeypatch):
     token, _ = keys.create(r, "ci")
-    app = seam_app(redis_url, NANOSERVE_AUTH="required")
+    app = seam_app(redis_url, auth_required="required")
     client = app.test_client()
     assert post(client, token, user="alice").status_code == 200  # loads the scripts
     commands = []
@@ -399,15 +394,14 @@ def test_a_normal_request_costs_one_round_trip_per_step(redis_url, r, monkeypatc
 
 
 def test_bad_setting_is_a_clear_error(redis_url):
-    app = seam_app(redis_url, NANOSERVE_AUTH="maybe")
-    with app.app_context(), pytest.raises(ValueError, match="NANOSERVE_AUTH must be 'required' or 'disabled'"):
-        access.init_app(app)
+    with pytest.raises(ValueError, match="NANOSERVE_AUTH must be 'required' or 'disabled'"):
+        seam_app(redis_url, auth_required="maybe")
 
 
-def test_redis_down_is_503(redis_url):
-    from web.local_redis import free_port
+def test_redis_down_is_503_with_the_configured_retry_after(redis_url):
+    from web.dev.local_redis import free_port
 
-    client = seam_app(f"redis://127.0.0.1:{free_port()}/0").test_client()
+    client = seam_app(f"redis://127.0.0.1:{free_port()}/0", retry_after_s=7).test_client()
     response = post(client, user="alice")
-    assert response.status_code == 503
+    assert response.status_code == 503 and response.headers["Retry-After"] == "7"
     assert set(response.json["error"]) == {"message", "type", "param", "code"}

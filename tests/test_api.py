@@ -22,8 +22,9 @@ from rq.job import Job, JobStatus
 
 from models.tokenizer import load_tokenizer
 from tests.conftest import write_gpt2_tokenizer
+from web.access import keys
 from web.app import create_app
-from web.local_redis import free_port
+from web.dev.local_redis import free_port
 from worker import protocol
 
 CONTEXT = 64
@@ -246,25 +247,40 @@ def test_unknown_route_and_method_use_the_envelope(client):
 
 # ---- the queue ----
 
-def test_no_live_worker_is_503_with_retry_after(client):
+@pytest.fixture()
+def slow_retry(redis_url, models_file):
+    """The app with NANOSERVE_RETRY_AFTER=7, as a deployment would set it."""
+    return create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS,
+                       "retry_after_s": "7"}).test_client()
+
+
+def test_no_live_worker_is_503_with_retry_after(client, slow_retry):
     response = complete(client, model="org/idle")
     error = error_of(response, 503)
     assert error["code"] == "no_worker" and response.headers["Retry-After"] == "1"
+    assert complete(slow_retry, model="org/idle").headers["Retry-After"] == "7"
 
 
-def test_full_queue_is_429_with_retry_after(client, redis_url, r):
+def test_full_queue_is_429_with_retry_after(client, slow_retry, redis_url, r):
     Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()  # registered, never works
     for _ in range(3):
         assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "x"}).status_code == 202
     response = client.post("/v1/jobs", json={"model": "tiny", "prompt": "x"})
     error = error_of(response, 429)
     assert error["code"] == "queue_full" and response.headers["Retry-After"] == "1"
+    response = slow_retry.post("/v1/jobs", json={"model": "tiny", "prompt": "x"})
+    assert error_of(response, 429)["code"] == "queue_full" and response.headers["Retry-After"] == "7"
 
 
-def test_redis_down_is_503(models_file):
+@pytest.mark.parametrize("retry_after", [None, "7"])
+def test_redis_down_is_503_with_retry_after(models_file, monkeypatch, retry_after):
+    if retry_after:
+        monkeypatch.setenv("NANOSERVE_RETRY_AFTER", retry_after)
     app = create_app({"redis_url": f"redis://127.0.0.1:{free_port()}/0", "models_path": str(models_file)})
     client = app.test_client()
-    assert error_of(complete(client), 503)["type"] == "server_error"
+    for response in (complete(client), client.get("/v1/jobs/cmpl-x"), client.post("/v1/jobs", json={"model": "tiny"})):
+        assert error_of(response, 503)["type"] == "server_error"
+        assert response.headers["Retry-After"] == (retry_after or "1")
     assert client.get("/health").status_code == 200
     assert client.get("/ready").status_code == 503
 
@@ -304,11 +320,12 @@ def test_sync_completion_and_the_job_it_enqueued(client, redis_url, tokenizer):
 def test_defaults_reach_the_job(client, redis_url, tokenizer):
     with ScriptedWorker(redis_url, "tiny") as worker:
         assert complete(client, prompt=None, seed=42, max_tokens=None).status_code == 200
-        assert complete(client, prompt=[[5, 6], [7]], best_of=3, n=2).status_code == 200
+        assert complete(client, prompt=[[5, 6], [7]], best_of=3, n=2, top_p=0).status_code == 200
     first, second = worker.jobs
     assert first.prompts == [[tokenizer.eos_token_id]] and first.seed == 42 and first.max_tokens is None
     assert (first.temperature, first.n, first.best_of, first.stop, first.logprobs) == (1.0, 1, None, [], None)
     assert second.prompts == [[5, 6], [7]] and (second.n, second.best_of, second.max_tokens) == (2, 3, 16)
+    assert second.top_p == 0.0  # accepted, as OpenAI does: the worker samples the most likely token
 
 
 def test_worker_error_event_becomes_the_http_error(client, redis_url):
@@ -469,6 +486,51 @@ def test_unknown_job_is_404(client):
     for path in ("/v1/jobs/cmpl-nope", "/jobs/cmpl-nope", "/v1/jobs/other"):
         assert error_of(client.get(path), 404)["code"] == "job_not_found"
     assert error_of(client.delete("/v1/jobs/cmpl-nope"), 404)["type"] == "invalid_request_error"
+
+
+def test_a_job_belongs_to_the_key_that_made_it(redis_url, models_file):
+    keyed = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS,
+                        "auth_required": "required"})
+    admin = redis.Redis.from_url(redis_url, decode_responses=True)
+    (alice, _), (bob, _) = keys.create(admin, "alice"), keys.create(admin, "bob")
+    client = keyed.test_client()
+
+    def as_(token):
+        return {"Authorization": f"Bearer {token}"}
+
+    with ScriptedWorker(redis_url, "tiny"):
+        job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}, headers=as_(alice)).get_json()["id"]
+        unknown = "cmpl-" + "0" * 32
+        for path in (f"/v1/jobs/{job_id}", f"/jobs/{job_id}", f"/v1/jobs/{job_id}/stream"):
+            refused = client.get(path, headers=as_(bob))
+            # exactly the answer for an id that does not exist: existence does not leak
+            assert error_of(refused, 404)["code"] == "job_not_found"
+            assert refused.get_json() == json.loads(
+                client.get(path.replace(job_id, unknown), headers=as_(bob)).get_data(as_text=True).replace(unknown, job_id))
+        assert error_of(client.delete(f"/v1/jobs/{job_id}", headers=as_(bob)), 404)["code"] == "job_not_found"
+        deadline = time.monotonic() + 10
+        while (state := client.get(f"/v1/jobs/{job_id}", headers=as_(alice)).get_json())["status"] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert state["result"]["choices"][0]["text"] == "Hello world"  # the owner still can, after bob's tries
+    assert frame_data(sse_events(client.get(f"/v1/jobs/{job_id}/stream", headers=as_(alice))))[-1] == "[DONE]"
+    assert client.delete(f"/v1/jobs/{job_id}", headers=as_(alice)).get_json()["status"] == "completed"
+    assert error_of(client.get(f"/v1/jobs/{job_id}"), 401)  # no key at all: 401 before any lookup
+
+    # A key revoked and created again under the same name is a new key: the old jobs are not its own.
+    keys.revoke(admin, "alice")
+    alice_again, _ = keys.create(admin, "alice")
+    assert error_of(client.get(f"/v1/jobs/{job_id}", headers=as_(alice_again)), 404)["code"] == "job_not_found"
+    admin.close()
+
+
+def test_with_keys_off_anonymous_callers_share_one_scope(client, r):
+    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()
+    job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"},
+                         environ_base={"REMOTE_ADDR": "10.0.0.1"}).get_json()["id"]
+    other = client.get(f"/v1/jobs/{job_id}", environ_base={"REMOTE_ADDR": "10.0.0.2"})
+    assert other.status_code == 200 and other.get_json()["status"] == "queued"
+    assert Job.fetch(job_id, connection=r).meta["owner"] == "anonymous"
 
 
 def test_jobs_refuse_stream(client):

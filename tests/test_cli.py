@@ -1,14 +1,19 @@
-"""The admin CLI (`flask --app wsgi keys|blocklist …`) through Flask's CLI runner, against a real Redis."""
+"""The admin CLI (`flask --app wsgi keys|blocklist|jobs …`) through Flask's CLI runner, against a real Redis."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import redis
 
-from web import abuse, blocklist, keys
+from web.access import Caller, abuse, blocklist, keys
+from web.access.ownership import owner_of
+from web.api.queue import job_queue
 from web.app import create_app
-from web.local_redis import free_port
+from web.dev.local_redis import free_port
+from web.settings import Settings
+from worker import protocol
 
 
 @pytest.fixture()
@@ -117,7 +122,7 @@ def test_timed_block_expires(cli, r):
 
 
 def test_remove_lifts_an_automatic_ban_and_its_strikes(cli, r):
-    policy = abuse.AbusePolicy(window=60, max_invalid=2, ban=3600)
+    policy = Settings(abuse_window_s=60, abuse_max_invalid=2, abuse_ban_s=3600)
     abuse.strike(r, policy, "invalid", [("user", "eve")])
     abuse.strike(r, policy, "invalid", [("user", "eve")])
     listing = ok(cli("blocklist", "list")).output
@@ -127,11 +132,63 @@ def test_remove_lifts_an_automatic_ban_and_its_strikes(cli, r):
     assert not r.exists(abuse.strike_key("invalid", "user", "eve"))
 
 
+# ---- jobs ----
+
+@pytest.fixture()
+def enqueue(redis_url):
+    """Queue a job as the API does (the real rq queue), owned by `owner`."""
+    app = create_app({"redis_url": redis_url})
+
+    def put(model: str, owner: str) -> str:
+        job = protocol.CompletionJob(id=protocol.new_completion_id(), model=model, prompts=[[1, 2]], seed=1)
+        with app.app_context():
+            job_queue().enqueue(job, model, owner=owner)
+        return job.id
+
+    return put
+
+
+def test_jobs_list_show_and_cancel_see_every_owner(cli, r, enqueue):
+    assert "No jobs." in ok(cli("jobs", "list")).output
+    _, alice = keys.create(r, "alice")
+    _, bob = keys.create(r, "bob")
+    first = enqueue("tiny", owner_of(Caller("alice", alice.id)))
+    second = enqueue("org/other", owner_of(Caller("bob", bob.id)))
+    third = enqueue("tiny", owner_of(Caller()))
+    done = {"completion": {"id": first, "choices": []}}
+    r.xadd(protocol.stream_key(first), protocol.encode_event("done", done))
+
+    lines = ok(cli("jobs", "list")).output.splitlines()
+    assert lines[0].split() == ["ID", "STATUS", "MODEL", "OWNER", "CREATED"]
+    rows = {line.split()[0]: line.split()[1:4] for line in lines[1:]}
+    assert rows == {first: ["completed", "tiny", "alice"], second: ["queued", "org/other", "bob"],
+                    third: ["queued", "tiny", "anonymous"]}
+    assert [line.split()[0] for line in ok(cli("jobs", "list", "--key", "bob")).output.splitlines()[1:]] == [second]
+    assert {line.split()[0] for line in ok(cli("jobs", "list", "--model", "tiny")).output.splitlines()[1:]} == {first, third}
+    assert [line.split()[0] for line in ok(cli("jobs", "list", "--status", "completed")).output.splitlines()[1:]] == [first]
+    assert len(ok(cli("jobs", "list", "-n", "2")).output.splitlines()) == 3
+    assert "No jobs." in ok(cli("jobs", "list", "--key", "carol")).output
+
+    shown = json.loads(ok(cli("jobs", "show", second)).output)
+    assert (shown["id"], shown["status"], shown["model"], shown["owner"]) == (second, "queued", "org/other", "bob")
+    assert json.loads(ok(cli("jobs", "show", first)).output)["result"] == done["completion"]
+
+    assert f"Cancelled job {second} (it was queued)" in ok(cli("jobs", "cancel", second)).output
+    assert json.loads(ok(cli("jobs", "show", second)).output)["status"] == "cancelled"
+    assert r.exists(protocol.cancel_key(second))
+    assert "had already ended: completed" in ok(cli("jobs", "cancel", first)).output
+    fails(cli("jobs", "show", "cmpl-nope"), "No job with id `cmpl-nope`")
+    fails(cli("jobs", "cancel", "nope"), "No job with id `nope`")
+
+    keys.revoke(r, "bob")  # a revoked key's jobs still say whose they were
+    assert json.loads(ok(cli("jobs", "show", second)).output)["owner"] == f"sk-{bob.id}… (revoked)"
+
+
 def test_redis_unreachable(redis_url):
     runner = create_app({"redis_url": f"redis://127.0.0.1:{free_port()}/0"}).test_cli_runner()
     for args in (["keys", "create", "ci"], ["keys", "list"], ["keys", "revoke", "ci"],
                  ["blocklist", "add", "u"], ["blocklist", "remove", "u"], ["blocklist", "list"],
-                 ["blocklist", "log"]):
+                 ["blocklist", "log"], ["jobs", "list"], ["jobs", "show", "cmpl-x"], ["jobs", "cancel", "cmpl-x"]):
         fails(runner.invoke(args=args), "Cannot use Redis at 127.0.0.1:")
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import httpx2
 import openai
 import pytest
 import redis
 
 from stack import start_gunicorn, start_processor, write_models_toml
 from web.app import create_app
+from worker import protocol
 
 EOS = 50256
 # Automatic bans after 3 rate-limited or 3 invalid requests within the window.
@@ -178,3 +180,43 @@ def test_automatic_ban_for_hammering_a_rate_limit(stack, admin):
     admin("blocklist", "remove", "--key", "e2e-hammer")
     with pytest.raises(openai.RateLimitError):  # past the blocklist again, still inside its 1 rpm
         complete(client)
+
+
+def test_a_job_belongs_to_the_key_that_made_it(stack, admin, redis_server):
+    alice = client_for(stack, admin("keys", "create", "e2e-owner-a").strip(), max_retries=0)
+    bob = client_for(stack, admin("keys", "create", "e2e-owner-b").strip(), max_retries=0)
+    bob_unversioned = openai.OpenAI(base_url=stack.url, api_key=bob.api_key, max_retries=0)  # GET /jobs/{id}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 100, "temperature": 0, "logit_bias": {str(EOS): -100}}
+    created = alice.post("/jobs", body=body, cast_to=httpx2.Response)
+    assert created.status_code == 202
+    job_id = created.json()["id"]
+
+    def refusal(call, path: str) -> dict:
+        with pytest.raises(openai.NotFoundError) as refused:
+            call(path, cast_to=httpx2.Response)
+        assert refused.value.code == "job_not_found"
+        return refused.value.body
+
+    unknown = "cmpl-" + "0" * 32
+    for call, path in ((bob.get, "/jobs/{}"), (bob_unversioned.get, "/jobs/{}"), (bob.get, "/jobs/{}/stream"),
+                       (bob.delete, "/jobs/{}")):
+        # exactly what an id that does not exist gets: bob cannot tell that alice's job exists
+        mine, nobodys = refusal(call, path.format(job_id)), refusal(call, path.format(unknown))
+        assert mine == {**nobodys, "message": nobodys["message"].replace(unknown, job_id)}
+    client = redis.Redis.from_url(redis_server.url)
+    assert not client.exists(protocol.cancel_key(job_id))  # bob's DELETE did not cancel it
+    client.close()
+
+    # alice follows her job to its end, reads it, and can cancel another of hers
+    stream = alice.get(f"/jobs/{job_id}/stream", cast_to=httpx2.Response)
+    assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+    state = alice.get(f"/jobs/{job_id}", cast_to=httpx2.Response).json()
+    assert state["status"] == "completed" and state["result"]["usage"]["completion_tokens"] == 100
+    assert state["result"]["choices"][0]["finish_reason"] == "length"
+    assert alice.delete(f"/jobs/{job_id}", cast_to=httpx2.Response).json()["status"] == "completed"
+    second = alice.post("/jobs", body={**body, "max_tokens": None}, cast_to=httpx2.Response).json()["id"]
+    assert alice.delete(f"/jobs/{second}", cast_to=httpx2.Response).json()["status"] == "cancelled"
+
+    # the admin sees both, with their owner
+    listing = admin("jobs", "list", "--key", "e2e-owner-a")
+    assert job_id in listing and second in listing and "e2e-owner-b" not in listing

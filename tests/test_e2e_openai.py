@@ -18,7 +18,7 @@ from rq import Queue, Worker
 
 from models.tokenizer import load_tokenizer
 from tests.stack import start_gunicorn, start_processor, write_models_toml
-from web.local_redis import start_redis
+from web.dev.local_redis import start_redis
 from worker import protocol
 
 PROMPT = "Hello, my name is"

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue
 
 from tests.stack import spawn_gunicorn, write_models_toml
-from web.local_redis import free_port
+from web.dev.local_redis import free_port
 from worker import protocol
 from worker.metrics import EngineCollector, batch_size_histogram, start
 
@@ -104,7 +104,7 @@ def test_ttft_histogram(redis_url, models_toml):
 
 
 def test_metrics_can_require_an_api_key(redis_url, models_toml, monkeypatch):
-    from web import keys
+    from web.access import keys
 
     monkeypatch.setenv("NANOSERVE_METRICS_AUTH", "required")
     client = make_app(redis_url, models_toml).test_client()

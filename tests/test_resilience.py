@@ -28,7 +28,7 @@ from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
 from tests.stack import REPO, spawn_gunicorn, spawn_processor, write_models_toml
-from web.local_redis import start_redis
+from web.dev.local_redis import start_redis
 from worker import protocol
 from worker.engine import Engine
 

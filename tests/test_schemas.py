@@ -1,19 +1,24 @@
-"""The OpenAI request schema of /v1/completions: names, defaults, nulls, ranges and the wording
-of each rejection (pure: no model, no Redis)."""
+"""The OpenAI request schema of /v1/completions: names, defaults, nulls, ranges, the wording of each
+rejection (a 400 naming its param), and the job a valid request becomes (pure: no model, no Redis).
+The schema is the only place these ranges are checked: the worker runs the job it is given."""
 from __future__ import annotations
 
 import pytest
 
-from web.schemas import INT64_MAX, RequestError, parse_completion_request
+from models.registry import ModelSpec
+from web.api.schemas import INT64_MAX, parse_completion_request
+from worker import protocol
+from worker.protocol import APIError
 
 
 def parse(**fields):
     return parse_completion_request({"model": "m", **fields})
 
 
-def rejected(**fields) -> RequestError:
-    with pytest.raises(RequestError) as info:
+def rejected(**fields) -> APIError:
+    with pytest.raises(APIError) as info:
         parse(**fields)
+    assert (info.value.status, info.value.type) == (400, "invalid_request_error")
     return info.value
 
 
@@ -73,7 +78,7 @@ def test_malformed_prompts(prompt):
 def test_out_of_range_values_name_their_param(field, value, message):
     err = rejected(prompt="x", **{field: value})
     assert err.param == field
-    assert message in str(err)
+    assert message in err.message
 
 
 def test_boundaries_are_accepted():
@@ -85,14 +90,15 @@ def test_boundaries_are_accepted():
 
 
 def test_missing_model():
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(APIError) as info:
         parse_completion_request({"prompt": "x"})
-    assert info.value.param == "model" and "must provide a model" in str(info.value)
+    assert (info.value.status, info.value.param) == (400, "model") and "must provide a model" in info.value.message
 
 
 def test_body_must_be_an_object():
-    with pytest.raises(RequestError, match="JSON object"):
+    with pytest.raises(APIError, match="JSON object") as info:
         parse_completion_request(["model", "m"])
+    assert (info.value.status, info.value.param) == (400, None)
 
 
 @pytest.mark.parametrize("stop", ["\n", ["a", "b", "c", "d"], [], None])
@@ -133,3 +139,24 @@ def test_stream_options_need_stream():
 def test_non_finite_numbers_are_rejected():
     assert rejected(temperature=float("nan")).param == "temperature"
     assert rejected(top_p=float("inf")).param == "top_p"
+
+
+def test_top_p_zero_is_accepted_as_at_openai():
+    assert parse(top_p=0).top_p == 0.0  # the worker reads it as "the most likely token only"
+
+
+def test_a_valid_request_becomes_its_job():
+    spec = ModelSpec(id="tiny", checkpoint="unused")
+    req = parse(model="tiny-alias", prompt=["a", "b"], max_tokens=None, temperature=0.5, top_p=0, top_k=7,
+                presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"3": -100}, n=2, best_of=3,
+                stop="\n", logprobs=2, echo=True, user="u1")
+    job = req.to_job(spec, [[1, 2], [3]], seed=42)
+    assert job.id.startswith("cmpl-") and job.model == "tiny" and job.prompts == [[1, 2], [3]] and job.seed == 42
+    assert (job.max_tokens, job.temperature, job.top_p, job.top_k) == (None, 0.5, 0.0, 7)
+    assert (job.presence_penalty, job.frequency_penalty, job.logit_bias) == (0.5, -0.5, {3: -100.0})
+    assert (job.n, job.best_of, job.stop, job.logprobs, job.echo, job.user) == (2, 3, ["\n"], 2, True, "u1")
+    assert (job.stream, job.include_usage) == (False, False)
+    streamed = parse(prompt="x", stream=True, stream_options={"include_usage": True}).to_job(spec, [[1]], seed=1)
+    assert (streamed.stream, streamed.include_usage, streamed.max_tokens, streamed.n) == (True, True, 16, 1)
+    # every job field is set from the request (none left at the job's own default by omission)
+    assert set(protocol.CompletionJob.model_fields) - {"created"} <= set(job.model_dump(exclude_unset=True))

@@ -19,7 +19,7 @@ from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
 from tests.stack import registered_workers, start_processor, write_models_toml
-from web.local_redis import free_port
+from web.dev.local_redis import free_port
 from worker import protocol
 from worker.consumer import report_given_up
 from worker.engine import Engine

@@ -1,13 +1,16 @@
-"""Admin commands on `app.cli`: `flask --app wsgi keys …` and `flask --app wsgi blocklist …`.
+"""The admin CLI on `app.cli`: `flask --app wsgi keys …`, `… blocklist …` (access control) and
+`… jobs …` (every caller's jobs, which the API shows only to their owner).
 
-They talk to the Redis named by REDIS_URL (the same one the web processes use), so they work from
-any shell that can reach it, the docker-compose web container included. Every failure is a one-line
-`Error: …` and exit code 1, never a traceback.
+The commands talk to the Redis named by REDIS_URL (the same one the web processes use), so they work
+from any shell that can reach it, the docker-compose web container included. Every failure is a
+one-line `Error: …` and exit code 1, never a traceback. It sits beside the app factory, not inside
+web/api/ or web/access/, because it drives both.
 """
 from __future__ import annotations
 
 import functools
 import getpass
+import json
 import time
 
 import click
@@ -15,19 +18,27 @@ import redis
 from flask import Flask
 from flask.cli import AppGroup
 
-from web import abuse, access, blocklist, keys
+from web import access
+from web.access import abuse, blocklist, keys
+from web.access.ownership import ANONYMOUS
+from web.api import jobs
+from web.api.queue import job_queue, owner
+from web.durations import format_duration, parse_duration
+from worker.protocol import APIError
 
 keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
 blocklist_cli = AppGroup("blocklist", help="Block end users (the `user` field) or API keys.")
+jobs_cli = AppGroup("jobs", help="See and cancel the jobs of every caller.")
 
 
 def register_cli(app: Flask) -> None:
     app.cli.add_command(keys_cli)
     app.cli.add_command(blocklist_cli)
+    app.cli.add_command(jobs_cli)
 
 
 def admin_command(f):
-    """Turn Redis failures and bad settings into a clear message and exit code 1."""
+    """Turn Redis failures into a clear message and exit code 1."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         try:
@@ -36,8 +47,6 @@ def admin_command(f):
             kw = access.redis_client().connection_pool.connection_kwargs
             where = kw.get("path") or f"{kw.get('host')}:{kw.get('port')}"
             raise click.ClickException(f"Cannot use Redis at {where} (set REDIS_URL): {exc}") from None
-        except ValueError as exc:  # a malformed setting, e.g. NANOSERVE_ABUSE_BAN
-            raise click.ClickException(str(exc)) from None
     return wrapper
 
 
@@ -141,11 +150,80 @@ def blocklist_log(limit: int) -> None:
              _when(float(row["expires_at"])) if row.get("expires_at") else "-"] for row in rows])
 
 
+# ---- jobs ----
+
+@jobs_cli.command("list")
+@click.option("--key", "key_name", metavar="NAME", help="Only the jobs of the API key NAME.")
+@click.option("--status", type=click.Choice(jobs.STATUSES),
+              help="Only the jobs in this state.")
+@click.option("--model", help="Only the jobs of this model.")
+@click.option("-n", "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="How many, newest first.")
+@admin_command
+def jobs_list(key_name: str | None, status: str | None, model: str | None, limit: int) -> None:
+    """List the jobs Redis still holds, whoever made them: id, status, model, owner, created."""
+    names = _key_names()
+    rows = []
+    for rq_job in job_queue().jobs():
+        state = jobs.job_state(rq_job)
+        who = _owner_label(owner(rq_job), names)
+        filters = ((status, state["status"]), (model, state["model"]), (key_name, who))
+        if all(wanted in (None, value) for wanted, value in filters):
+            rows.append([state["id"], state["status"], state["model"], who, state["created"]])
+    if not rows:
+        click.echo("No jobs.")
+        return
+    rows = sorted(rows, key=lambda row: row[-1], reverse=True)[:limit]
+    _table(["ID", "STATUS", "MODEL", "OWNER", "CREATED"], [[*row[:-1], _when(row[-1])] for row in rows])
+
+
+@jobs_cli.command("show")
+@click.argument("job_id")
+@admin_command
+def jobs_show(job_id: str) -> None:
+    """Print the job JOB_ID as the API shows it to its owner, with its owner, as JSON."""
+    rq_job = _job(job_id)
+    click.echo(json.dumps({**jobs.job_state(rq_job), "owner": _owner_label(owner(rq_job), _key_names())}, indent=2))
+
+
+@jobs_cli.command("cancel")
+@click.argument("job_id")
+@admin_command
+def jobs_cancel(job_id: str) -> None:
+    """Cancel the job JOB_ID, whoever made it (a finished job stays as it ended)."""
+    rq_job = _job(job_id)
+    status = jobs.job_state(rq_job)["status"]
+    if status not in jobs.ACTIVE:
+        click.echo(f"Job {job_id} had already ended: {status}.")
+        return
+    jobs.cancel(rq_job)
+    click.echo(f"Cancelled job {job_id} (it was {status}).")
+
+
+def _job(job_id: str):
+    try:
+        return jobs.find_job(job_id, caller=None)
+    except APIError as exc:
+        raise click.ClickException(f"{exc.message} (see `jobs list`)") from None
+
+
+def _key_names() -> dict[str, str]:
+    return {record.id: record.name for record in keys.list_keys(access.redis_client())}
+
+
+def _owner_label(who: str | None, names: dict[str, str]) -> str:
+    """An owner (web/access/ownership.py) as the admin knows it: the key's name, or its lookup id
+    once the key is revoked."""
+    if who is None or who == ANONYMOUS:
+        return who or "-"
+    key_id = who.removeprefix("key:")
+    return names.get(key_id, f"{keys.PREFIX}{key_id}… (revoked)")
+
+
 # ---- helpers ----
 
 def _parse_duration(text: str) -> float:
     try:
-        return blocklist.parse_duration(text)
+        return parse_duration(text)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -181,7 +259,7 @@ def _when(ts: float) -> str:
 def _expiry(expires_at: float | None) -> str:
     if expires_at is None:
         return "never"
-    return f"{_when(expires_at)} (in {blocklist.format_duration(expires_at - time.time())})"
+    return f"{_when(expires_at)} (in {format_duration(expires_at - time.time())})"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import redis
 from flask import Blueprint, jsonify
 
-from web.models_api import served_models
-from web.queue import job_queue
+from web.api.models import served_models
+from web.api.queue import job_queue
 from worker import protocol
 
 bp = Blueprint("health", __name__)

@@ -7,20 +7,21 @@ also writes one access line (method, path, status, duration) when its response i
 stream, that is when the stream ends (probes and scrapes: `/health`, `/ready`, `/metrics` only at
 DEBUG). `init_app` should run first in the app factory, so every later hook sees the id.
 
-    NANOSERVE_LOG_FORMAT  json (default) | text
-    NANOSERVE_LOG_LEVEL   INFO (default), DEBUG, WARNING, ...
+Format and level are settings (`log_format`: json or text, `log_level`; NANOSERVE_LOG_FORMAT and
+NANOSERVE_LOG_LEVEL).
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import sys
 import time
 import uuid
 
 from flask import Flask, g, has_request_context, request
+
+from web.settings import Settings
 
 access_log = logging.getLogger("nanoserve.access")
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -72,10 +73,8 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
-def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
-    """Send the root logger to stderr as JSON lines (or plain text). Idempotent."""
-    fmt = (fmt or os.environ.get("NANOSERVE_LOG_FORMAT", "json")).lower()
-    level = (level or os.environ.get("NANOSERVE_LOG_LEVEL", "INFO")).upper()
+def configure_logging(fmt: str = "json", level: str = "INFO") -> None:
+    """Send the root logger to stderr as JSON lines (`fmt` json) or plain text. Idempotent."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "_nanoserve", False)]:
         root.removeHandler(handler)
@@ -90,9 +89,9 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     root.setLevel(level)
 
 
-def init_app(app: Flask) -> None:
+def init_app(app: Flask, settings: Settings) -> None:
     """Request ids, `x-request-id` on every response, JSON logs and one access line per request."""
-    configure_logging()
+    configure_logging(settings.log_format, settings.log_level)
 
     @app.before_request
     def _assign_request_id():

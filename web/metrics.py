@@ -11,7 +11,7 @@
 Multi-process safe: when `PROMETHEUS_MULTIPROC_DIR` is set (gunicorn with several workers), each
 process writes its samples to files there and a scrape merges them (prometheus_client's multiprocess
 mode). The variable must be set before this module is first imported, and the directory must be
-empty when the server starts; `python -m web.devserver` and docker-compose.yml do both.
+empty when the server starts; `python -m web.dev.devserver` and docker-compose.yml do both.
 
 `NANOSERVE_METRICS_AUTH=required` puts `/metrics` behind an API key (`web.access.authorize_metrics`);
 by default it is open, like `/health`, for a Prometheus on the private network.
@@ -109,7 +109,7 @@ def init_app(app: Flask, model_ids: Callable[[], Iterable[str]] | None = None,
     """Count and time every request and serve `/metrics`.
 
     `model_ids` and `connection` say which queues to report and how to reach Redis; by default the
-    app's served models and its queue's Redis connection (`web.models_api`, `web.queue`).
+    app's served models and its queue's Redis connection (`web.api.models`, `web.api.queue`).
     """
     if model_ids is None:
         served = app.extensions["nanoserve.models"]

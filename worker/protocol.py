@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+# The Redis of web, worker and admin CLI when REDIS_URL is not set.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
 # rq queues per served model: interactive requests, and a batch's lines, which workers take only when
 # no interactive job waits (worker/priority.py). The job function is named by dotted path so web
 # never imports it.

@@ -1,7 +1,12 @@
 """Polled completions: `POST /v1/jobs` queues a completions request and answers 202 at once;
 `GET /v1/jobs/<id>` (also `/jobs/<id>`) reports it, `DELETE /v1/jobs/<id>` cancels it, and
 `GET /v1/jobs/<id>/stream` follows its events as SSE (resumable with `Last-Event-ID`; leaving does
-not cancel the job). The job id is the completion id (`cmpl-…`)."""
+not cancel the job). The job id is the completion id (`cmpl-…`).
+
+A job belongs to the caller that made it (web/access/ownership.py): any other caller is told that no
+such job exists. The admin CLI (`flask --app wsgi jobs …`) uses the same functions with no caller and
+sees every job.
+"""
 from __future__ import annotations
 
 import re
@@ -11,18 +16,21 @@ from flask import Blueprint, jsonify, request
 from rq.job import Job, JobStatus
 
 from web import access
-from web.completions import admit_completion, sse_response
-from web.config import settings
-from web.errors import APIError, bad_request
-from web.queue import job_queue
-from web.streaming import ChunkFormat, follow, guarded, last_terminal_event, sse_frames
+from web.access.ownership import check_owner
+from web.api.completions import admit_completion, sse_response
+from web.api.queue import job_queue, owner
+from web.api.streaming import ChunkFormat, follow, guarded, last_terminal_event, sse_frames
+from web.settings import settings
 from worker import protocol
+from worker.protocol import APIError, bad_request
 
 bp = Blueprint("jobs", __name__)
 
 _STATUS = {JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
            JobStatus.SCHEDULED: "queued", JobStatus.STARTED: "in_progress", JobStatus.FINISHED: "completed",
            JobStatus.FAILED: "failed", JobStatus.CANCELED: "cancelled", JobStatus.STOPPED: "cancelled"}
+STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
+ACTIVE = ("queued", "in_progress")
 _ENTRY_ID = re.compile(r"^\d+-\d+$")
 
 
@@ -36,47 +44,47 @@ def submit_job():
 @bp.get("/v1/jobs/<job_id>")
 @bp.get("/jobs/<job_id>")
 def get_job(job_id: str):
-    access.authenticate(request)
-    return jsonify(job_state(job_id))
+    return jsonify(job_state(find_job(job_id, access.authenticate(request))))
 
 
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str):
-    access.authenticate(request)
-    state = job_state(job_id)
-    if state["status"] in ("queued", "in_progress"):
-        job_queue().cancel(job_id)
-        state = {**state, "status": "cancelled"}
-    return jsonify(state)
+    return jsonify(cancel(find_job(job_id, access.authenticate(request))))
 
 
 @bp.get("/v1/jobs/<job_id>/stream")
 def stream_job(job_id: str):
-    access.authenticate(request)
-    state = job_state(job_id)
+    rq_job = find_job(job_id, access.authenticate(request))
     after = request.headers.get("Last-Event-ID") or "0-0"
     if not _ENTRY_ID.match(after):
         raise bad_request(f"Last-Event-ID must be a stream entry id like 1700000000000-0, not {after!r}.")
-    jq = job_queue()
-    payload = _payload(jq.fetch(job_id)) or {}
-    fmt = ChunkFormat(job_id, state.get("created", 0), state.get("model", ""), include_usage=True,
+    payload = _payload(rq_job)
+    fmt = ChunkFormat(job_id, payload["created"], payload["model"], include_usage=True,
                       logprobs=payload.get("logprobs") is not None)
+    jq = job_queue()
     events = follow(jq, job_id, after=after, tick_s=settings().keepalive_s)
     return sse_response(guarded(sse_frames(events, fmt), jq, job_id, cancel_on_disconnect=False))
 
 
-def job_state(job_id: str) -> dict[str, Any]:
+def find_job(job_id: str, caller: access.Caller | None) -> Job:
+    """The job `job_id` if it belongs to `caller` (None: the admin, who sees every job); else the
+    same 404 as for an id rq does not know (never enqueued, or expired with its result)."""
+    not_found = APIError(404, f"No job with id `{job_id}`.", "invalid_request_error", None, "job_not_found")
+    rq_job = job_queue().fetch(job_id) if job_id.startswith("cmpl-") else None
+    if rq_job is None or not rq_job.args:
+        raise not_found
+    if caller is not None:
+        check_owner(owner(rq_job), caller, not_found)
+    return rq_job
+
+
+def job_state(rq_job: Job) -> dict[str, Any]:
     """`{id, object: "job", status, model, created, result | error}` from the job's terminal event
-    (its stream says how it ended) or else from rq (queued or running); 404 when neither knows it."""
-    jq = job_queue()
-    rq_job = jq.fetch(job_id) if job_id.startswith("cmpl-") else None
-    terminal = last_terminal_event(jq.redis, job_id) if job_id.startswith("cmpl-") else None
-    if rq_job is None and terminal is None:
-        raise APIError(404, f"No job with id `{job_id}`.", "invalid_request_error", None, "job_not_found")
-    state: dict[str, Any] = {"id": job_id, "object": "job"}
+    (its stream says how it ended), else from rq (queued or running)."""
     payload = _payload(rq_job)
-    if payload:
-        state.update(model=payload["model"], created=payload["created"])
+    state: dict[str, Any] = {"id": rq_job.id, "object": "job", "model": payload["model"],
+                             "created": payload["created"]}
+    terminal = last_terminal_event(job_queue().redis, rq_job.id)
     if terminal is not None and terminal.type == "done":
         state.update(status="completed", result=terminal.data["completion"])
     elif terminal is not None and terminal.type == "error":
@@ -93,6 +101,15 @@ def job_state(job_id: str) -> dict[str, Any]:
     return state
 
 
-def _payload(rq_job: Job | None) -> dict[str, Any] | None:
-    """The job's `CompletionJob` payload as enqueued (None once rq has forgotten the job)."""
-    return rq_job.args[0] if rq_job is not None and rq_job.args else None
+def cancel(rq_job: Job) -> dict[str, Any]:
+    """Cancel a job that is still queued or running; its state after that."""
+    state = job_state(rq_job)
+    if state["status"] in ACTIVE:
+        job_queue().cancel(rq_job.id)
+        state = {**state, "status": "cancelled"}
+    return state
+
+
+def _payload(rq_job: Job) -> dict[str, Any]:
+    """The job's `CompletionJob` payload as enqueued."""
+    return rq_job.args[0]

@@ -1,10 +1,12 @@
 """The OpenAI protocol of `/v1/completions`: the request model with OpenAI's names, ranges and
-defaults, and the conversion of its validation errors into OpenAI's wording.
+defaults, the conversion of its validation errors into OpenAI's 400s, and the one conversion of a
+valid request into the job the worker runs (`CompletionRequest.to_job`).
 
-`null` is accepted wherever OpenAI accepts it and means the default, except `max_tokens: null`,
-which means "up to the end of the context". Unknown fields are ignored. Types are strict (no
-`"5"` for 5), as OpenAI's schema is. What needs the model (vocabulary, context length) is checked
-later, in `web.completions`.
+This is the only place OpenAI's ranges and defaults are written: the worker trusts a job built here
+and checks only what only it knows. `null` is accepted wherever OpenAI accepts it and means the
+default, except `max_tokens: null`, which means "up to the end of the context". Unknown fields are
+ignored. Types are strict (no `"5"` for 5), as OpenAI's schema is. What needs the model (vocabulary,
+context length) is checked in `web.api.completions`, with the model's tokenizer at hand.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from models.registry import ModelSpec
+from worker import protocol
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 4
@@ -21,7 +26,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class RequestError(ValueError):
-    """A request value OpenAI would reject, naming the parameter."""
+    """A request value OpenAI would reject, naming the parameter (raised inside the validators, which
+    pydantic lets raise only ValueError; `parse_completion_request` answers it as a 400)."""
 
     def __init__(self, message: str, param: str | None):
         super().__init__(message)
@@ -53,7 +59,7 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1)  # 0, as at OpenAI: the most likely token only
     top_k: int = Field(0, ge=0)  # extension (vLLM's name); 0: off
     user: str | None = Field(None, max_length=256)  # it names Redis keys: keep it bounded
 
@@ -129,6 +135,18 @@ class CompletionRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def to_job(self, spec: ModelSpec, prompts: list[list[int]], seed: int) -> protocol.CompletionJob:
+        """The job for this request: `prompts` tokenized with the model's tokenizer, and always a `seed`
+        (the caller draws one when the request has none), so a job retried after a worker crash
+        replays the tokens it already streamed."""
+        return protocol.CompletionJob(
+            id=protocol.new_completion_id(), model=spec.id, prompts=prompts, max_tokens=self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias, seed=seed, n=self.n, best_of=self.best_of, stop=self.stop,
+            logprobs=self.logprobs, echo=self.echo, stream=self.stream, include_usage=self.include_usage,
+            user=self.user)
+
 
 def _is_token_id(value: Any) -> bool:
     return type(value) is int and value >= 0
@@ -140,13 +158,14 @@ _TYPE_NAMES = {"int_type": "integer", "float_type": "number", "bool_type": "bool
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a decoded JSON body; raises `RequestError` (first problem, with its param)."""
+    """Validate a decoded JSON body; the first problem is a 400 `APIError` naming its param."""
     if not isinstance(body, dict):
-        raise RequestError(f"The request body must be a JSON object, not {type(body).__name__}.", None)
+        raise protocol.bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as err:
-        raise request_error(err) from None
+        problem = request_error(err)
+        raise protocol.bad_request(str(problem), problem.param) from None
 
 
 def request_error(err: ValidationError) -> RequestError:

@@ -115,20 +115,21 @@ class Reservation:
 
     def headers(self) -> dict[str, str]:
         """OpenAI's `x-ratelimit-*` headers, from the tightest bucket in each dimension."""
-        headers = {}
-        limited = [s for s in self.states if s.bucket.rpm > 0]
-        if limited:
-            s = min(limited, key=lambda s: s.remaining_requests)
-            headers.update({"x-ratelimit-limit-requests": str(s.bucket.rpm),
-                            "x-ratelimit-remaining-requests": str(s.remaining_requests),
-                            "x-ratelimit-reset-requests": reset_header(s.reset_requests_ms)})
-        limited = [s for s in self.states if s.bucket.tpm > 0]
-        if limited:
-            s = min(limited, key=lambda s: s.remaining_tokens)
-            headers.update({"x-ratelimit-limit-tokens": str(s.bucket.tpm),
-                            "x-ratelimit-remaining-tokens": str(s.remaining_tokens),
-                            "x-ratelimit-reset-tokens": reset_header(s.reset_tokens_ms)})
-        return headers
+        return {**_dimension_headers("requests", [(s.bucket.rpm, s.remaining_requests, s.reset_requests_ms)
+                                                  for s in self.states]),
+                **_dimension_headers("tokens", [(s.bucket.tpm, s.remaining_tokens, s.reset_tokens_ms)
+                                                for s in self.states])}
+
+
+def _dimension_headers(dimension: str, buckets: list[tuple[int, int, int]]) -> dict[str, str]:
+    """The headers of one dimension from each bucket's (limit, remaining, reset ms): the bucket with
+    the least left among those limited in it; none when no bucket is."""
+    limited = [bucket for bucket in buckets if bucket[0] > 0]
+    if not limited:
+        return {}
+    limit, remaining, reset_ms = min(limited, key=lambda bucket: bucket[1])
+    return {f"x-ratelimit-limit-{dimension}": str(limit), f"x-ratelimit-remaining-{dimension}": str(remaining),
+            f"x-ratelimit-reset-{dimension}": reset_header(reset_ms)}
 
 
 def reserve(r: redis.Redis, buckets: list[Bucket], cost: int, gates: list[str] = ()) -> Reservation:

@@ -1,6 +1,6 @@
 """`make serve`: the whole stack on one machine, started together and stopped together.
 
-    python -m web.devserver [--model NAME ...] [--device cpu] [--host 127.0.0.1] [--port 8000]
+    python -m web.dev.devserver [--model NAME ...] [--device cpu] [--host 127.0.0.1] [--port 8000]
 
 1. With the default model registry, trains the default `shakespeare-char` model first if its
    checkpoint is missing (in a child process, progress bar shown: the web tier never imports torch).
@@ -32,9 +32,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from web.local_redis import LocalRedis, start_redis
+from web.dev.local_redis import LocalRedis, start_redis
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "shakespeare-char"
 DEFAULT_CHECKPOINT_DIR = REPO / "checkpoints" / "shakespeare-char"
 
@@ -213,7 +213,7 @@ Ctrl-C stops everything.
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m web.devserver", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m web.dev.devserver", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", default=None,
                         help="model to serve (repeatable); default: shakespeare-char with the default "
                              "registry, else every model in NANOSERVE_MODELS")

@@ -14,9 +14,17 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
-from web.config import Settings
-from web.errors import APIError
+from web.settings import Settings
 from worker import protocol
+from worker.protocol import APIError
+
+
+OWNER = "owner"  # the rq job's meta field holding who the job belongs to
+
+
+def owner(job: Job) -> str | None:
+    """Who the job belongs to (None for a job queued without one)."""
+    return job.meta.get(OWNER)
 
 
 class JobQueue:
@@ -53,14 +61,29 @@ class JobQueue:
             raise APIError(429, f"The queue for model `{model_id}` is full; try again later.",
                            "rate_limit_error", None, "queue_full", retry)
 
-    def enqueue(self, job: protocol.CompletionJob, model_id: str) -> Job:
+    def enqueue(self, job: protocol.CompletionJob, model_id: str, owner: str) -> Job:
+        """Queue the job as `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives
+        and expires with the job, and the worker never reads it."""
         s = self.settings
         return self.queue(model_id).enqueue_call(
-            protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
+            protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
             timeout=s.job_timeout_s, ttl=s.queue_ttl_s, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
             # a retried job (its worker crashed) goes to the front: its client may be mid-stream
             retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
             description=f"completion {job.id} ({job.model})")
+
+    def jobs(self) -> list[Job]:
+        """Every completion job rq still knows, on every model's queue: waiting, running and ended
+        ones (for the admin CLI; a request never needs them all)."""
+        job_ids: set[str] = set()
+        for queue in Queue.all(connection=self.redis):
+            if queue.name.startswith(protocol.QUEUE_PREFIX):
+                job_ids.update(queue.get_job_ids())
+                for registry in (queue.started_job_registry, queue.finished_job_registry,
+                                 queue.failed_job_registry, queue.canceled_job_registry,
+                                 queue.deferred_job_registry, queue.scheduled_job_registry):
+                    job_ids.update(registry.get_job_ids())
+        return [job for job in Job.fetch_many(sorted(job_ids), connection=self.redis) if job is not None]
 
     def fetch(self, job_id: str) -> Job | None:
         try:

@@ -16,9 +16,9 @@ from typing import Any, Iterator
 import redis
 from rq.job import JobStatus
 
-from web.errors import APIError
-from web.queue import JobQueue
+from web.api.queue import JobQueue
 from worker import protocol
+from worker.protocol import APIError
 
 _WAITING = (JobStatus.CREATED, JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED, JobStatus.STARTED)
 

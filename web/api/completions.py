@@ -13,13 +13,14 @@ from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 
 from models.tokenizer import Tokenizer
 from web import access, metrics
-from web.config import settings
-from web.errors import bad_request
-from web.models_api import served_models
-from web.queue import job_queue
-from web.schemas import CompletionRequest, RequestError, parse_completion_request
-from web.streaming import ChunkFormat, Event, follow, guarded, sse_frames, wait_for_completion
+from web.access.ownership import owner_of
+from web.api.models import served_models
+from web.api.queue import job_queue
+from web.api.schemas import CompletionRequest, parse_completion_request
+from web.api.streaming import ChunkFormat, Event, follow, guarded, sse_frames, wait_for_completion
+from web.settings import settings
 from worker import protocol
+from worker.protocol import bad_request
 
 bp = Blueprint("completions", __name__)
 
@@ -71,17 +72,14 @@ def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
 
 def admit_completion(for_job: bool = False) -> Admitted:
     """The request path up to the queue (DESIGN.md): authenticate, parse and validate, resolve the
-    model, tokenize, check the context, admit (access limits), enqueue."""
+    model, tokenize, check the context, admit (access limits), enqueue as the caller's job."""
     g.caller = access.authenticate(request)
     body = read_json_body()
     if isinstance(body, dict) and isinstance(body.get("user"), str):
         g.user = body["user"]
     if for_job and isinstance(body, dict) and body.get("stream"):
         raise bad_request("stream is not supported on /v1/jobs; follow GET /v1/jobs/{id}/stream instead.", "stream")
-    try:
-        req = parse_completion_request(body)
-    except RequestError as err:
-        raise bad_request(str(err), err.param) from None
+    req = parse_completion_request(body)
 
     models = served_models()
     spec = models.get(req.model)
@@ -99,16 +97,8 @@ def admit_completion(for_job: bool = False) -> Admitted:
     jq.check_capacity(spec.id)
     reserved = sum(map(len, prompts)) + completion_tokens * per_prompt
     g.grant = grant = access.admit(g.caller, req.user, reserved)
-    job = protocol.CompletionJob(
-        id=protocol.new_completion_id(), model=spec.id, prompts=prompts, max_tokens=req.max_tokens,
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=req.logit_bias,
-        # Always seeded: a job retried after a worker crash replays the tokens it already streamed.
-        seed=req.seed if req.seed is not None else random.getrandbits(63),
-        n=req.n, best_of=req.best_of, stop=req.stop, logprobs=req.logprobs, echo=req.echo,
-        stream=req.stream and not for_job, include_usage=req.include_usage, user=req.user)
-    jq.enqueue(job, spec.id)
+    job = req.to_job(spec, prompts, seed=req.seed if req.seed is not None else random.getrandbits(63))
+    jq.enqueue(job, spec.id, owner=owner_of(g.caller))
     return Admitted(req, job, grant)
 
 

@@ -8,7 +8,8 @@ The completions/jobs routes call, in this order:
     settle(grant, used_tokens)                           # correct the token reservation
 and `rate_limit_headers(grant)` gives the `x-ratelimit-*` headers added to the response.
 `record_invalid(caller, user)` is called for every 400 so repeated invalid requests can earn a ban.
-`/metrics` calls `authorize_metrics(request)`.
+`/metrics` calls `authorize_metrics(request)`. What a caller creates (jobs; later files and batches)
+belongs to it: see `web/access/ownership.py`.
 
 Cost on the request path: `authenticate` is one Redis round trip when keys are required (none when
 not); `admit` is one (blocklist entries of the key and the user, and the rate-limit reservation, in
@@ -16,29 +17,24 @@ one Lua script); `settle` is one. Nothing is cached in the process, so a revoked
 blocklist entry takes effect on the very next request in every web process. Redis being down raises
 redis.ConnectionError, which the app answers with 503.
 
-Settings (environment; a Flask config entry of the same name wins):
-    NANOSERVE_AUTH            required | disabled: require `Authorization: Bearer <key>` (default disabled)
-    NANOSERVE_METRICS_AUTH    required | disabled: the same for /metrics (default disabled)
-    NANOSERVE_KEY_RPM, NANOSERVE_KEY_TPM    limits of keys created without their own, and of
-                              anonymous callers (per client address)   (default 10000, 10000000)
-    NANOSERVE_USER_RPM, NANOSERVE_USER_TPM  limits per end user (`user` field)  (default 1000, 1000000)
-    0 means no limit. Abuse thresholds: see `web/abuse.py`.
+Settings: `auth_required`, `metrics_auth_required`, `key_rpm`/`key_tpm` (keys created without their
+own limits, and anonymous callers per client address), `user_rpm`/`user_tpm` (per end user), and the
+abuse thresholds, all in web/settings.py (NANOSERVE_AUTH, NANOSERVE_KEY_RPM, …). 0 means no limit.
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import redis
 from flask import Flask, Request, current_app
 
-from web import abuse, blocklist, keys, ratelimit
-from web.errors import APIError
+from web.access import abuse, blocklist, keys, ratelimit
+from web.settings import Settings
+from worker.protocol import APIError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 EXTENSION = "nanoserve.access"
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
@@ -49,6 +45,7 @@ MISSING_KEY = ("You didn't provide an API key. You need to provide your API key 
 @dataclass
 class Caller:
     key_name: str | None = None  # None: anonymous (auth disabled)
+    key_id: str | None = None  # the key's lookup id: what the caller's jobs belong to
     rpm: int = 0  # this caller's limits (0: none)
     tpm: int = 0
     address: str | None = None  # anonymous callers are rate-limited per client address
@@ -64,67 +61,19 @@ class Grant:
     settled: bool = False
 
 
-@dataclass(frozen=True)
-class Settings:
-    auth_required: bool
-    metrics_auth_required: bool
-    key_rpm: int
-    key_tpm: int
-    user_rpm: int
-    user_tpm: int
-    abuse: abuse.AbusePolicy
-    redis_url: str
-
-    @classmethod
-    def load(cls, app: Flask) -> "Settings":
-        def get(name: str) -> str | None:
-            value = app.config.get(name)
-            return str(value) if value is not None else os.environ.get(name)
-
-        def switch(name: str) -> bool:
-            value = (get(name) or "disabled").lower()
-            if value not in ("required", "disabled"):
-                raise ValueError(f"{name} must be 'required' or 'disabled', not {value!r}")
-            return value == "required"
-
-        def limit(name: str, default: int) -> int:
-            value = get(name)
-            if value in (None, ""):
-                return default
-            if not value.isdigit():
-                raise ValueError(f"{name} must be a whole number (0: no limit), not {value!r}")
-            return int(value)
-
-        return cls(auth_required=switch("NANOSERVE_AUTH"),
-                   metrics_auth_required=switch("NANOSERVE_METRICS_AUTH"),
-                   key_rpm=limit("NANOSERVE_KEY_RPM", 10_000), key_tpm=limit("NANOSERVE_KEY_TPM", 10_000_000),
-                   user_rpm=limit("NANOSERVE_USER_RPM", 1_000), user_tpm=limit("NANOSERVE_USER_TPM", 1_000_000),
-                   abuse=abuse.AbusePolicy.from_env(get),
-                   redis_url=_redis_url(app, get))
-
-
-def _redis_url(app: Flask, get) -> str:
-    web_settings = app.extensions.get("nanoserve.settings")  # web/config.py, when create_app set it up
-    return web_settings.redis_url if web_settings else (get("REDIS_URL") or DEFAULT_REDIS_URL)
-
-
 @dataclass
 class _State:
     settings: Settings
     redis: redis.Redis
 
 
-def init_app(app: Flask) -> None:
-    """Read and check the settings and open the Redis client (done on first use otherwise)."""
-    settings = Settings.load(app)
+def init_app(app: Flask, settings: Settings) -> None:
+    """Open the Redis client of access control (strings, not bytes)."""
     app.extensions[EXTENSION] = _State(settings, redis.Redis.from_url(settings.redis_url, decode_responses=True))
 
 
 def _state() -> _State:
-    app = current_app._get_current_object()
-    if EXTENSION not in app.extensions:
-        init_app(app)
-    return app.extensions[EXTENSION]
+    return current_app.extensions[EXTENSION]
 
 
 def redis_client() -> redis.Redis:
@@ -139,7 +88,7 @@ def authenticate(request: Request) -> Caller:
     if not state.settings.auth_required:
         return Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=request.remote_addr)
     record = _verified_key(request, state)
-    return Caller(record.name, _or_default(record.rpm, state.settings.key_rpm),
+    return Caller(record.name, record.id, _or_default(record.rpm, state.settings.key_rpm),
                   _or_default(record.tpm, state.settings.key_tpm))
 
 
@@ -165,7 +114,7 @@ def admit(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
     if not reservation.allowed:
         culprits = {bucket.key: subject for bucket, _, subject in limits}
         struck = [culprits[s.bucket.key] for s in reservation.refused if culprits[s.bucket.key]]
-        abuse.strike(state.redis, state.settings.abuse, "rate_limited", struck)
+        abuse.strike(state.redis, state.settings, "rate_limited", struck)
         raise _rate_limited(reservation, {bucket.key: label for bucket, label, _ in limits}, reserved_tokens)
     return Grant(caller, user, reserved_tokens, reservation.headers(), buckets)
 
@@ -190,7 +139,7 @@ def record_invalid(caller: Caller | None, user: str | None) -> None:
     subjects = _subjects(caller or Caller(), user)
     # The narrowest known culprit: the end user if named, else the key.
     try:
-        abuse.strike(state.redis, state.settings.abuse, "invalid", subjects[-1:])
+        abuse.strike(state.redis, state.settings, "invalid", subjects[-1:])
     except redis.RedisError:
         log.warning("could not record an invalid request", exc_info=True)
 

@@ -1,5 +1,6 @@
-"""OpenAI-shaped errors answered by the app: the handlers, registered once (the error type itself,
-APIError, is worker/protocol.py's, shared with the worker)."""
+"""OpenAI-shaped errors answered by the app: the handlers, registered once. The error type itself,
+`APIError` (with `bad_request` and `context_length_error`), is worker/protocol.py's, shared with the
+worker; every web module raises it from there."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,9 @@ import redis
 from flask import Flask, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from worker.protocol import APIError, bad_request, error_body  # noqa: F401 (web raises them from here)
+from web import access
+from web.settings import settings
+from worker.protocol import APIError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ def register_error_handlers(app: Flask) -> None:
         log.warning("redis unavailable: %r", err, extra={"request_id": g.get("request_id")})
         body = error_body("The service is temporarily unavailable (the queue cannot be reached).",
                           "server_error", None, "service_unavailable")
-        return jsonify(body), 503, {"Retry-After": "1"}
+        return jsonify(body), 503, {"Retry-After": str(settings().retry_after_s)}
 
     @app.errorhandler(Exception)
     def _fault(err: Exception):
@@ -54,10 +57,8 @@ def register_error_handlers(app: Flask) -> None:
 
 
 def _record_invalid() -> None:
-    """Every 400 counts towards the caller's abuse score (web/access.py); bookkeeping never turns
-    the 400 into a 500."""
-    from web import access  # here, not at the top: access raises APIError, so it imports this module
-
+    """Every 400 counts towards the caller's abuse score (web/access/abuse.py); bookkeeping never
+    turns the 400 into a 500."""
     try:
         access.record_invalid(g.get("caller"), g.get("user"))
     except Exception:

@@ -10,8 +10,8 @@ from flask import Blueprint, Flask, current_app, jsonify, request
 from models.registry import ModelNotFoundError, ModelSpec, Registry, RegistryError
 from models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from web import access
-from web.config import Settings
-from web.errors import APIError
+from web.settings import Settings
+from worker.protocol import APIError
 
 log = logging.getLogger(__name__)
 bp = Blueprint("models", __name__)
