@@ -99,6 +99,8 @@ class Dispatcher:
                 self.tick()
             except redis.RedisError as exc:  # Redis away: try again at the next tick
                 log.warning("batch dispatch failed", extra={"error": repr(exc)})
+            except Exception:  # a bug: logged, and the thread lives on
+                log.exception("batch dispatch failed")
             stopping.wait(tick_s)
         for batch_id in self.store.active():
             self.store.release_lease(batch_id, self.token)
