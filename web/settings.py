@@ -111,7 +111,7 @@ class Settings:
     batch_max_lines: int = _setting(50_000, "NANOSERVE_BATCH_MAX_LINES", _THRESHOLD)  # requests in one batch
     batch_max_inflight: int = _setting(32, "NANOSERVE_BATCH_MAX_INFLIGHT", _THRESHOLD)  # one batch's lines queued or running
     batch_dispatch: bool = _setting(True, "NANOSERVE_BATCH_DISPATCH", _ON_OFF)  # drive batches from this process
-    batch_tick_s: float = _setting(0.5, "NANOSERVE_BATCH_TICK", _seconds)  # how often the dispatcher steps each batch
+    batch_tick_s: float = _setting(0.25, "NANOSERVE_BATCH_TICK", _seconds)  # how often the dispatcher steps each batch
     batch_lease_s: float = _setting(10.0, "NANOSERVE_BATCH_LEASE", _seconds)  # a dead dispatcher's batches wait this long
 
     # access control (web/access/)

@@ -9,9 +9,10 @@ context of the web process the dispatcher runs in.
   (429: the line starts once they allow, and no abuse strike is recorded); the tokens reserved are
   settled with the real usage when the line ends;
 - queued as the creator's job on the model's batch queue, which workers take from only when no
-  interactive job waits; the job may wait, and keeps its result, until the batch's window ends;
-- its result is its job's terminal event; when the job's stream is gone (expired while no web process
-  ran), rq's record of the job says how it ended, and a job rq no longer knows runs again.
+  interactive job waits; the job may wait there until the batch's window ends;
+- its result is its job's terminal event; when the job's stream is gone (it expired while no web
+  process ran), rq's record of the job says how it ended; a line whose result nothing remembers any
+  more runs again (it was never written to the batch's files, so it is still written once).
 """
 from __future__ import annotations
 

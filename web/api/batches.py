@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import redis
 from flask import Blueprint, Flask, current_app, jsonify, request
@@ -146,10 +147,11 @@ def _metadata(value) -> dict[str, str] | None:
 
 class DispatchThread:
     """This process's dispatcher thread, started by its first request: a web process serves requests
-    before it drives batches, and the admin CLI (which builds the app too) never starts one."""
+    before it drives batches, and the admin CLI (which builds the app too) never starts one. It holds
+    its app weakly and ends with it (tests build many apps in one process)."""
 
     def __init__(self, app: Flask, store: BatchStore, settings: Settings):
-        self.app, self.store, self.settings = app, store, settings
+        self.app, self.store, self.settings = weakref.ref(app), store, settings
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -166,5 +168,8 @@ class DispatchThread:
         s = self.settings
         dispatcher = Dispatcher(self.store, BatchLines(), max_inflight=s.batch_max_inflight,
                                 lease_s=s.batch_lease_s, max_lines=s.batch_max_lines)
-        with self.app.app_context():
-            dispatcher.run(self.stopping, s.batch_tick_s)
+        dispatcher.run(self.stopping, s.batch_tick_s, scope=self._app_context)
+
+    def _app_context(self):
+        app = self.app()
+        return app.app_context() if app is not None else None

@@ -67,16 +67,15 @@ class JobQueue:
         """Queue the job as `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives
         and expires with the job, and the worker never reads it. A batch's line (its batch's window
         ends in `batch_window_left_s`) goes to the model's batch queue, which workers take from only
-        when this one is empty, and may wait there, and keep its result, until the window ends."""
+        when this one is empty, and may wait there until the window ends."""
         s = self.settings
-        queue, ttl, result_ttl = self.queue(model_id), s.queue_ttl_s, s.result_ttl_s
+        queue, ttl = self.queue(model_id), s.queue_ttl_s
         if batch_window_left_s is not None:
             queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis)
             ttl = max(1, int(batch_window_left_s))
-            result_ttl = max(result_ttl, ttl)
         return queue.enqueue_call(
             protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
-            timeout=s.job_timeout_s, ttl=ttl, result_ttl=result_ttl, failure_ttl=result_ttl,
+            timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
             # a retried job (its worker crashed) goes to the front: its client may be mid-stream
             retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
             description=f"completion {job.id} ({job.model})")

@@ -23,6 +23,7 @@ One step of a batch (`step`):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -30,7 +31,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 import redis
 
@@ -93,17 +94,30 @@ class Dispatcher:
 
     # ---- the loop ----
 
-    def run(self, stopping: threading.Event, tick_s: float) -> None:
+    def run(self, stopping: threading.Event, tick_s: float,
+            scope: Callable[[], ContextManager | None] = contextlib.nullcontext) -> None:
+        """Tick every `tick_s` until `stopping` is set, or until `scope()`, the context each tick
+        runs in, is None (the app this dispatcher serves is gone)."""
+        failing = False
         while not stopping.is_set():
+            context = scope()
+            if context is None:
+                return
             try:
-                self.tick()
-            except redis.RedisError as exc:  # Redis away: try again at the next tick
-                log.warning("batch dispatch failed", extra={"error": repr(exc)})
+                with context:
+                    self.tick()
+                failing = False
+            except redis.RedisError as exc:  # Redis away: try again at the next tick (said once per outage)
+                if not failing:
+                    log.warning("batch dispatch failed", extra={"error": repr(exc)})
+                failing = True
             except Exception:  # a bug: logged, and the thread lives on
                 log.exception("batch dispatch failed")
+            del context
             stopping.wait(tick_s)
-        for batch_id in self.store.active():
-            self.store.release_lease(batch_id, self.token)
+        with contextlib.suppress(redis.RedisError):
+            for batch_id in self.store.active():
+                self.store.release_lease(batch_id, self.token)
 
     def tick(self) -> None:
         """One step of every active batch whose lease this process holds or can take."""
