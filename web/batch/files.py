@@ -18,6 +18,8 @@ from typing import Iterator
 
 import redis
 
+from web.batch import listing
+
 # What an upload may be for: batches are the only consumer of files here.
 UPLOAD_PURPOSES = ("batch",)
 # The purposes of files this server writes itself.
@@ -103,9 +105,7 @@ class FileStore:
         if stored.expires_at:
             pipe.expireat(record_key(file_id), stored.expires_at)
             pipe.expireat(content_key(file_id), stored.expires_at)
-        # The sequence number is taken inside the transaction: listings follow commit order.
-        pipe.eval("return redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[1])", 2,
-                  listing_key(owner), _SEQ, file_id)
+        listing.add(pipe, _SEQ, [listing_key(owner)], file_id)
         return stored
 
     def get(self, file_id: str) -> StoredFile | None:
@@ -129,32 +129,8 @@ class FileStore:
 
     def list(self, owner: str, *, purpose: str | None = None, after: str | None = None, limit: int = 10_000,
              order: str = "desc") -> tuple[list[StoredFile], bool]:
-        """The owner's files in creation order (`desc`: newest first), those after the file `after`
-        (an id from an earlier page; one not in this owner's listing gives an empty page), up to
-        `limit`; and whether there are more."""
-        key = listing_key(owner)
-        newest_first = order == "desc"
-        bound = "+inf" if newest_first else "-inf"
-        if after is not None:
-            score = self.redis.zscore(key, after)
-            if score is None:
-                return [], False
-            bound = f"({score}"
-        found: list[StoredFile] = []
-        while len(found) <= limit:
-            page = (self.redis.zrevrangebyscore(key, bound, "-inf", start=0, num=limit + 1, withscores=True)
-                    if newest_first else
-                    self.redis.zrangebyscore(key, bound, "+inf", start=0, num=limit + 1, withscores=True))
-            if not page:
-                break
-            with self.redis.pipeline(transaction=False) as pipe:
-                for file_id, _ in page:
-                    pipe.hgetall(record_key(file_id.decode()))
-                records = pipe.execute()
-            gone = [file_id for (file_id, _), fields in zip(page, records) if not fields]
-            if gone:  # expired: Redis dropped the record, the listing still names it
-                self.redis.zrem(key, *gone)
-            found += [s for s in map(StoredFile.from_hash, filter(None, records))
-                      if purpose is None or s.purpose == purpose]
-            bound = f"({page[-1][1]}"
-        return found[:limit], len(found) > limit
+        """The owner's files in creation order (`desc`: newest first), those after the file `after`,
+        up to `limit`; and whether there are more."""
+        return listing.page(self.redis, listing_key(owner), record_key, StoredFile.from_hash, after=after,
+                            limit=limit, newest_first=order == "desc",
+                            keep=lambda f: purpose is None or f.purpose == purpose)

@@ -34,6 +34,7 @@ from typing import Any
 import redis
 
 from web.batch import files as file_store
+from web.batch import listing
 from web.batch.input import BatchError
 
 ACTIVE = "nanoserve:batches:active"
@@ -240,9 +241,7 @@ class BatchStore:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(batch_key(batch.id), mapping=fields)
             pipe.sadd(ACTIVE, batch.id)
-            pipe.eval("local n = redis.call('INCR', KEYS[3]) "
-                      "redis.call('ZADD', KEYS[1], n, ARGV[1]) redis.call('ZADD', KEYS[2], n, ARGV[1])",
-                      3, listing_key(owner), ALL, _SEQ, batch.id)
+            listing.add(pipe, _SEQ, [listing_key(owner), ALL], batch.id)
             pipe.execute()
         return batch
 
@@ -251,31 +250,10 @@ class BatchStore:
         return Batch.from_hash(raw) if raw else None
 
     def list(self, owner: str | None, *, after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
-        """Batches newest first (the owner's, or everyone's for None), those after `after` (an id of
-        an earlier page; one not in the listing gives an empty page), up to `limit`; and whether
-        there are more."""
-        key = listing_key(owner) if owner is not None else ALL
-        bound = "+inf"
-        if after is not None:
-            score = self.redis.zscore(key, after)
-            if score is None:
-                return [], False
-            bound = f"({score}"
-        found: list[Batch] = []
-        while len(found) <= limit:
-            page = self.redis.zrevrangebyscore(key, bound, "-inf", start=0, num=limit + 1, withscores=True)
-            if not page:
-                break
-            with self.redis.pipeline(transaction=False) as pipe:
-                for batch_id, _ in page:
-                    pipe.hgetall(batch_key(batch_id.decode()))
-                records = pipe.execute()
-            gone = [batch_id for (batch_id, _), raw in zip(page, records) if not raw]
-            if gone:  # finished long ago: the record expired
-                self.redis.zrem(key, *gone)
-            found += [Batch.from_hash(raw) for raw in records if raw]
-            bound = f"({page[-1][1]}"
-        return found[:limit], len(found) > limit
+        """Batches newest first (the owner's, or everyone's for None), those after `after`, up to
+        `limit`; and whether there are more."""
+        return listing.page(self.redis, listing_key(owner) if owner is not None else ALL, batch_key,
+                            Batch.from_hash, after=after, limit=limit)
 
     def active(self) -> list[str]:
         return sorted(m.decode() for m in self.redis.smembers(ACTIVE))
