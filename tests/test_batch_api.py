@@ -34,14 +34,14 @@ def models_file(tmp_path_factory):
 
 
 @pytest.fixture()
-def app(redis_url, models_file):
-    return create_app({"redis_url": redis_url, "models_path": str(models_file), "auth_required": True,
+def app(batch_redis_url, models_file):
+    return create_app({"redis_url": batch_redis_url, "models_path": str(models_file), "auth_required": True,
                        "batch_dispatch": False, "max_file_bytes": 4096, "batch_max_inflight": 2})
 
 
 @pytest.fixture()
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+def r(batch_redis_url):
+    client = redis.Redis.from_url(batch_redis_url, decode_responses=True)
     yield client
     client.close()
 
@@ -266,3 +266,23 @@ def test_admin_cli(app, alice):
     assert cancelled.exit_code == 0 and "cancelling" in cancelled.output, cancelled.output
     missing = run(args=["batches", "cancel", "batch_nope"])
     assert missing.exit_code == 1 and "No batch found" in missing.output and "Traceback" not in missing.output
+
+
+def test_lines_take_the_creators_limits_without_strikes(app, r):
+    carol = Client(app, keys.create(r, "carol", rpm=1, tpm=100_000)[0])
+    created = carol.batch(jsonl({"prompt": "a", "max_tokens": 5}, {"prompt": "b", "max_tokens": 5}))
+    step(app, 3)  # validated; the first line starts, the second waits for the key's next request
+    batch = carol.get(f"/v1/batches/{created['id']}").json
+    assert batch["status"] == "in_progress" and batch["request_counts"]["failed"] == 0
+    with app.app_context():
+        [line] = batches.batch_store().inflight(created["id"])
+    assert line.reserved > 5 and not r.keys("nanoserve:strikes:*")  # waiting earns no abuse strike
+    bucket = "nanoserve:ratelimit:key:carol"
+    assert float(r.hget(bucket, "tok")) == pytest.approx(100_000 - line.reserved, abs=50)
+    # the line ends (as a worker would end it): its tokens are settled with the real usage
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    completion = {"id": line.job_id, "object": "text_completion", "choices": [], "usage": usage}
+    r.xadd(protocol.stream_key(line.job_id), protocol.encode_event("done", {"completion": completion}))
+    step(app)
+    assert carol.get(f"/v1/batches/{created['id']}").json["request_counts"]["completed"] == 1
+    assert float(r.hget(bucket, "tok")) == pytest.approx(100_000 - 3, abs=50)

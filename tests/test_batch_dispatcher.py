@@ -37,6 +37,9 @@ class Executor:
     def admit(self, batch, prepared):
         if prepared.user == "blocked":
             raise APIError(403, "This user is blocked from using this service.", "permission_error", code="blocked")
+        if prepared.user == "huge":  # more tokens than the caller's whole limit: it can never run
+            raise APIError(429, "Request too large", "tokens", code="rate_limit_exceeded",
+                           headers={"x-should-retry": "false"})
         if self.limited:
             self.limited -= 1
             raise APIError(429, "Rate limit reached", "requests", code="rate_limit_exceeded",
@@ -95,8 +98,8 @@ class Executor:
 
 
 @pytest.fixture()
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
+def r(batch_redis_url):
+    client = redis.Redis.from_url(batch_redis_url)
     yield client
     client.close()
 
@@ -166,15 +169,16 @@ def test_every_line_runs_once_bounded_in_flight(store, executor):
 
 def test_bad_lines_go_to_the_error_file(store, executor):
     batch = submit(store, [("ok", {"prompt": "x"}), ("bad", {"prompt": 5}), ("refused", {"prompt": "fail"}),
-                           ("blocked", {"prompt": "x", "user": "blocked"})])
+                           ("blocked", {"prompt": "x", "user": "blocked"}), ("huge", {"prompt": "x", "user": "huge"})])
     done = run(dispatcher(store, executor), executor, store, batch.id)
-    assert done.status == "completed" and (done.completed, done.failed) == (1, 3)
+    assert done.status == "completed" and (done.completed, done.failed) == (1, 4)
     errors = results(store, done.error_file_id)
     assert errors["bad"]["response"]["status_code"] == 400
     assert errors["bad"]["response"]["body"]["error"]["param"] == "prompt"
     assert errors["refused"]["response"] == {"status_code": 400, "request_id": errors["refused"]["response"]["request_id"],
                                              "body": protocol.error_body("engine refused", param="prompt")}
     assert errors["blocked"]["response"]["status_code"] == 403
+    assert errors["huge"]["response"]["status_code"] == 429  # too large for the limits: not waited for
     assert list(results(store, done.output_file_id)) == ["ok"]
 
 

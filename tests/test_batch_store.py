@@ -15,8 +15,8 @@ MODELS = {"tiny": "tiny", "tiny-alias": "tiny", "other": "other"}
 
 
 @pytest.fixture()
-def r(redis_url):
-    client = redis.Redis.from_url(redis_url)
+def r(batch_redis_url):
+    client = redis.Redis.from_url(batch_redis_url)
     yield client
     client.close()
 

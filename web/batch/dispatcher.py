@@ -207,7 +207,8 @@ class Dispatcher:
                 prepared = self.executor.prepare(batch, line["body"], job_id)
                 self.executor.admit(batch, prepared)
             except APIError as err:
-                if err.status == 429:  # the caller's limits: this line waits, like a client would
+                if err.status == 429 and err.headers.get("x-should-retry") != "false":
+                    # the caller's limits are spent for now: this line waits, as a client would
                     self._retry_at[batch.id] = time.monotonic() + _retry_after(err)
                     return
                 if not self.store.claim(batch.id, Inflight(index, job_id, 0, None, False), self.max_inflight):
