@@ -2,7 +2,7 @@
 and feed the engines from the models' rq queues.
 
     python processor.py [--model NAME ...] [--device cpu|cuda:0|cuda:0,cuda:1|all]
-                        [--concurrency N] [--redis-url URL]
+                        [--concurrency N] [--batch-concurrency N] [--redis-url URL]
 
 Several processors (on one machine or many) may serve the same model: they share its queue.
 SIGTERM or Ctrl-C: take no new jobs, finish the running ones, exit 0 (a second signal exits at once;
@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=None,
                         help="rq worker threads per engine = jobs one engine runs at once "
                              "(default: the model's max_batch)")
+    parser.add_argument("--batch-concurrency", type=int, default=None,
+                        help="of those threads, how many also run batch jobs when no interactive job "
+                             "waits (default: all but a quarter, at least 1); the rest stay free for "
+                             "interactive requests")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", protocol.DEFAULT_REDIS_URL))
     parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
@@ -118,6 +122,14 @@ def build_engine(spec, device: str, sink, compile: bool = False):
                                     "max_batch": spec.max_batch, "compiled": compile,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
+
+
+def batch_threads(concurrency: int, asked: int | None) -> int:
+    """How many of an engine's threads take batch jobs: as asked (within the threads there are), or
+    all but a quarter, so interactive requests always find a free thread."""
+    if asked is not None:
+        return max(0, min(asked, concurrency))
+    return max(1, concurrency - max(1, concurrency // 4))
 
 
 def check_engines(engines) -> int:
@@ -179,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
             engines.append((spec.id, engine))
             concurrency = args.concurrency or spec.max_batch
-            pool.add(Binding(spec.id, engine, writer), device, concurrency)
+            batch_concurrency = batch_threads(concurrency, args.batch_concurrency)
+            pool.add(Binding(spec.id, engine, writer), device, concurrency, batch_concurrency)
             log.info("serving", extra={"model": spec.id, "device": device,
-                                       "queue": protocol.queue_name(spec.id), "workers": concurrency})
+                                       "queue": protocol.queue_name(spec.id), "workers": concurrency,
+                                       "batch_queue": protocol.batch_queue_name(spec.id),
+                                       "batch_workers": batch_concurrency})
         if args.metrics_port and not status:
             from worker import metrics
 

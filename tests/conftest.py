@@ -80,6 +80,20 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
+@pytest.fixture()
+def batch_redis_url(redis_server) -> str:
+    """A database of its own on the session server, flushed before each test. Apps built by other
+    tests run a batch dispatcher thread (web/api/batches.py) on database 0 until they are collected;
+    batches made here stay out of their reach."""
+    import redis
+
+    url = redis_server.url.rsplit("/", 1)[0] + "/7"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+    return url
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _offline_env():
     # Tests never reach a model hub.

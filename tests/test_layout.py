@@ -14,6 +14,7 @@ LAYERS = [
     ("web.settings",),
     ("web.access",),
     ("web.metrics", "web.logs"),
+    ("web.batch",),
     ("web.api",),
     ("web.health", "web.cli", "web.playground"),
     ("web.app",),

@@ -21,6 +21,9 @@ ENV = {
     "NANOSERVE_ABUSE_MAX_INVALID": "9", "NANOSERVE_ABUSE_BAN": "1d",
     "NANOSERVE_LOG_FORMAT": "text", "NANOSERVE_LOG_LEVEL": "debug",
     "NANOSERVE_UNKNOWN_FIELDS": "ignore", "NANOSERVE_MAX_STOP": "32",
+    "NANOSERVE_MAX_FILE_BYTES": "1000", "NANOSERVE_FILE_TTL": "2h", "NANOSERVE_BATCH_WINDOW": "90s",
+    "NANOSERVE_BATCH_MAX_LINES": "10", "NANOSERVE_BATCH_MAX_INFLIGHT": "3", "NANOSERVE_BATCH_DISPATCH": "off",
+    "NANOSERVE_BATCH_TICK": "0.1", "NANOSERVE_BATCH_LEASE": "4",
 }
 
 
@@ -36,6 +39,8 @@ def test_every_variable_is_read():
         (False, 120, 7, 9, 86400)
     assert (s.log_format, s.log_level) == ("text", "DEBUG")
     assert (s.unknown_fields, s.max_stop) == ("ignore", 32)
+    assert (s.max_file_bytes, s.file_ttl_s, s.batch_window_s, s.batch_max_lines, s.batch_max_inflight,
+            s.batch_dispatch, s.batch_tick_s, s.batch_lease_s) == (1000, 7200, 90, 10, 3, False, 0.1, 4)
     # every field but one is read from the environment, and this test sets each of them
     read = {f.metadata["env"] for f in dataclasses.fields(Settings) if f.metadata["env"]}
     assert read == set(ENV) and len(read) == len(dataclasses.fields(Settings)) - 1
@@ -60,6 +65,8 @@ def test_defaults():
     ("NANOSERVE_SYNC_TIMEOUT", "-1", "NANOSERVE_SYNC_TIMEOUT must be a number of seconds"),
     ("NANOSERVE_KEEPALIVE", "nan", "NANOSERVE_KEEPALIVE must be a number of seconds"),
     ("NANOSERVE_LOG_FORMAT", "xml", "NANOSERVE_LOG_FORMAT must be one of json, text"),
+    ("NANOSERVE_BATCH_WINDOW", "a day", "NANOSERVE_BATCH_WINDOW: Invalid duration 'a day'"),
+    ("NANOSERVE_BATCH_MAX_INFLIGHT", "0", "NANOSERVE_BATCH_MAX_INFLIGHT must be a whole number of at least 1"),
     ("NANOSERVE_LOG_LEVEL", "LOUD", "NANOSERVE_LOG_LEVEL must be a logging level"),
 ])
 def test_a_bad_value_names_its_variable(var, value, message):

@@ -1,5 +1,6 @@
-"""The admin CLI on `app.cli`: `flask --app wsgi keys …`, `… blocklist …` (access control) and
-`… jobs …` (every caller's jobs, which the API shows only to their owner).
+"""The admin CLI on `app.cli`: `flask --app wsgi keys …`, `… blocklist …` (access control),
+`… jobs …` and `… batches …` (every caller's jobs and batches, which the API shows only to their
+owner).
 
 The commands talk to the Redis named by REDIS_URL (the same one the web processes use), so they work
 from any shell that can reach it, the docker-compose web container included. Every failure is a
@@ -21,20 +22,23 @@ from flask.cli import AppGroup
 from web import access
 from web.access import abuse, blocklist, keys
 from web.access.ownership import ANONYMOUS
-from web.api import jobs
+from web.api import batches, jobs
 from web.api.queue import job_queue, owner
+from web.batch.store import STATUSES
 from web.durations import format_duration, parse_duration
 from worker.protocol import APIError
 
 keys_cli = AppGroup("keys", help="Create, list and revoke API keys.")
 blocklist_cli = AppGroup("blocklist", help="Block end users (the `user` field) or API keys.")
 jobs_cli = AppGroup("jobs", help="See and cancel the jobs of every caller.")
+batches_cli = AppGroup("batches", help="See and cancel the batches of every caller.")
 
 
 def register_cli(app: Flask) -> None:
     app.cli.add_command(keys_cli)
     app.cli.add_command(blocklist_cli)
     app.cli.add_command(jobs_cli)
+    app.cli.add_command(batches_cli)
 
 
 def admin_command(f):
@@ -217,6 +221,46 @@ def _owner_label(who: str | None, names: dict[str, str]) -> str:
         return who or "-"
     key_id = who.removeprefix("key:")
     return names.get(key_id, f"{keys.PREFIX}{key_id}… (revoked)")
+
+
+# ---- batches ----
+
+@batches_cli.command("list")
+@click.option("--key", "key_name", metavar="NAME", help="Only the batches of the API key NAME.")
+@click.option("--status", type=click.Choice(STATUSES), help="Only the batches in this state.")
+@click.option("-n", "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="How many, newest first.")
+@admin_command
+def batches_list(key_name: str | None, status: str | None, limit: int) -> None:
+    """List every caller's batches: id, status, model, lines done of all (failed ones), owner, times."""
+    names = _key_names()
+    rows, after = [], None
+    while len(rows) < limit:
+        page, more = batches.batch_store().list(None, after=after, limit=100)
+        for b in page:
+            who = _owner_label(b.owner, names)
+            if status in (None, b.status) and key_name in (None, who):
+                rows.append([b.id, b.status, b.model or "-", f"{b.completed + b.failed}/{b.total}", str(b.failed),
+                             who, _when(b.created_at), _when(b.expires_at)])
+        if not more:
+            break
+        after = page[-1].id
+    if not rows:
+        click.echo("No batches.")
+        return
+    _table(["ID", "STATUS", "MODEL", "DONE", "FAILED", "OWNER", "CREATED", "EXPIRES"], rows[:limit])
+
+
+@batches_cli.command("cancel")
+@click.argument("batch_id")
+@admin_command
+def batches_cancel(batch_id: str) -> None:
+    """Cancel the batch BATCH_ID, whoever made it: no more of its lines start, the running ones stop."""
+    try:
+        batch = batches.cancel(batches.find_batch(batch_id, caller=None))
+    except APIError as exc:
+        raise click.ClickException(f"{exc.message} (see `batches list`)") from None
+    done = batch.completed + batch.failed
+    click.echo(f"Batch {batch_id} is {batch.status} ({done} of {batch.total} lines had finished).")
 
 
 # ---- helpers ----

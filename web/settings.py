@@ -84,6 +84,7 @@ _COUNT = _whole(0, "")
 _LIMIT = _whole(0, " (0: no limit)")
 _THRESHOLD = _whole(1, " of at least 1")
 _REQUIRED = _switch(("required",), ("disabled",))
+_ON_OFF = _switch(("on", "1", "true"), ("off", "0", "false"))
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,16 @@ class Settings:
     unknown_fields: str = _setting("reject", "NANOSERVE_UNKNOWN_FIELDS", _choice("reject", "ignore"))  # 400 or drop
     max_stop: int = _setting(16, "NANOSERVE_MAX_STOP", _THRESHOLD)  # stop strings per request
 
+    # files and batches (web/batch/, web/api/files.py, web/api/batches.py)
+    max_file_bytes: int = _setting(100 << 20, "NANOSERVE_MAX_FILE_BYTES", _COUNT)  # larger uploads → 413
+    file_ttl_s: float = _setting(30 * 86400.0, "NANOSERVE_FILE_TTL", _duration)  # batch files live this long by default
+    batch_window_s: float = _setting(86400.0, "NANOSERVE_BATCH_WINDOW", _duration)  # what `completion_window: 24h` lasts
+    batch_max_lines: int = _setting(50_000, "NANOSERVE_BATCH_MAX_LINES", _THRESHOLD)  # requests in one batch
+    batch_max_inflight: int = _setting(32, "NANOSERVE_BATCH_MAX_INFLIGHT", _THRESHOLD)  # one batch's lines queued or running
+    batch_dispatch: bool = _setting(True, "NANOSERVE_BATCH_DISPATCH", _ON_OFF)  # drive batches from this process
+    batch_tick_s: float = _setting(0.25, "NANOSERVE_BATCH_TICK", _seconds)  # how often the dispatcher steps each batch
+    batch_lease_s: float = _setting(10.0, "NANOSERVE_BATCH_LEASE", _seconds)  # a dead dispatcher's batches wait this long
+
     # access control (web/access/)
     auth_required: bool = _setting(False, "NANOSERVE_AUTH", _REQUIRED)  # `Authorization: Bearer <key>` on /v1
     metrics_auth_required: bool = _setting(False, "NANOSERVE_METRICS_AUTH", _REQUIRED)  # the same on /metrics
@@ -116,7 +127,7 @@ class Settings:
     user_tpm: int = _setting(1_000_000, "NANOSERVE_USER_TPM", _LIMIT)
 
     # automatic bans (web/access/abuse.py)
-    abuse_enabled: bool = _setting(True, "NANOSERVE_ABUSE", _switch(("on", "1", "true"), ("off", "0", "false")))
+    abuse_enabled: bool = _setting(True, "NANOSERVE_ABUSE", _ON_OFF)
     abuse_window_s: float = _setting(600.0, "NANOSERVE_ABUSE_WINDOW", _duration)  # strikes count within it
     abuse_max_rate_limited: int = _setting(300, "NANOSERVE_ABUSE_MAX_429", _THRESHOLD)  # 429s per window
     abuse_max_invalid: int = _setting(100, "NANOSERVE_ABUSE_MAX_INVALID", _THRESHOLD)  # 400s per window

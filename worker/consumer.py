@@ -10,6 +10,9 @@ runs at once. rq's own bookkeeping (registries, results, `Retry`) is kept as is;
   jobs of a worker that died (kill -9, OOM, lost machine) expire within seconds and are re-queued
   (the jobs carry `Retry`) by any surviving worker's registry maintenance;
 - a retried job resumes from the tokens its earlier attempt already wrote to the job's stream;
+- most threads also take jobs of the model's batch queue, but only when no interactive job waits
+  (worker/priority.py); the others take interactive jobs only, so a running batch never holds every
+  thread of an engine;
 - when rq gives up on a job (no retries left), its stream gets an `error` event so readers stop.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rq.worker import WorkerStatus
 
 from worker import protocol
 from worker.errors import EngineError, EngineFault
+from worker.priority import PriorityQueue
 from worker.events import StreamWriter, append_event, read_history
 
 log = logging.getLogger(__name__)
@@ -161,6 +165,7 @@ class EngineWorker(SimpleWorker):
     """
 
     death_penalty_class = TimerDeathPenalty
+    queue_class = PriorityQueue
     max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
     def __init__(self, *args, heartbeat_ttl: int, poll_interval: int, **kwargs):
@@ -208,6 +213,11 @@ class EngineWorker(SimpleWorker):
             queue.push_job_id(job.id, pipeline=pipe, at_front=True)
             pipe.execute()
 
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        # Every dequeue here goes through the queue's intermediate list (PriorityQueue), also from
+        # two queues, where rq's own dequeue would not: take the job out of it as it starts.
+        super().prepare_job_execution(job, remove_from_intermediate_queue=True)
+
     def execute_job(self, job: Job, queue: Queue) -> None:
         self.prepare_execution(job)
         with self._running_lock:
@@ -253,23 +263,26 @@ class WorkerPool:
         self.stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="rq-heartbeat", daemon=True)
 
-    def add(self, binding: Binding, device: str, concurrency: int) -> None:
-        """Start `concurrency` worker threads feeding this engine."""
-        queue = protocol.queue_name(binding.model_id)
+    def add(self, binding: Binding, device: str, concurrency: int, batch_concurrency: int | None = None) -> None:
+        """Start `concurrency` worker threads feeding this engine; `batch_concurrency` of them (default:
+        all) also take the model's batch jobs when no interactive job waits."""
+        interactive = protocol.queue_name(binding.model_id)
+        batch_threads = concurrency if batch_concurrency is None else batch_concurrency
         for i in range(concurrency):
             slot = len(self.workers)
             self.workers.append(None)
             name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{slot}"
-            thread = threading.Thread(target=self._serve, args=(slot, name, queue, binding),
+            queues = [interactive, protocol.batch_queue_name(binding.model_id)] if i < batch_threads else [interactive]
+            thread = threading.Thread(target=self._serve, args=(slot, name, queues, binding),
                                       name=f"rq-{binding.model_id}-{device}-{i}", daemon=True)
             self.threads.append(thread)
             thread.start()
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
 
-    def _new_worker(self, name: str, queue: str) -> EngineWorker:
+    def _new_worker(self, name: str, queues: list[str]) -> EngineWorker:
         connection = redis.Redis.from_url(self.redis_url)
-        return EngineWorker([queue], name=name, connection=connection, worker_ttl=self.worker_ttl,
+        return EngineWorker(queues, name=name, connection=connection, worker_ttl=self.worker_ttl,
                             job_monitoring_interval=int(self.heartbeat_interval) or 1,
                             maintenance_interval=self.maintenance_interval,
                             exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
@@ -280,14 +293,14 @@ class WorkerPool:
         # Three missed beats before a job counts as abandoned.
         return max(3, int(3 * self.heartbeat_interval))
 
-    def _serve(self, slot: int, name: str, queue: str, binding: Binding) -> None:
+    def _serve(self, slot: int, name: str, queues: list[str], binding: Binding) -> None:
         """One worker thread: rq's work loop, restarted if it ends before we stop (rq leaves its
         loop on some Redis errors, e.g. when Redis restarts in the middle of a job)."""
         bind(binding)
         generation, failing = 0, False
         while not self.stopping.is_set():
             try:
-                worker = self._new_worker(f"{name}.{generation}", queue)
+                worker = self._new_worker(f"{name}.{generation}", queues)
                 failing = False
                 self.workers[slot] = worker
                 if self.stopping.is_set():
@@ -323,9 +336,10 @@ class WorkerPool:
         """Re-queue dead workers' jobs even when every thread here is busy with a long job."""
         seen: set[str] = set()
         for worker in list(self.workers):
-            if worker is None or worker.queues[0].name in seen:
+            names = {queue.name for queue in worker.queues} if worker is not None else set()
+            if names <= seen:
                 continue
-            seen.add(worker.queues[0].name)
+            seen |= names
             try:
                 worker.clean_registries()
             except redis.RedisError as exc:

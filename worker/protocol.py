@@ -15,8 +15,11 @@ from pydantic import BaseModel, Field
 # The Redis of web, worker and admin CLI when REDIS_URL is not set.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
-# rq queue per served model; the job function is named by dotted path so web never imports it.
+# rq queues per served model: interactive requests, and a batch's lines, which workers take only when
+# no interactive job waits (worker/priority.py). The job function is named by dotted path so web
+# never imports it.
 QUEUE_PREFIX = "completions:"
+BATCH_QUEUE_PREFIX = "batch:"
 JOB_FUNCTION = "worker.consumer.run_completion"
 
 # How long finished streams and results stay readable (seconds).
@@ -26,6 +29,10 @@ RESULT_TTL = 600
 
 def queue_name(model_id: str) -> str:
     return f"{QUEUE_PREFIX}{model_id}"
+
+
+def batch_queue_name(model_id: str) -> str:
+    return f"{BATCH_QUEUE_PREFIX}{model_id}"
 
 
 def stream_key(job_id: str) -> str:

@@ -8,8 +8,13 @@ The completions/jobs routes call, in this order:
     settle(grant, used_tokens)                           # correct the token reservation
 and `rate_limit_headers(grant)` gives the `x-ratelimit-*` headers added to the response.
 `record_invalid(caller, user)` is called for every 400 so repeated invalid requests can earn a ban.
-`/metrics` calls `authorize_metrics(request)`. What a caller creates (jobs; later files and batches)
-belongs to it: see `web/access/ownership.py`.
+`/metrics` calls `authorize_metrics(request)`. What a caller creates (jobs, files, batches) belongs
+to it: see `web/access/ownership.py`.
+
+A batch's lines (web/batch/dispatcher.py) run later, in the name of the batch's creator: each line
+is admitted with `admit(caller_for(key_id, address), user, reserved, strike=False)` as it starts and
+settled with `settle(grant_for(caller, user, reserved), used)` when it ends, whichever web process
+that happens in.
 
 Cost on the request path: `authenticate` is one Redis round trip when keys are required (none when
 not); `admit` is one (blocklist entries of the key and the user, and the rate-limit reservation, in
@@ -87,9 +92,22 @@ def authenticate(request: Request) -> Caller:
     state = _state()
     if not state.settings.auth_required:
         return Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=request.remote_addr)
-    record = _verified_key(request, state)
-    return Caller(record.name, record.id, _or_default(record.rpm, state.settings.key_rpm),
-                  _or_default(record.tpm, state.settings.key_tpm))
+    return _key_caller(_verified_key(request, state), state.settings)
+
+
+def caller_for(key_id: str | None, address: str | None) -> Caller | None:
+    """The caller that work ordered earlier runs as, as it is now (a batch's lines run long after the
+    request that created the batch): its key with the key's current limits, None once the key is
+    revoked; without a key, the anonymous caller of `address`."""
+    state = _state()
+    if key_id is None:
+        return Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=address)
+    record = keys.by_id(state.redis, key_id)
+    return _key_caller(record, state.settings) if record is not None else None
+
+
+def _key_caller(record: keys.ApiKey, s: Settings) -> Caller:
+    return Caller(record.name, record.id, _or_default(record.rpm, s.key_rpm), _or_default(record.tpm, s.key_tpm))
 
 
 def authorize_metrics(request: Request) -> None:
@@ -99,7 +117,9 @@ def authorize_metrics(request: Request) -> None:
         _verified_key(request, state)
 
 
-def admit(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
+def admit(caller: Caller, user: str | None, reserved_tokens: int, strike: bool = True) -> Grant:
+    """`strike=False`: a refusal earns no abuse strike (a batch's dispatcher waiting on its caller's
+    limits is no abuse)."""
     state = _state()
     subjects = _subjects(caller, user)
     limits = _limits(caller, user, state.settings)
@@ -114,9 +134,15 @@ def admit(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
     if not reservation.allowed:
         culprits = {bucket.key: subject for bucket, _, subject in limits}
         struck = [culprits[s.bucket.key] for s in reservation.refused if culprits[s.bucket.key]]
-        abuse.strike(state.redis, state.settings, "rate_limited", struck)
+        if strike:
+            abuse.strike(state.redis, state.settings, "rate_limited", struck)
         raise _rate_limited(reservation, {bucket.key: label for bucket, label, _ in limits}, reserved_tokens)
     return Grant(caller, user, reserved_tokens, reservation.headers(), buckets)
+
+
+def grant_for(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
+    """The grant of an admission made earlier, maybe by another process (a batch line's), to settle."""
+    return Grant(caller, user, reserved_tokens, buckets=[b for b, _, _ in _limits(caller, user, _state().settings)])
 
 
 def settle(grant: Grant, used_tokens: int) -> None:

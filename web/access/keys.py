@@ -62,11 +62,15 @@ def verify(r: redis.Redis, token: str) -> ApiKey | None:
     """The record of a valid key, or None for an unknown, malformed or revoked one."""
     if not token.startswith(PREFIX) or len(token) <= len(PREFIX) + ID_LENGTH:
         return None
-    raw = r.hget(RECORDS, token[len(PREFIX):len(PREFIX) + ID_LENGTH])
-    if raw is None:
-        return None
-    record = ApiKey(**json.loads(raw))
-    return record if hmac.compare_digest(record.digest, _digest(token)) else None
+    record = by_id(r, token[len(PREFIX):len(PREFIX) + ID_LENGTH])
+    return record if record is not None and hmac.compare_digest(record.digest, _digest(token)) else None
+
+
+def by_id(r: redis.Redis, key_id: str) -> ApiKey | None:
+    """The record of the key with this lookup id, None once it is revoked (for work a key ordered
+    earlier, such as a batch's lines)."""
+    raw = r.hget(RECORDS, key_id)
+    return ApiKey(**json.loads(raw)) if raw is not None else None
 
 
 def revoke(r: redis.Redis, name: str) -> bool:

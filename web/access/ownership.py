@@ -1,5 +1,6 @@
-"""What a caller creates belongs to it: a job (and, when they come, a file or a batch) records its
-owner when it is made, and only that owner may read, follow or cancel it.
+"""What a caller creates belongs to it: a job, a file or a batch records its owner when it is made,
+and only that owner may read, follow or cancel it (a batch's output files and its lines' jobs
+belong to the batch's owner).
 
     record.owner = owner_of(caller)                          # when the object is made
     check_owner(record.owner, caller, not_found)             # on every later access

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 
+from models.registry import ModelSpec
 from models.tokenizer import Tokenizer, bad_words_token_ids
 from web import access, metrics
 from web.access.ownership import owner_of
@@ -30,6 +31,22 @@ class Admitted:
     request: CompletionRequest
     job: protocol.CompletionJob
     grant: access.Grant
+
+
+@dataclass
+class Checked:
+    """A completions request that the model can run: parsed, its model resolved, its prompts
+    tokenized, and the most tokens it may use (what its admission reserves)."""
+    request: CompletionRequest
+    spec: ModelSpec
+    prompts: list[list[int]]
+    reserved_tokens: int
+    bad_words: list[list[int]]
+
+    def to_job(self) -> protocol.CompletionJob:
+        req = self.request
+        return req.to_job(self.spec, self.prompts, seed=req.seed if req.seed is not None else random.getrandbits(63),
+                          bad_words=self.bad_words)
 
 
 @bp.post("/v1/completions")
@@ -81,9 +98,22 @@ def admit_completion(for_job: bool = False) -> Admitted:
         g.user = body["user"]
     if for_job and isinstance(body, dict) and body.get("stream"):
         raise bad_request("stream is not supported on /v1/jobs; follow GET /v1/jobs/{id}/stream instead.", "stream")
+    checked = check_completion(body)
+
+    jq = job_queue()
+    jq.check_capacity(checked.spec.id)
+    g.grant = grant = access.admit(g.caller, checked.request.user, checked.reserved_tokens)
+    job = checked.to_job()
+    jq.enqueue(job, checked.spec.id, owner=owner_of(g.caller))
+    return Admitted(checked.request, job, grant)
+
+
+def check_completion(body: Any) -> Checked:
+    """Everything about a completions request that needs no caller: parse and validate, resolve the
+    model, tokenize, check the vocabulary, the context and the number of sequences (a 400 or 404
+    `APIError` for the first problem). Also how a batch's line is checked before it runs."""
     s = settings()
     req = parse_completion_request(body, max_stop=s.max_stop, unknown_fields=s.unknown_fields)
-
     models = served_models()
     spec = models.get(req.model)
     tokenizer = models.tokenizer(spec)
@@ -99,15 +129,7 @@ def admit_completion(for_job: bool = False) -> Admitted:
         raise bad_request(f"This request asks for {len(prompts) * per_prompt} sequences ({len(prompts)} "
                           f"prompts × {per_prompt}); the limit is {settings().max_choices}.",
                           "n" if per_prompt > 1 else "prompt")
-
-    jq = job_queue()
-    jq.check_capacity(spec.id)
-    reserved = sum(map(len, prompts)) + completion_tokens * per_prompt
-    g.grant = grant = access.admit(g.caller, req.user, reserved)
-    job = req.to_job(spec, prompts, seed=req.seed if req.seed is not None else random.getrandbits(63),
-                     bad_words=bad_words)
-    jq.enqueue(job, spec.id, owner=owner_of(g.caller))
-    return Admitted(req, job, grant)
+    return Checked(req, spec, prompts, sum(map(len, prompts)) + completion_tokens * per_prompt, bad_words)
 
 
 def read_json_body() -> Any:

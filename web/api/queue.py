@@ -1,7 +1,8 @@
 """The web side of the job queue: Redis connections, admission (live worker, queue depth) and
 enqueueing with rq.
 
-One rq queue per served model (`protocol.queue_name`). The job function is named by its dotted
+One rq queue per served model (`protocol.queue_name`), and one for batches' lines
+(`protocol.batch_queue_name`). The job function is named by its dotted
 path (`protocol.JOB_FUNCTION`), so web never imports worker code. The rq job id is the completion
 id (`cmpl-…`), so one id works for the completion, its event stream and `/v1/jobs/<id>`.
 """
@@ -61,13 +62,20 @@ class JobQueue:
             raise APIError(429, f"The queue for model `{model_id}` is full; try again later.",
                            "rate_limit_error", None, "queue_full", retry)
 
-    def enqueue(self, job: protocol.CompletionJob, model_id: str, owner: str) -> Job:
+    def enqueue(self, job: protocol.CompletionJob, model_id: str, owner: str,
+                batch_window_left_s: float | None = None) -> Job:
         """Queue the job as `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives
-        and expires with the job, and the worker never reads it."""
+        and expires with the job, and the worker never reads it. A batch's line (its batch's window
+        ends in `batch_window_left_s`) goes to the model's batch queue, which workers take from only
+        when this one is empty, and may wait there until the window ends."""
         s = self.settings
-        return self.queue(model_id).enqueue_call(
+        queue, ttl = self.queue(model_id), s.queue_ttl_s
+        if batch_window_left_s is not None:
+            queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis)
+            ttl = max(1, int(batch_window_left_s))
+        return queue.enqueue_call(
             protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
-            timeout=s.job_timeout_s, ttl=s.queue_ttl_s, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
+            timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
             # a retried job (its worker crashed) goes to the front: its client may be mid-stream
             retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
             description=f"completion {job.id} ({job.model})")
@@ -77,7 +85,7 @@ class JobQueue:
         ones (for the admin CLI; a request never needs them all)."""
         job_ids: set[str] = set()
         for queue in Queue.all(connection=self.redis):
-            if queue.name.startswith(protocol.QUEUE_PREFIX):
+            if queue.name.startswith((protocol.QUEUE_PREFIX, protocol.BATCH_QUEUE_PREFIX)):
                 job_ids.update(queue.get_job_ids())
                 for registry in (queue.started_job_registry, queue.finished_job_registry,
                                  queue.failed_job_registry, queue.canceled_job_registry,

@@ -79,12 +79,22 @@ def _concluded(jq: JobQueue, job_id: str) -> Event:
 
 def last_terminal_event(r: redis.Redis, job_id: str) -> Event | None:
     """The job's terminal event, if it has one (it is always the stream's last entry)."""
-    entries = r.xrevrange(protocol.stream_key(job_id), count=1)
-    if entries:
-        event = _decode(*entries[0])
-        if event.type in protocol.TERMINAL_EVENTS:
-            return event
-    return None
+    return last_terminal_events(r, [job_id]).get(job_id)
+
+
+def last_terminal_events(r: redis.Redis, job_ids: list[str]) -> dict[str, Event]:
+    """The terminal event of each of these jobs that has one, in one round trip."""
+    with r.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.xrevrange(protocol.stream_key(job_id), count=1)
+        replies = pipe.execute()
+    ended = {}
+    for job_id, entries in zip(job_ids, replies):
+        if entries:
+            event = _decode(*entries[0])
+            if event.type in protocol.TERMINAL_EVENTS:
+                ended[job_id] = event
+    return ended
 
 
 def cancelled_error() -> APIError:

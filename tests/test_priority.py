@@ -1,0 +1,63 @@
+"""Interactive before batch: the worker's dequeue over two queues, against a real redis-server."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from rq import Queue
+from rq.exceptions import DequeueTimeout
+
+from worker import protocol
+from worker.priority import SLICE_S, PriorityQueue
+
+
+@pytest.fixture()
+def queues(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client, Queue(protocol.queue_name("m"), connection=client), Queue(protocol.batch_queue_name("m"),
+                                                                            connection=client)
+    client.close()
+
+
+def enqueue(queue: Queue, job_id: str):
+    return queue.enqueue_call(protocol.JOB_FUNCTION, args=({},), job_id=job_id)
+
+
+def test_interactive_jobs_go_first(queues):
+    client, interactive, batch = queues
+    enqueue(batch, "b1")
+    enqueue(batch, "b2")
+    enqueue(interactive, "i1")
+    order = []
+    for _ in range(3):
+        job, queue = PriorityQueue.dequeue_any([interactive, batch], 1, connection=client)
+        order.append((job.id, queue.name))
+        # like rq's one-queue dequeue, the job waits in the intermediate list until it starts
+        assert client.lrange(queue.intermediate_queue_key, 0, -1)[-1] == job.id.encode()
+    assert order == [("i1", interactive.name), ("b1", batch.name), ("b2", batch.name)]
+    assert PriorityQueue.dequeue_any([interactive, batch], None, connection=client) is None
+    with pytest.raises(DequeueTimeout):
+        PriorityQueue.dequeue_any([interactive, batch], 1, connection=client)
+
+
+@pytest.mark.parametrize("late", ["interactive", "batch"])
+def test_a_waiting_worker_takes_a_job_as_it_arrives(queues, late):
+    client, interactive, batch = queues
+    target = interactive if late == "interactive" else batch
+    threading.Timer(0.3, enqueue, args=(target, "late")).start()
+    started = time.monotonic()
+    job, queue = PriorityQueue.dequeue_any([interactive, batch], 5, connection=client)
+    waited = time.monotonic() - started
+    assert job.id == "late" and queue.name == target.name
+    # an interactive job at once; a batch job within a slice
+    assert 0.25 < waited < 0.3 + (0.1 if late == "interactive" else SLICE_S + 0.1)
+
+
+def test_a_vanished_job_is_skipped(queues):
+    client, interactive, batch = queues
+    enqueue(interactive, "gone").delete(remove_from_queue=False)
+    enqueue(interactive, "here")
+    job, _ = PriorityQueue.dequeue_any([interactive, batch], 1, connection=client)
+    assert job.id == "here"

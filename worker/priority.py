@@ -1,0 +1,58 @@
+"""Queues in priority order: a worker listening on `[interactive, batch]` takes a batch job only
+when no interactive job waits.
+
+rq's own multi-queue dequeue blocks with BLPOP, which takes a job off its queue with nothing left in
+Redis to say so: a worker killed between that pop and the job's start loses the job. Here every
+dequeue is an LMOVE into the queue's intermediate list (as rq does for one queue), so rq's registry
+maintenance finds and retries a job whose worker died at that moment, whichever queue it came from.
+
+Waiting: with every queue empty, the worker blocks on the first (interactive) queue only, in slices
+of `SLICE_S`, and looks at the others between slices; an interactive job is taken the moment it
+arrives, a batch job within a slice.
+"""
+from __future__ import annotations
+
+import time
+
+from rq import Queue
+from rq.exceptions import DequeueTimeout, NoSuchJobError
+from rq.job import Job
+
+SLICE_S = 0.25
+
+
+class PriorityQueue(Queue):
+    @classmethod
+    def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None,
+                    death_penalty_class=None) -> tuple[Job, Queue] | None:
+        queues = list(queues)
+        if len(queues) == 1:
+            return super().dequeue_any(queues, timeout, connection, job_class, serializer, death_penalty_class)
+        job_class = job_class or Job
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for queue in queues:
+                while (job_id := connection.lmove(queue.key, queue.intermediate_queue_key)) is not None:
+                    found = _fetch(job_id, queue, job_class, connection, serializer)
+                    if found:
+                        return found
+            if deadline is None:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DequeueTimeout(timeout, [q.key for q in queues])
+            first = queues[0]
+            job_id = connection.blmove(first.key, first.intermediate_queue_key, min(SLICE_S, left))
+            found = _fetch(job_id, first, job_class, connection, serializer)
+            if found:
+                return found
+
+
+def _fetch(job_id, queue: Queue, job_class, connection, serializer) -> tuple[Job, Queue] | None:
+    if job_id is None:
+        return None
+    try:
+        return job_class.fetch(job_id.decode() if isinstance(job_id, bytes) else job_id, connection=connection,
+                               serializer=serializer), queue
+    except NoSuchJobError:  # expired while queued; rq's maintenance clears the intermediate list
+        return None
