@@ -91,7 +91,7 @@ def read_hf_config(directory: str | Path) -> HFConfig:
     vocab = values.get("vocab_size", family.vocab_size)
     bos = _first(values.get("bos_token_id", family.bos_token_id))
     eos = _first(values.get("eos_token_id", family.eos_token_id))
-    if not (_positive_int(context) and _positive_int(vocab) and _token_id(bos) and _token_id(eos)):
+    if not (positive_int(context) and positive_int(vocab) and _token_id(bos) and _token_id(eos)):
         raise CheckpointError(f"{path}: {family.context_keys[0]}, vocab_size, bos_token_id and eos_token_id "
                               "must be integers")
     return HFConfig(directory, family, context, vocab, bos, eos, values)
@@ -156,7 +156,7 @@ def _first(token_id):
     return token_id
 
 
-def _positive_int(value) -> bool:
+def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 

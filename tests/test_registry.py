@@ -191,8 +191,8 @@ def test_a_missing_checkpoint_fails_alone_and_only_when_used(tmp_path):
     registry = Registry.from_file(path)
     assert [m.id for m in registry.models()] == ["untrained", "gpt2"]
     untrained = registry.get("untrained")
-    with pytest.raises(RegistryError, match=rf"^{path}: model `untrained`: checkpoint not found: "
-                                            rf"{tmp_path / 'out' / 'ckpt.pt'}$"):
+    with pytest.raises(RegistryError, match=rf"^{path}: model `untrained`: {tmp_path / 'out' / 'ckpt.pt'}: "
+                                            "no such file or directory$"):
         untrained.context_length
     assert registry.get("gpt2").context_length == 1024
     # resolution is retried, so a checkpoint trained after startup is picked up
@@ -286,16 +286,18 @@ def test_hugging_face_directory(tmp_path, hf_checkpoint):
     tiny = registry.get("tiny")
     assert (tiny.context_length, tiny.vocab_size, tiny.eos_token_id) == (128, 50257, 50256)
     assert tiny.resolved.path == hf_checkpoint
-    assert tiny.tokenizer == TokenizerSpec("gpt2-bpe", (hf_checkpoint / "vocab.json", hf_checkpoint / "merges.txt"))
+    assert tiny.tokenizer == TokenizerSpec("gpt2-bpe", (hf_checkpoint / "vocab.json", hf_checkpoint / "merges.txt"),
+                                           eos_token_id=50256)
     assert load_tokenizer(tiny).encode("Hello world") == [15496, 995]
     assert registry.get("tiny-short").context_length == 64
 
 
 @pytest.mark.parametrize("config, extra, message", [
-    ("{not json", "", r"config\.json: unreadable config\.json"),
-    ('{"n_positions": "1024"}', "", r"config\.json: unreadable config\.json \(n_positions"),
-    ('{"model_type": "llama"}', "", r"model_type `llama` is not supported"),
-    (None, "", r"neither config\.json \(Hugging Face GPT-2\) nor ckpt\.pt \(nanoGPT\) here"),
+    ("{not json", "", r"config\.json: not readable JSON"),
+    ('{"n_positions": "1024"}', "", r"config\.json: n_positions, vocab_size, bos_token_id and eos_token_id must be "),
+    ('{"model_type": "llama"}', "", r"model_type `llama` is not supported \(supported: gpt2, gpt_neo, gptj, opt, "
+                                    r"gpt_neox\)"),
+    (None, "", r"neither config\.json \(Hugging Face\) nor ckpt\.pt \(nanoGPT\) here"),
     ('{"n_positions": 128}', "context_length = 256", r"context_length 256 exceeds the checkpoint's 128"),
     ('{"n_positions": 128}', "vocab_size = 100", r"vocab_size 100 differs from the checkpoint's 50257"),
 ])
