@@ -157,3 +157,119 @@ def test_a_crash_resumed_seeded_stream_continues_with_the_same_tokens(family):
     for a, b in zip(resumed["choices"], full["choices"], strict=True):
         assert (a["text"], a["logprobs"]["tokens"], a["finish_reason"]) == (b["text"], b["logprobs"]["tokens"],
                                                                              b["finish_reason"])
+
+
+# ---- what one family has and the others do not ----
+
+@pytest.fixture(scope="module")
+def opt(tmp_path_factory):
+    directory = make_family_checkpoint(tmp_path_factory.mktemp("opt-bos"), "opt")
+    return directory, load_model(directory), load_tokenizer(directory)
+
+
+def test_opt_text_prompts_start_with_bos_counted_in_usage(opt):
+    """OPT was trained with `</s>` before every document: it starts every text prompt (as
+    transformers' OPT tokenizer puts it), counts as a prompt token (as OPT's API servers count it),
+    shows as no text and as `</s>` in logprobs."""
+    from transformers import AutoTokenizer
+
+    directory, model, tok = opt
+    ids = tok.encode("Hello world")
+    assert ids[0] == tok.prompt_bos == tok.eos_token_id == 2
+    assert ids == AutoTokenizer.from_pretrained(directory)("Hello world").input_ids
+    result = make_engine(model, tok)[0].generate(job(tok, ["Hello world"], echo=True, logprobs=0, max_tokens=2))
+    assert result["usage"]["prompt_tokens"] == len(ids) == 3
+    choice = result["choices"][0]
+    assert choice["text"].startswith("Hello world")
+    assert choice["logprobs"]["tokens"][:3] == ["</s>", "Hello", " world"]
+    assert choice["logprobs"]["text_offset"][:3] == [0, 0, 5]
+
+
+def test_gptj_padding_rows_are_never_sampled(tmp_path):
+    """GPT-J's checkpoint has 50400 rows, its tokenizer 50257 tokens: even where the padding rows
+    have the largest logits, greedy and sampled tokens are the tokenizer's, and logprobs are of the
+    distribution over its tokens."""
+    directory = make_family_checkpoint(tmp_path, "gptj")
+    model, tok = load_model(directory), load_tokenizer(directory)
+    assert (model.config.vocab_size, tok.vocab_size) == (50400, 50257)
+    with torch.no_grad():
+        model.lm_head.bias[50257:] = 1e4  # a padding row would win every draw
+    engine, sink = make_engine(model, tok)
+    for temperature in (0.0, 1.0):
+        j = job(tok, [PROMPTS[0]], temperature=temperature, max_tokens=6, logprobs=2)
+        choice = engine.generate(j)["choices"][0]
+        ids = [t for _, d in sink.of(j.id, "delta") for t in d["token_ids"]]
+        assert len(ids) == 6 and max(ids) < 50257
+        assert min(choice["logprobs"]["token_logprobs"]) > -100
+
+
+# ---- loading: shards, half precision, unsupported families ----
+
+def test_sharded_checkpoints_load(tmp_path):
+    """pytorch_model-0000x-of-0000y.bin with and without their index, and safetensors shards."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source = make_family_checkpoint(tmp_path / "one", "gpt_neox", with_tokenizer=False)
+    state = load_file(source / "model.safetensors")
+    names = sorted(state)
+    parts = [names[i::3] for i in range(3)]
+    reference = load_model(source)(torch.tensor([[1, 2, 3, 4]]))
+    for layout in ("bin+index", "bin", "safetensors+index"):
+        directory = tmp_path / layout
+        directory.mkdir()
+        (directory / "config.json").write_bytes((source / "config.json").read_bytes())
+        ext = "safetensors" if layout.startswith("safetensors") else "bin"
+        stem = "model" if ext == "safetensors" else "pytorch_model"
+        weight_map = {}
+        for i, keys in enumerate(parts, start=1):
+            shard = f"{stem}-{i:05d}-of-00003.{ext}"
+            tensors = {k: state[k].contiguous() for k in keys}
+            save_file(tensors, directory / shard) if ext == "safetensors" else torch.save(tensors, directory / shard)
+            weight_map.update(dict.fromkeys(keys, shard))
+        if layout.endswith("index"):
+            (directory / f"{stem}.{ext}.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        assert_close(load_model(directory)(torch.tensor([[1, 2, 3, 4]])), reference, rtol=0, atol=0)
+    (tmp_path / "bin" / "pytorch_model-00002-of-00003.bin").unlink()
+    with pytest.raises(Exception, match=r"2 of the 3 bin shards are here"):
+        load_model(tmp_path / "bin")
+
+
+class Float32Watch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every float32 tensor of more than a few elements that an operation produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.produced = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type != "meta" and t.numel() > 64:
+                self.produced.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_checkpoints_load_without_a_float32_copy(tmp_path, dtype):
+    directory = make_family_checkpoint(tmp_path, "opt", dtype=dtype, with_tokenizer=False)
+    with Float32Watch() as watch:
+        model = load_model(directory, dtype=dtype)
+    assert not watch.produced
+    assert model.dtype == dtype and {p.dtype for p in model.parameters()} == {dtype}
+    assert model.lm_head.weight is model.embed_tokens.weight
+    with Float32Watch() as watch:  # the watch sees a conversion when there is one
+        exact = load_model(directory, dtype=torch.float32)
+    assert watch.produced
+    ids = torch.tensor([[2, 31414, 232, 328]])
+    assert_close(model(ids), exact(ids), rtol=0.02, atol=0.1)
+
+
+def test_an_unsupported_model_type_is_named(tmp_path):
+    from nanogpt.checkpoint import CheckpointError
+
+    (tmp_path / "config.json").write_text('{"model_type": "bloom", "n_layer": 2}')
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'config.json'}: model_type `bloom` is not supported "
+                                              r"\(supported: gpt2, gpt_neo, gptj, opt, gpt_neox\)"):
+        load_model(tmp_path)
