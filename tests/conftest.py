@@ -172,3 +172,9 @@ def make_family_checkpoint(directory: Path, family: str, *, seed=0, dtype=None, 
     if with_tokenizer:
         {"opt": write_opt_tokenizer, "gpt_neox": write_neox_tokenizer}.get(family, write_gpt2_tokenizer)(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny checkpoint of each family in FAMILY_CONFIGS, with its tokenizer."""
+    return {family: make_family_checkpoint(tmp_path_factory.mktemp(family), family) for family in FAMILY_CONFIGS}

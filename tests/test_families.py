@@ -49,10 +49,10 @@ class Family:
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
-def family(request, tmp_path_factory) -> Family:
+def family(request, family_checkpoints) -> Family:
     import transformers
 
-    directory = make_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    directory = family_checkpoints[request.param]
     hf = getattr(transformers, FAMILY_CONFIGS[request.param][1]).from_pretrained(directory).eval()
     return Family(request.param, directory, load_model(directory), hf, load_tokenizer(directory))
 
@@ -162,8 +162,8 @@ def test_a_crash_resumed_seeded_stream_continues_with_the_same_tokens(family):
 # ---- what one family has and the others do not ----
 
 @pytest.fixture(scope="module")
-def opt(tmp_path_factory):
-    directory = make_family_checkpoint(tmp_path_factory.mktemp("opt-bos"), "opt")
+def opt(family_checkpoints):
+    directory = family_checkpoints["opt"]
     return directory, load_model(directory), load_tokenizer(directory)
 
 

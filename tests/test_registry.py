@@ -360,3 +360,34 @@ def test_hf_repos_from_the_local_cache(tmp_path):
                                         "Hugging Face cache")
     assert "context_length" in shapes["unknown"]
     assert shapes["malformed"].startswith(f"{path}: model `malformed`: invalid Hugging Face repo id `a//b`")
+
+
+def test_every_family_is_read_without_torch_or_weights(tmp_path, family_checkpoints):
+    """Context length, vocabulary, EOS and tokenizer of each family's checkpoint, read by the registry
+    in a process where importing torch fails; the tokenizer loads and encodes there too."""
+    for checkpoint in family_checkpoints.values():
+        os.rename(checkpoint / "model.safetensors", checkpoint / "model.safetensors.away")  # no weights at all
+    try:
+        path = write_toml(tmp_path, "".join(f'[models.{name}]\ncheckpoint = "{checkpoint}"\n'
+                                            for name, checkpoint in family_checkpoints.items()))
+        shapes = run_python(f"""
+            import json, sys
+            sys.modules["torch"] = None  # any import of torch raises ImportError
+            from models.registry import Registry
+            from models.tokenizer import load_tokenizer
+            out = {{}}
+            for m in Registry.from_file({str(path)!r}).models():
+                tok = load_tokenizer(m)
+                out[m.id] = [m.context_length, m.vocab_size, m.eos_token_id, tok.vocab_size, tok.eos_token_id,
+                             tok.encode("Hello world")]
+            print(json.dumps(out))
+        """)
+    finally:
+        for checkpoint in family_checkpoints.values():
+            os.rename(checkpoint / "model.safetensors.away", checkpoint / "model.safetensors")
+    assert shapes["gpt_neo"] == [128, 50257, 50256, 50257, 50256, [15496, 995]]
+    assert shapes["gptj"] == [128, 50400, 50256, 50257, 50256, [15496, 995]]  # 143 padding rows
+    assert shapes["opt"][:5] == [128, 50272, 2, 50261, 2]  # OPT: `</s>`, before every text prompt too
+    assert shapes["opt"][5][0] == 2 and len(shapes["opt"][5]) == 3
+    assert shapes["gpt_neox"][:5] == [128, 50304, 0, 50281, 0]  # 2 specials + GPT-2's 50256 + 23 runs of spaces
+    assert shapes["gpt_neox"][5] == [15496 + 2, 995 + 2]  # GPT-2's ids after `<|endoftext|>`, `<|padding|>`
