@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from nanogpt.formats import CheckpointError
-from nanogpt.hf_weights import copy, stacked
+from nanogpt.hf_weights import copy, stacked, weight_and_bias
 from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention
-from nanogpt.serving import ServingModel
+from nanogpt.serving import GPT2Layout
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPTNeo(ServingModel):
+class GPTNeo(GPT2Layout):
 
     def __init__(self, config: GPTNeoConfig):
         super().__init__()
@@ -59,23 +59,6 @@ class GPTNeo(ServingModel):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
-
-    @property
-    def token_embedding(self):
-        return self.transformer.wte
-
-    @property
-    def blocks(self):
-        return self.transformer.h
-
-    def embed(self, tokens, positions):
-        return self.transformer.wte(tokens) + self.transformer.wpe(positions)
-
-    def head(self, x):
-        return self.lm_head(self.transformer.ln_f(x))
-
-    def tie_weights(self):
-        self.transformer.wte.weight = self.lm_head.weight
 
 
 # --- Hugging Face GPTNeoForCausalLM checkpoints -------------------------------------------------
@@ -106,17 +89,11 @@ def hf_weights(config: GPTNeoConfig):
     yield "transformer.wpe.weight", copy("transformer.wpe.weight")
     for i in range(config.n_layer):
         h, attn = f"transformer.h.{i}.", f"transformer.h.{i}.attn.attention."
-        yield h + "ln_1.weight", copy(h + "ln_1.weight")
-        yield h + "ln_1.bias", copy(h + "ln_1.bias")
+        yield from weight_and_bias(h + "ln_1", h + "ln_1")
         yield h + "attn.c_attn.weight", stacked(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")
-        yield h + "attn.c_proj.weight", copy(attn + "out_proj.weight")
-        yield h + "attn.c_proj.bias", copy(attn + "out_proj.bias")
-        yield h + "ln_2.weight", copy(h + "ln_2.weight")
-        yield h + "ln_2.bias", copy(h + "ln_2.bias")
-        yield h + "mlp.c_fc.weight", copy(h + "mlp.c_fc.weight")
-        yield h + "mlp.c_fc.bias", copy(h + "mlp.c_fc.bias")
-        yield h + "mlp.c_proj.weight", copy(h + "mlp.c_proj.weight")
-        yield h + "mlp.c_proj.bias", copy(h + "mlp.c_proj.bias")
-    yield "transformer.ln_f.weight", copy("transformer.ln_f.weight")
-    yield "transformer.ln_f.bias", copy("transformer.ln_f.bias")
+        yield from weight_and_bias(h + "attn.c_proj", attn + "out_proj")
+        yield from weight_and_bias(h + "ln_2", h + "ln_2")
+        yield from weight_and_bias(h + "mlp.c_fc", h + "mlp.c_fc")
+        yield from weight_and_bias(h + "mlp.c_proj", h + "mlp.c_proj")
+    yield from weight_and_bias("transformer.ln_f", "transformer.ln_f")
     yield "lm_head.weight", copy("transformer.wte.weight")  # tied

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from nanogpt.hf_weights import copy, per_head_qkv
+from nanogpt.hf_weights import copy, per_head_qkv, weight_and_bias
 from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary
 from nanogpt.serving import ServingModel
 
@@ -118,16 +118,13 @@ def hf_weights(config: GPTNeoXConfig):
     yield "embed_in.weight", copy("gpt_neox.embed_in.weight")
     for i in range(config.n_layer):
         ours, hf = f"layers.{i}.", f"gpt_neox.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            yield ours + norm + ".weight", copy(hf + norm + ".weight")
-            yield ours + norm + ".bias", copy(hf + norm + ".bias")
+        yield from weight_and_bias(ours + "input_layernorm", hf + "input_layernorm")
+        yield from weight_and_bias(ours + "post_attention_layernorm", hf + "post_attention_layernorm")
         for p in ("weight", "bias") if config.bias else ("weight",):
             yield f"{ours}attention.c_attn.{p}", per_head_qkv(f"{hf}attention.query_key_value.{p}", config.n_head)
             yield f"{ours}attention.c_proj.{p}", copy(f"{hf}attention.dense.{p}")
-        for p in ("weight", "bias"):
-            yield f"{ours}mlp.c_fc.{p}", copy(f"{hf}mlp.dense_h_to_4h.{p}")
-            yield f"{ours}mlp.c_proj.{p}", copy(f"{hf}mlp.dense_4h_to_h.{p}")
-    yield "final_layer_norm.weight", copy("gpt_neox.final_layer_norm.weight")
-    yield "final_layer_norm.bias", copy("gpt_neox.final_layer_norm.bias")
+        yield from weight_and_bias(ours + "mlp.c_fc", hf + "mlp.dense_h_to_4h")
+        yield from weight_and_bias(ours + "mlp.c_proj", hf + "mlp.dense_4h_to_h")
+    yield from weight_and_bias("final_layer_norm", "gpt_neox.final_layer_norm")
     tied = "gpt_neox.embed_in.weight" if config.tie_word_embeddings else "embed_out.weight"
     yield "embed_out.weight", copy(tied)

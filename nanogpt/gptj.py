@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from nanogpt.hf_weights import copy, stacked
+from nanogpt.hf_weights import copy, stacked, weight_and_bias
 from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary
-from nanogpt.serving import ServingModel
+from nanogpt.serving import GPT2Layout
 
 
 @dataclass
@@ -43,7 +43,8 @@ class Block(nn.Module):
         return x + self.attn(h, cache_layer) + self.mlp(h)
 
 
-class GPTJ(ServingModel):
+class GPTJ(GPT2Layout):
+    tied = False  # an LM head of its own, with a bias; no wpe: rotary embeddings carry the positions
 
     def __init__(self, config: GPTJConfig):
         super().__init__()
@@ -54,20 +55,6 @@ class GPTJ(ServingModel):
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=True)
-
-    @property
-    def token_embedding(self):
-        return self.transformer.wte
-
-    @property
-    def blocks(self):
-        return self.transformer.h
-
-    def embed(self, tokens, positions):
-        return self.transformer.wte(tokens)  # positions enter through the rotary embeddings
-
-    def head(self, x):
-        return self.lm_head(self.transformer.ln_f(x))
 
 
 # --- Hugging Face GPTJForCausalLM checkpoints ---------------------------------------------------
@@ -91,15 +78,10 @@ def hf_weights(config: GPTJConfig):
     yield "transformer.wte.weight", copy("transformer.wte.weight")
     for i in range(config.n_layer):
         h = f"transformer.h.{i}."
-        yield h + "ln_1.weight", copy(h + "ln_1.weight")
-        yield h + "ln_1.bias", copy(h + "ln_1.bias")
+        yield from weight_and_bias(h + "ln_1", h + "ln_1")
         yield h + "attn.c_attn.weight", stacked(h + "attn.q_proj.weight", h + "attn.k_proj.weight", h + "attn.v_proj.weight")
         yield h + "attn.c_proj.weight", copy(h + "attn.out_proj.weight")
-        yield h + "mlp.c_fc.weight", copy(h + "mlp.fc_in.weight")
-        yield h + "mlp.c_fc.bias", copy(h + "mlp.fc_in.bias")
-        yield h + "mlp.c_proj.weight", copy(h + "mlp.fc_out.weight")
-        yield h + "mlp.c_proj.bias", copy(h + "mlp.fc_out.bias")
-    yield "transformer.ln_f.weight", copy("transformer.ln_f.weight")
-    yield "transformer.ln_f.bias", copy("transformer.ln_f.bias")
-    yield "lm_head.weight", copy("lm_head.weight")
-    yield "lm_head.bias", copy("lm_head.bias")
+        yield from weight_and_bias(h + "mlp.c_fc", h + "mlp.fc_in")
+        yield from weight_and_bias(h + "mlp.c_proj", h + "mlp.fc_out")
+    yield from weight_and_bias("transformer.ln_f", "transformer.ln_f")
+    yield from weight_and_bias("lm_head", "lm_head")

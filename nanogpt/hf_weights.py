@@ -38,3 +38,9 @@ def per_head_qkv(name: str, n_head: int) -> Source:
     def regroup(t):
         return t.view(n_head, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
     return Source((name,), regroup, lambda shape: [shape])
+
+
+def weight_and_bias(ours: str, hf: str):
+    """A layer's weight and bias copied under our name (a LayerNorm's, a Linear's)."""
+    yield ours + ".weight", copy(hf + ".weight")
+    yield ours + ".bias", copy(hf + ".bias")

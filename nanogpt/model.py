@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from nanogpt.hf_weights import copy, transposed
+from nanogpt.hf_weights import copy, transposed, weight_and_bias
 from nanogpt.layers import MLP, CausalSelfAttention
-from nanogpt.serving import ServingModel
+from nanogpt.serving import GPT2Layout
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Block(nn.Module):
         return x
 
 
-class GPT(ServingModel):
+class GPT(GPT2Layout):
 
     def __init__(self, config):
         super().__init__()
@@ -82,24 +82,6 @@ class GPT(ServingModel):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    # the serving contract (nanogpt/serving.py)
-    @property
-    def token_embedding(self) -> nn.Embedding:
-        return self.transformer.wte
-
-    @property
-    def blocks(self) -> nn.ModuleList:
-        return self.transformer.h
-
-    def embed(self, tokens, positions):
-        return self.transformer.wte(tokens) + self.transformer.wpe(positions)
-
-    def head(self, x):
-        return self.lm_head(self.transformer.ln_f(x))
-
-    def tie_weights(self):
-        self.transformer.wte.weight = self.lm_head.weight
 
     def get_num_params(self, non_embedding=True):
         """Parameter count; position embeddings excluded by default (token embeddings are tied
@@ -192,13 +174,11 @@ def hf_weights(config: GPTConfig):
     yield "transformer.wpe.weight", copy("transformer.wpe.weight")
     for i in range(config.n_layer):
         h = f"transformer.h.{i}."
-        for norm in ("ln_1", "ln_2"):
-            yield h + norm + ".weight", copy(h + norm + ".weight")
-            yield h + norm + ".bias", copy(h + norm + ".bias")
+        yield from weight_and_bias(h + "ln_1", h + "ln_1")
+        yield from weight_and_bias(h + "ln_2", h + "ln_2")
         for conv1d in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             yield h + conv1d + ".weight", transposed(h + conv1d + ".weight")
             yield h + conv1d + ".bias", copy(h + conv1d + ".bias")
-    yield "transformer.ln_f.weight", copy("transformer.ln_f.weight")
-    yield "transformer.ln_f.bias", copy("transformer.ln_f.bias")
+    yield from weight_and_bias("transformer.ln_f", "transformer.ln_f")
     yield "lm_head.weight", copy("transformer.wte.weight")  # tied
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from nanogpt.hf_weights import copy, stacked
+from nanogpt.hf_weights import copy, stacked, weight_and_bias
 from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention
 from nanogpt.serving import ServingModel
 
@@ -126,8 +126,7 @@ def hf_weights(config: OPTConfig):
     for i in range(config.n_layer):
         ours, hf = f"layers.{i}.", f"{d}layers.{i}."
         for norm in ("self_attn_layer_norm", "final_layer_norm") if config.layer_norm_affine else ():
-            yield ours + norm + ".weight", copy(hf + norm + ".weight")
-            yield ours + norm + ".bias", copy(hf + norm + ".bias")
+            yield from weight_and_bias(ours + norm, hf + norm)
         for p in ("weight", "bias") if config.bias else ("weight",):
             attn = hf + "self_attn."
             yield f"{ours}attn.c_attn.{p}", stacked(f"{attn}q_proj.{p}", f"{attn}k_proj.{p}", f"{attn}v_proj.{p}")
@@ -135,6 +134,5 @@ def hf_weights(config: OPTConfig):
             yield f"{ours}mlp.c_fc.{p}", copy(f"{hf}fc1.{p}")
             yield f"{ours}mlp.c_proj.{p}", copy(f"{hf}fc2.{p}")
     if config.do_layer_norm_before and config.final_layer_norm and config.layer_norm_affine:
-        yield "final_layer_norm.weight", copy(d + "final_layer_norm.weight")
-        yield "final_layer_norm.bias", copy(d + "final_layer_norm.bias")
+        yield from weight_and_bias("final_layer_norm", d + "final_layer_norm")
     yield "lm_head.weight", copy(d + "embed_tokens.weight")  # tied

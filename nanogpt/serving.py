@@ -88,3 +88,30 @@ class ServingModel(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, (cache.k[i], cache.v[i], window))
         return self.head(x[:, 0]).float()
+
+
+class GPT2Layout(ServingModel):
+    """The modules laid out as GPT-2's (and GPT-Neo's, GPT-J's): `transformer` holds `wte`, `wpe`
+    (learned positions; absent where rotary embeddings carry them), the blocks `h` and `ln_f`, then
+    `lm_head`, tied to `wte` when `tied`."""
+
+    tied = True
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def embed(self, tokens, positions):
+        x = self.transformer.wte(tokens)
+        return x + self.transformer.wpe(positions) if "wpe" in self.transformer else x
+
+    def head(self, x):
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def tie_weights(self):
+        if self.tied:
+            self.transformer.wte.weight = self.lm_head.weight
