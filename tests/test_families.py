@@ -273,3 +273,48 @@ def test_an_unsupported_model_type_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{tmp_path / 'config.json'}: model_type `bloom` is not supported "
                                               r"\(supported: gpt2, gpt_neo, gptj, opt, gpt_neox\)"):
         load_model(tmp_path)
+
+
+# ---- the other paths of the serving contract: the decode step, half precision, int8 ----
+
+def test_the_decode_step_matches_transformers(family):
+    """forward_decode (what the engine compiles): rows in any slot order, each at its own position,
+    past GPT-Neo's local window and through the rotary angles."""
+    cache = KVCache(family.ours.config, max_slots=4, max_len=CONTEXT)
+    seqs = [random_seq(24, seed) for seed in (11, 12, 13)]
+    refs = [family.reference(seq) for seq in seqs]
+    slots, prefilled = [3, 0, 2], [9, 4, 12]
+    cached_call(family.ours, cache, [(slot, seq, 0, n) for slot, seq, n in zip(slots, seqs, prefilled)])
+    for step in range(6):
+        positions = [n + step for n in prefilled]
+        logits = family.ours.forward_decode(torch.tensor([seq[p] for seq, p in zip(seqs, positions)]),
+                                            torch.tensor(slots), torch.tensor(positions), cache,
+                                            torch.arange(max(positions) + 1))
+        for b, (ref, p) in enumerate(zip(refs, positions)):
+            assert_close(logits[b], ref[p], **TOL)
+
+
+def test_bfloat16_is_close(family):
+    model = load_model(family.directory, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    seq = random_seq(16, 21)
+    logits = model(torch.tensor([seq]))[0]
+    ref = family.reference(seq)
+    assert_close(logits, ref, rtol=0.05, atol=0.5)  # bfloat16 keeps ~3 significant digits
+    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_int8_serves_close_to_float32(family):
+    """int8 linear layers (CPU): the engine scores the same text within 0.2 of float32's logprobs
+    (scored, not generated: random weights have near ties that int8 may break either way)."""
+    from worker.engine import quantize_int8
+
+    quantized = quantize_int8(load_model(family.directory))
+    assert type(quantized.blocks[0].mlp.c_fc) is not torch.nn.Linear
+    scoring = lambda: [job(family.tok, [p], max_tokens=0, echo=True, logprobs=0) for p in PROMPTS]  # noqa: E731
+    exact = run_all(make_engine(family.ours, family.tok)[0], scoring())
+    approx = run_all(make_engine(quantized, family.tok)[0], scoring())
+    for a, b in zip(exact, approx):
+        a, b = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+        assert a["tokens"] == b["tokens"]
+        assert_close(b["token_logprobs"][1:], a["token_logprobs"][1:], atol=0.2, rtol=0)
