@@ -331,6 +331,12 @@ def test_hf_repos_from_the_local_cache(tmp_path):
         checkpoint = "hf:acme/tiny-gpt2@feedbeef"
         [models.medium]
         checkpoint = "hf:openai-community/gpt2-medium"
+        [models.neo]
+        checkpoint = "hf:EleutherAI/gpt-neo-125m"
+        [models.gptj]
+        checkpoint = "hf:EleutherAI/gpt-j-6b"
+        [models.opt]
+        checkpoint = "hf:facebook/opt-125m"
         [models.declared]
         checkpoint = "hf:acme/not-cached"
         context_length = 2048
@@ -356,6 +362,10 @@ def test_hf_repos_from_the_local_cache(tmp_path):
     assert shapes["tiny-old"] == [512, 50257, 50256, 0, str(other)]
     assert shapes["medium"] == [1024, 50257, 50256, 0, "None"]
     assert shapes["declared"] == [2048, 50257, 50256, 0, "None"]
+    # GPT-Neo and GPT-J use GPT-2's tokenizer; OPT's vocabulary is its own: it must be in the cache
+    assert shapes["neo"] == [2048, 50257, 50256, 0, "None"]
+    assert shapes["gptj"] == [2048, 50400, 50256, 0, "None"]
+    assert "not in the local Hugging Face cache" in shapes["opt"]
     assert shapes["unknown"].startswith(f"{path}: model `unknown`: `hf:acme/not-cached` is not in the local "
                                         "Hugging Face cache")
     assert "context_length" in shapes["unknown"]
