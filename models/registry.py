@@ -7,13 +7,14 @@
     checkpoint = "hf:gpt2"
     aliases = ["gpt-2"]
 
-`checkpoint` is a nanoGPT `ckpt.pt` (or the directory holding it), a Hugging Face GPT-2 directory, or
-`hf:<repo>[@revision]` (read from the local Hugging Face cache, never downloaded here), as
-`nanogpt.checkpoint.load_model` takes them. Relative paths resolve against the directory of the toml
+`checkpoint` is a nanoGPT `ckpt.pt` (or the directory holding it), a Hugging Face directory of a
+supported family (GPT-2, GPT-Neo, GPT-J, OPT, GPT-NeoX/Pythia), or `hf:<repo>[@revision]` (read from
+the local Hugging Face cache, never downloaded here), resolved by nanogpt/formats.py (torch-free) as
+`nanogpt.checkpoint.load_model` resolves them. Relative paths resolve against the directory of the toml
 file. Optional keys: `aliases`, `device` ("auto", "cpu", "cuda", "cuda:N", "mps"), `dtype`
 (float32, bfloat16, float16, int8), `max_batch`, `owned_by`, `created` (unix time; default the toml's
 modification time), `context_length` (caps the checkpoint's; required with `vocab_size` for an `hf:`
-repo that is neither cached nor a known GPT-2 size).
+repo that is neither cached nor a known size).
 
 A model's shape (context length, vocabulary, end-of-text id, tokenizer files) is read from its files
 the first time it is asked for, without loading weights: a model whose checkpoint is missing raises
@@ -22,7 +23,6 @@ the first time it is asked for, without loading weights: a model whose checkpoin
 from __future__ import annotations
 
 import functools
-import json
 import os
 import pickle
 import re
@@ -35,7 +35,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from models.tokenizer import TokenizerSpec, find_tokenizer
+from models.tokenizer import TokenizerError, TokenizerSpec, find_tokenizer
+from nanogpt.formats import (CheckpointError, cached_snapshot, hf_repo, local_checkpoint, positive_int,
+                             read_hf_config)
 
 DEFAULT_PATH = Path(__file__).with_name("models.toml")
 DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -44,12 +46,17 @@ MODEL_KEYS = {"checkpoint", "aliases", "device", "dtype", "max_batch", "owned_by
               "context_length", "vocab_size"}
 GPT2_EOS = 50256
 
-# Shapes of the published GPT-2 family, for `hf:` repos not in the local cache:
-# (context_length, vocab_size, eos_token_id).
-KNOWN_HF_SHAPES = {repo: (1024, 50257, GPT2_EOS) for repo in (
-    "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2",
-    "openai-community/gpt2", "openai-community/gpt2-medium", "openai-community/gpt2-large",
-    "openai-community/gpt2-xl", "distilbert/distilgpt2")}
+# Shapes of published checkpoints whose tokenizer is tiktoken's GPT-2 BPE (GPT-2, GPT-Neo, GPT-J),
+# for `hf:` repos not in the local cache: (context_length, vocab_size, eos_token_id). OPT and
+# Pythia have vocabularies of their own, read from the cache.
+KNOWN_HF_SHAPES = {
+    **{repo: (1024, 50257, GPT2_EOS) for repo in (
+        "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2",
+        "openai-community/gpt2", "openai-community/gpt2-medium", "openai-community/gpt2-large",
+        "openai-community/gpt2-xl", "distilbert/distilgpt2")},
+    **{f"EleutherAI/gpt-neo-{size}": (2048, 50257, GPT2_EOS) for size in ("125m", "1.3B", "2.7B")},
+    "EleutherAI/gpt-j-6b": (2048, 50400, GPT2_EOS),  # 50400 rows; the tokenizer has 50257
+}
 
 
 class RegistryError(ValueError):
@@ -226,65 +233,36 @@ class _Unusable(Exception):
 
 def inspect_checkpoint(checkpoint: str, context_length: int | None = None,
                        vocab_size: int | None = None) -> CheckpointInfo:
-    """Shape and tokenizer of a checkpoint: `hf:<repo>`, a Hugging Face directory or a nanoGPT
-    ckpt.pt. `context_length`/`vocab_size` stand in for an `hf:` repo that cannot be read."""
-    if checkpoint.startswith("hf:"):
-        return _inspect_hf_repo(checkpoint[3:], context_length, vocab_size)
-    path = Path(checkpoint)
-    if path.is_dir() and not (path / "config.json").exists() and (path / "ckpt.pt").exists():
-        path = path / "ckpt.pt"  # nanoGPT's out_dir
-    if path.is_dir():
-        return _inspect_hf_dir(path)
-    if path.is_file():
-        return _inspect_nanogpt(path)
-    raise _Unusable(f"checkpoint not found: {path}")
-
-
-def _inspect_hf_repo(name: str, context_length: int | None, vocab_size: int | None) -> CheckpointInfo:
-    from huggingface_hub import try_to_load_from_cache  # torch-free; only looks at the local cache
-
-    repo, _, revision = name.partition("@")
+    """Shape and tokenizer of a checkpoint: `hf:<repo>`, a Hugging Face directory (any family
+    nanogpt.formats knows) or a nanoGPT ckpt.pt. `context_length`/`vocab_size` stand in for an `hf:`
+    repo that cannot be read."""
     try:
-        config = try_to_load_from_cache(repo, "config.json", revision=revision or None)
-    except ValueError as err:  # huggingface_hub's HFValidationError: a malformed repo id
-        raise _Unusable(f"invalid Hugging Face repo id `{repo}`: {err}") from None
-    if isinstance(config, str):
-        return _inspect_hf_dir(Path(config).parent)
+        if hf_repo(checkpoint) is not None:
+            return _inspect_hf_repo(checkpoint, context_length, vocab_size)
+        path = local_checkpoint(checkpoint)
+        return _inspect_hf_dir(path) if path.is_dir() else _inspect_nanogpt(path)
+    except (CheckpointError, TokenizerError) as err:
+        raise _Unusable(str(err)) from None
+
+
+def _inspect_hf_repo(checkpoint: str, context_length: int | None, vocab_size: int | None) -> CheckpointInfo:
+    cached = cached_snapshot(checkpoint)
+    if cached is not None:
+        return _inspect_hf_dir(cached)
+    repo, _ = hf_repo(checkpoint)
     if context_length is not None and vocab_size is not None:
         return CheckpointInfo(None, context_length, vocab_size, GPT2_EOS, TokenizerSpec("gpt2-bpe"))
     if repo in KNOWN_HF_SHAPES:
         context, vocab, eos = KNOWN_HF_SHAPES[repo]
         return CheckpointInfo(None, context, vocab, eos, TokenizerSpec("gpt2-bpe"))
-    raise _Unusable(f"`hf:{name}` is not in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE) and "
-                    f"is not a known GPT-2 size: fetch it first (`hf download {repo}`), or give "
-                    "`context_length` and `vocab_size` in the registry")
+    raise _Unusable(f"`{checkpoint}` is not in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE) and "
+                    f"is not a known GPT-2, GPT-Neo or GPT-J size: fetch it first (`hf download {repo}`), or "
+                    "give `context_length` and `vocab_size` in the registry")
 
 
 def _inspect_hf_dir(directory: Path) -> CheckpointInfo:
-    config_file = directory / "config.json"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _Unusable(f"{directory}: neither config.json (Hugging Face GPT-2) nor ckpt.pt "
-                        "(nanoGPT) here") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _Unusable(f"{config_file}: unreadable config.json ({err})") from None
-    if not isinstance(config, dict):
-        raise _Unusable(f"{config_file}: unreadable config.json (not a JSON object)")
-    if config.get("model_type", "gpt2") != "gpt2":
-        raise _Unusable(f"{config_file}: model_type `{config['model_type']}` is not supported "
-                        "(GPT-2 family only)")
-    # GPT2Config's defaults, as transformers would apply them to a sparse config.json
-    context = config.get("n_positions", config.get("n_ctx", 1024))
-    vocab = config.get("vocab_size", 50257)
-    eos = config.get("eos_token_id", GPT2_EOS)
-    if isinstance(eos, list):  # transformers allows several; the first is the end of text
-        eos = eos[0] if eos else None
-    valid_eos = eos is None or (type(eos) is int and eos >= 0)
-    if not (_positive_int(context) and _positive_int(vocab) and valid_eos):
-        raise _Unusable(f"{config_file}: unreadable config.json (n_positions, vocab_size and "
-                        "eos_token_id must be integers)")
-    return CheckpointInfo(directory, context, vocab, eos, find_tokenizer(directory))
+    hf = read_hf_config(directory)
+    return CheckpointInfo(directory, hf.context_length, hf.vocab_size, hf.eos_token_id, find_tokenizer(directory))
 
 
 def _inspect_nanogpt(path: Path) -> CheckpointInfo:
@@ -312,7 +290,7 @@ def read_model_args(path: Path) -> dict:
     args = checkpoint.get("model_args") if isinstance(checkpoint, dict) else None
     if not isinstance(args, dict):
         raise _Unusable(f"{path}: no `model_args` dict (not a nanoGPT checkpoint)")
-    if not all(_positive_int(args.get(key)) for key in ("block_size", "vocab_size")):
+    if not all(positive_int(args.get(key)) for key in ("block_size", "vocab_size")):
         raise _Unusable(f"{path}: model_args needs integer `block_size` and `vocab_size`")
     return args
 
@@ -344,10 +322,6 @@ class _InertUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         return None  # a tensor storage reference
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _names(keys) -> str:

@@ -1,54 +1,50 @@
-"""Weights in and out: Hugging Face GPT-2 directories, nanoGPT ckpt.pt files, and `hf:<repo>` names.
+"""Weights in and out: Hugging Face checkpoints of every family, nanoGPT ckpt.pt files, and
+`hf:<repo>` names (resolved as nanogpt/formats.py says).
 
-    load_model("path/to/hf-gpt2-dir")        # config.json + model.safetensors (or pytorch_model.bin)
-    load_model("out-shakespeare-char/ckpt.pt")  # nanoGPT's train.py output (or its directory)
-    load_model("hf:openai-community/gpt2@main")  # from the local Hugging Face cache, or downloaded
+    load_model("path/to/hf-dir")                 # config.json + model.safetensors (or shards, or .bin)
+    load_model("out-shakespeare-char/ckpt.pt")   # nanoGPT's train.py output (or its directory)
+    load_model("hf:EleutherAI/pythia-160m")      # from the local Hugging Face cache, or downloaded
 
-Every tensor is checked against the config (names and shapes) before it is used: a checkpoint that
-does not fit raises CheckpointError naming the file and what is wrong, never a silently broken model.
+A Hugging Face directory's `model_type` picks the family module of nanogpt/, whose `hf_weights`
+maps every one of our parameters to the checkpoint's tensors. Each tensor is converted to the
+serving dtype as it is read (an fp16/bf16 checkpoint served in its own precision is never copied
+to float32), and every tensor is checked against the config (names and shapes) before it is used:
+a checkpoint that does not fit raises CheckpointError naming the file and what is wrong, never a
+silently broken model.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from nanogpt.formats import CheckpointError, hf_repo, local_checkpoint, read_hf_config, snapshot
 from nanogpt.model import GPT, GPTConfig
 
-HF_FILES = ["config.json", "*.safetensors", "*.bin", "vocab.json", "merges.txt", "tokenizer.json"]
-# HF GPT-2 uses Conv1D modules, whose weights are stored (in, out): the transpose of nn.Linear's
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# causal-mask buffers some GPT-2 checkpoints carry; the model builds its mask itself
-HF_BUFFERS = (".attn.bias", ".attn.masked_bias")
+__all__ = ["CheckpointError", "load_model", "resolve_checkpoint", "save_nanogpt_checkpoint"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the problem."""
-
-
-def load_model(checkpoint: str | Path, device="cpu", dtype=torch.float32) -> GPT:
-    """A GPT in eval mode from a Hugging Face GPT-2 directory, a nanoGPT ckpt.pt (or a directory
+def load_model(checkpoint: str | Path, device="cpu", dtype=torch.float32):
+    """A model in eval mode from a Hugging Face directory, a nanoGPT ckpt.pt (or a directory
     holding one), or `hf:<repo>[@revision]`."""
     path = resolve_checkpoint(checkpoint)
-    if path.is_dir() and not (path / "config.json").exists() and (path / "ckpt.pt").exists():
-        path = path / "ckpt.pt"
-    model = _load_hf_dir(path) if path.is_dir() else _load_nanogpt(path)
+    model = _load_hf_dir(path, dtype) if path.is_dir() else _load_nanogpt(path)
     return model.to(device=device, dtype=dtype).eval()
 
 
 def resolve_checkpoint(checkpoint: str | Path) -> Path:
-    """The local path of a checkpoint: the path itself, or for `hf:<repo>[@revision]` the snapshot
-    directory in the Hugging Face cache (downloaded first unless HF_HUB_OFFLINE is set)."""
-    if str(checkpoint).startswith("hf:"):
-        return _hub_snapshot(str(checkpoint))
-    path = Path(checkpoint).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    return path
+    """The local path of a checkpoint: the path itself (the ckpt.pt inside nanoGPT's out_dir), or
+    for `hf:<repo>[@revision]` the snapshot directory in the Hugging Face cache (downloaded first
+    unless HF_HUB_OFFLINE is set)."""
+    if hf_repo(str(checkpoint)) is not None:
+        return snapshot(str(checkpoint))
+    return local_checkpoint(checkpoint)
 
 
 def save_nanogpt_checkpoint(path, model: GPT, model_args: dict | None = None, **extra) -> Path:
@@ -83,7 +79,7 @@ def _load_nanogpt(path: Path) -> GPT:
         raise CheckpointError(f"{path}: unknown model_args {unknown}; GPTConfig takes {sorted(known)}")
     config = _checked_config(GPTConfig(**checkpoint["model_args"]), path)
     state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}  # torch.compile prefix
-    model = _empty_model(config)
+    model = _empty_model(GPT, config)
     _check_tensors(state, _shapes(model), path)
     if not (state["lm_head.weight"] is state["transformer.wte.weight"]
             or torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])):
@@ -91,118 +87,93 @@ def _load_nanogpt(path: Path) -> GPT:
     return _assign(model, state)
 
 
-# --- Hugging Face GPT-2 directory --------------------------------------------------------------
+# --- Hugging Face directories ------------------------------------------------------------------
 
-def _load_hf_dir(directory: Path) -> GPT:
-    config_file = directory / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{directory}: neither config.json (Hugging Face GPT-2) nor ckpt.pt (nanoGPT) here")
-    config = _hf_config(config_file)
-    hf_state, weights_file = _hf_weights(directory)
+def _load_hf_dir(directory: Path, dtype: torch.dtype):
+    hf = read_hf_config(directory)
+    family = importlib.import_module(f"nanogpt.{hf.family.module}")
+    config = _checked_config(family.config_from_hf(hf), hf.path / "config.json")
+    model = _empty_model(family.MODEL, config)
+    shapes = _shapes(model)
+    tensors, weights_file = _hf_weights(directory, dtype)
 
-    # name and layout each tensor of our model has in the HF file (nanoGPT's from_pretrained, checked)
-    prefix = "transformer." if any(k.startswith("transformer.") for k in hf_state) else ""
-    model = _empty_model(config)
-    file_name = {name: prefix + name.removeprefix("transformer.") for name in _shapes(model) if name != "lm_head.weight"}
-    expected = {file_name[name]: shape[::-1] if name.endswith(CONV1D) else shape
-                for name, shape in _shapes(model).items() if name in file_name}
-    present = {k: v for k, v in hf_state.items() if not k.endswith(HF_BUFFERS) and k != "lm_head.weight"}
+    # checkpoints of the bare model (GPT2Model, OPTModel, ...) lack the prefix of the causal-LM class
+    prefix = family.HF_PREFIX if any(k.startswith(family.HF_PREFIX) for k in tensors) else ""
+    def file_name(name):
+        return prefix + name.removeprefix(family.HF_PREFIX) if name.startswith(family.HF_PREFIX) else name
+
+    sources = {ours: source for ours, source in family.hf_weights(config)}
+    expected = {}
+    for ours, source in sources.items():
+        for name, shape in zip(source.names, source.layout(shapes[ours])):
+            expected[file_name(name)] = shape
+    present = {k: v for k, v in tensors.items() if k in expected or not k.endswith(family.HF_IGNORED)}
     _check_tensors(present, expected, weights_file)
-
-    state = {}
-    for name, hf_name in file_name.items():
-        tensor = hf_state[hf_name]
-        state[name] = tensor.t() if name.endswith(CONV1D) else tensor
-    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
+    state = {ours: source.combine(*(tensors[file_name(n)] for n in source.names)) for ours, source in sources.items()}
     return _assign(model, state)
 
 
-def _hf_config(config_file: Path) -> GPTConfig:
-    try:
-        c = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{config_file}: not readable JSON: {e}") from e
-    if not isinstance(c, dict):
-        raise CheckpointError(f"{config_file}: not a GPT-2 config (expected a JSON object)")
-    missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in c]
-    if "n_positions" not in c and "n_ctx" not in c:
-        missing.append("n_positions")
-    if missing:
-        raise CheckpointError(f"{config_file}: missing {missing}; not a GPT-2 config")
-    # what this model implements; anything else would load but compute something different
-    supported = {"model_type": ("gpt2",), "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-                 "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
-                 "tie_word_embeddings": (True,), "n_inner": (None, 4 * c["n_embd"]),
-                 "add_cross_attention": (False,)}
-    for key, allowed in supported.items():
-        if key in c and c[key] not in allowed:
-            raise CheckpointError(f"{config_file}: unsupported {key}={c[key]!r} (supported: {list(allowed)})")
-    config = GPTConfig(block_size=c.get("n_positions", c.get("n_ctx")), vocab_size=c["vocab_size"],
-                       n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], dropout=0.0, bias=True,
-                       layer_norm_epsilon=c.get("layer_norm_epsilon", 1e-5))
-    return _checked_config(config, config_file)
+SHARD = re.compile(r"(model|pytorch_model)-(\d+)-of-(\d+)\.(safetensors|bin)")
 
 
-def _hf_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """All tensors of the directory's weights (single file or sharded, safetensors preferred)."""
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"):
-        if (directory / name).exists():
-            break
-    else:
-        raise CheckpointError(f"{directory}: no model.safetensors or pytorch_model.bin next to config.json")
-    path = directory / name
-    if name.endswith(".index.json"):
+def _hf_weights(directory: Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of the directory's weights (single file or shards, safetensors preferred)."""
+    files, described_by = _weight_files(directory)
+    state = {}
+    for path in files:
+        state.update(_read_tensors(path, dtype))
+    return state, described_by
+
+
+def _weight_files(directory: Path) -> tuple[list[Path], Path]:
+    """The weight files, and the file that names them (for error messages)."""
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json"):
+        path = directory / name
+        if not path.exists():
+            continue
+        if not name.endswith(".index.json"):
+            return [path], path
         try:
             shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             raise CheckpointError(f"{path}: not a readable shard index: {e}") from e
-    else:
-        shards = [name]
-    state = {}
-    for shard in shards:
-        state.update(_read_tensors(directory / shard))
-    return state, path
+        return [directory / shard for shard in shards], path
+    for kind in ("safetensors", "bin"):  # shards without their index
+        shards = sorted(p for p in directory.iterdir() if (m := SHARD.fullmatch(p.name)) and m[4] == kind)
+        if shards:
+            total = int(SHARD.fullmatch(shards[0].name)[3])
+            if len(shards) != total:
+                raise CheckpointError(f"{directory}: {len(shards)} of the {total} {kind} shards are here")
+            return shards, directory
+    raise CheckpointError(f"{directory}: no model.safetensors or pytorch_model.bin (nor shards of them) "
+                          "next to config.json")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A weights file's tensors, floating-point ones converted to `dtype` one at a time as they are
+    read (so no second copy of the whole file exists in another precision)."""
+    def convert(t):
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            from safetensors import safe_open
+            with safe_open(path, "pt") as f:
+                return {name: convert(f.get_tensor(name)) for name in f.keys()}
+        try:  # memory-mapped: each tensor is read when it is converted
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) torch.save format cannot be mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read weights: {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: not a state dict of tensors")
-    return state
-
-
-# --- hf:<repo>[@revision] ----------------------------------------------------------------------
-
-def _hub_snapshot(spec: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
-    repo, _, revision = spec.removeprefix("hf:").partition("@")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    try:
-        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=HF_FILES,
-                                      local_files_only=offline))
-    except LocalEntryNotFoundError as e:
-        why = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if offline
-               else "and the Hub could not be reached")
-        raise CheckpointError(f"{spec}: {repo} is not in the local Hugging Face cache ({why}); fetch it "
-                              f"where the Hub is reachable (`hf download {repo}`) and share the cache "
-                              f"(HF_HOME), or use a local checkpoint directory") from e
-    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise CheckpointError(f"{spec}: no such repository or revision on the Hub: {e}") from e
-    except ValueError as e:  # huggingface_hub's HFValidationError: a malformed repo id
-        raise CheckpointError(f"{spec}: invalid Hugging Face repository name: {e}") from e
+    return {name: convert(t) for name, t in state.items()}
 
 
 # --- shared ------------------------------------------------------------------------------------
 
-def _checked_config(config: GPTConfig, source: Path) -> GPTConfig:
+def _checked_config(config, source: Path):
     for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
         value = getattr(config, key)
         if not isinstance(value, int) or value <= 0:
@@ -212,10 +183,10 @@ def _checked_config(config: GPTConfig, source: Path) -> GPTConfig:
     return config
 
 
-def _empty_model(config: GPTConfig) -> GPT:
+def _empty_model(model_class, config):
     # built on the meta device, without init: no time or memory spent on weights the checkpoint's replace
     with torch.device("meta"), _SkipInit():
-        return GPT(config)
+        return model_class(config)
 
 
 class _SkipInit(TorchFunctionMode):
@@ -228,7 +199,7 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _shapes(model: GPT) -> dict[str, tuple[int, ...]]:
+def _shapes(model) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
@@ -246,9 +217,9 @@ def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple],
                                   f"the config needs {tuple(shape)}")
 
 
-def _assign(model: GPT, state: dict[str, torch.Tensor]) -> GPT:
+def _assign(model, state: dict[str, torch.Tensor]):
     model.load_state_dict(state, assign=True)
-    model.transformer.wte.weight = model.lm_head.weight  # assign replaced the tied parameter: tie again
+    model.tie_weights()  # assign replaced a tied parameter by two: tie them again
     return model
 
 

@@ -38,7 +38,36 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-class CacheWindow:
+class Window:
+    """What every window gives the attention of a layer: each query's position (`query_positions`,
+    (B, T)), and a memo for what all layers of one forward share (rotary angles, local masks)."""
+
+    query_positions: torch.Tensor
+
+    def remember(self, key, make):
+        """make() once per forward (the window lives as long as one forward), then its result."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+
+class FullWindow(Window):
+    """A forward without a cache: T tokens from position 0, each attending to itself and those
+    before it (to the last `local` of them in a local layer)."""
+
+    def __init__(self, T: int, device):
+        self.query_positions = torch.arange(T, device=device)[None]  # (1, T)
+
+    def attend(self, q, k, v, cache_k=None, cache_v=None, scale=None, local=None) -> torch.Tensor:
+        if local is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        pos = self.query_positions[0]
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - local)  # (T, T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class CacheWindow(Window):
     """How one ragged batch meets the cache: where its new keys/values are written, and which
     cached positions each query may attend to. Built once per forward, shared by every layer.
 
@@ -50,6 +79,7 @@ class CacheWindow:
     def __init__(self, slots, start_pos, lengths, T: int, max_len: int, span: int | None = None):
         device = slots.device
         self.positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
+        self.query_positions = self.positions
         self.valid = torch.arange(T, device=device) < lengths[:, None]        # (B, T) real tokens
         # attention reads only the cache positions some real query of this batch can see
         self.span = max(1, int((start_pos + lengths).max()) if span is None else span)
@@ -58,8 +88,7 @@ class CacheWindow:
         rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
         self.write_at = (slots[rows], self.positions[rows, cols])  # (slot, position) of each real token
         self.write_from = (rows, cols)
-        keys = torch.arange(self.span, device=device)
-        self.mask = keys <= self.positions[:, None, :, None]  # (B, 1, T, span): key pos <= query pos
+        self.keys = torch.arange(self.span, device=device)
         # Rows in consecutive slots read the cache in place (a view). Rows in ascending slots with
         # a few unused slots between them read the whole slot range in place too, the unused
         # slots as extra rows whose output is dropped: cheaper than copying out the rows' keys and
@@ -71,9 +100,24 @@ class CacheWindow:
             self.rows = slice(first, last + 1)
             if last - first + 1 > B:
                 self.pick = slots - first  # each row's place in the slot range
-                mask = torch.ones((last - first + 1, *self.mask.shape[1:]), dtype=torch.bool, device=device)
-                mask[self.pick] = self.mask  # unused slots attend to anything: finite, then dropped
-                self.mask = mask
+        self.mask = self._spread(self.keys <= self.positions[:, None, :, None])  # (B, 1, T, span): key pos <= query pos
+
+    def _spread(self, mask: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, T, span) mask laid out on the rows attention reads (the slot range, when read in place)."""
+        if self.pick is None:
+            return mask
+        spread = torch.ones((self.rows.stop - self.rows.start, *mask.shape[1:]), dtype=torch.bool, device=mask.device)
+        spread[self.pick] = mask  # unused slots attend to anything: finite, then dropped
+        return spread
+
+    def _local_mask(self, local: int) -> torch.Tensor:
+        """The causal mask cut to each query's last `local` positions (padding queries see everything,
+        so that no row is empty)."""
+        def make():
+            q = self.positions[:, None, :, None]
+            recent = (self.keys > q - local) | ~self.valid[:, None, :, None]
+            return self._spread((self.keys <= q) & recent)
+        return self.remember(("local", local), make)
 
     def update(self, cache_layer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return the rows'
@@ -82,17 +126,19 @@ class CacheWindow:
         cache_layer[slot, :, pos] = new.transpose(1, 2)[self.write_from]  # (N, nh, hs)
         return cache_layer[self.rows, :, :self.span]
 
-    def attend(self, q, k, v, cache_k, cache_v) -> torch.Tensor:
-        """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs)."""
+    def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
+        """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs).
+        scale: of q·k (default 1/sqrt(hs)); local: attend only to the last `local` positions."""
         k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
+        mask = self.mask if local is None else self._local_mask(local)
         if self.pick is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         spread = q.new_zeros((k.shape[0], *q.shape[1:]))
         spread[self.pick] = q
-        return F.scaled_dot_product_attention(spread, k, v, attn_mask=self.mask)[self.pick]
+        return F.scaled_dot_product_attention(spread, k, v, attn_mask=mask, scale=scale)[self.pick]
 
 
-class DecodeWindow:
+class DecodeWindow(Window):
     """The decode step's window (one new token per row, T = 1), written for torch.compile: no host
     syncs, and every shape fixed but the span. Row b writes slot slots[b] at positions[b] (slots
     distinct, except padding rows, which may share a spare slot) and attends to its slot's
@@ -105,14 +151,16 @@ class DecodeWindow:
 
     def __init__(self, slots, positions, keys):
         self.slots, self.positions, self.keys = slots, positions, keys  # (B,), (B,), (span,)
+        self.query_positions = positions[:, None]  # (B, 1)
         self.mask = keys <= positions[:, None, None]  # (B, 1, span)
 
-    def attend(self, q, k, v, cache_k, cache_v) -> torch.Tensor:
+    def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
         B, nh, _, hs = q.shape
         cache_k[self.slots, :, self.positions] = k[:, :, 0]  # (B, nh, hs)
         cache_v[self.slots, :, self.positions] = v[:, :, 0]
         span = self.keys.shape[0]
         keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
-        scores = (q * keys).sum(-1) * (1.0 / math.sqrt(hs))  # (B, nh, span)
-        p = torch.softmax(scores.masked_fill(~self.mask, float("-inf")), dim=-1)
+        scores = (q * keys).sum(-1) * (1.0 / math.sqrt(hs) if scale is None else scale)  # (B, nh, span)
+        mask = self.mask if local is None else self.mask & (self.keys > self.positions[:, None, None] - local)
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return (p[..., None] * values).sum(-2)[:, :, None]  # (B, nh, 1, hs)

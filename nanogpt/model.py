@@ -13,7 +13,9 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from nanogpt.kv_cache import CacheWindow, DecodeWindow, KVCache
+from nanogpt.hf_weights import copy, transposed, weight_and_bias
+from nanogpt.layers import MLP, CausalSelfAttention
+from nanogpt.serving import GPT2Layout
 
 
 @dataclass
@@ -41,55 +43,14 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-class CausalSelfAttention(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.dropout = config.dropout
-
-    def forward(self, x, cache_layer=None):
-        """cache_layer: None for the training forward (causal over x itself), else
-        (keys, values, window) of one layer of a KVCache and the batch's CacheWindow."""
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        if cache_layer is None:
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        else:
-            cache_k, cache_v, window = cache_layer
-            y = window.attend(q, k, v, cache_k, cache_v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
-
 class Block(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config.n_embd, config.n_head, bias=config.bias, dropout=config.dropout)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.n_embd, 4 * config.n_embd, "gelu_new", bias=config.bias, dropout=config.dropout)
 
     def forward(self, x, cache_layer=None):
         x = x + self.attn(self.ln_1(x), cache_layer)
@@ -97,7 +58,7 @@ class Block(nn.Module):
         return x
 
 
-class GPT(nn.Module):
+class GPT(GPT2Layout):
 
     def __init__(self, config):
         super().__init__()
@@ -121,17 +82,6 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    # The serving contract every family's model keeps (worker/ relies on nothing else): `config`
-    # (block_size, vocab_size, n_layer, n_head, n_embd), `device`, `dtype` (of the activations and
-    # the KV cache), `forward_cached`, `forward_decode`.
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.wte.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.wte.weight.dtype
 
     def get_num_params(self, non_embedding=True):
         """Parameter count; position embeddings excluded by default (token embeddings are tied
@@ -172,47 +122,6 @@ class GPT(nn.Module):
             loss = None
         return logits, loss
 
-    @torch.no_grad()
-    def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None):
-        """Serving forward over a ragged batch; prefill (T > 1) and decode (T = 1) alike.
-
-        tokens (B, T) long: row b holds lengths[b] real tokens, left-aligned, then padding.
-        slots (B,) long: each row's KV-cache slot; start_pos (B,) long: position of each row's first
-        token (= tokens already cached in that slot). Each row's keys/values are written to its slot
-        at start_pos[b] .. start_pos[b] + lengths[b] - 1, and each query attends to its slot's
-        positions <= its own. Padding is never written to the cache; a row may have length 0 (its
-        logits are then meaningless). Rows in ascending slots read the cache in place (with few
-        unused slots between them); any other slot order costs a gather (a copy) per layer.
-        span: max(start_pos + lengths) when the caller knows it (saves a host sync).
-        Returns float32 logits of each row's last real token (B, V), or of every position (B, T, V)
-        when all_logits (padding positions then hold meaningless values).
-        """
-        B, T = tokens.shape
-        window = CacheWindow(slots, start_pos, lengths, T, cache.max_len, span)
-        if window.span > self.config.block_size:
-            raise ValueError(f"batch reaches position {window.span - 1}, the model's context is "
-                             f"{self.config.block_size} positions")
-        pos = torch.where(window.valid, window.positions, 0)  # (B, T); padding may lie past the context
-
-        x = self.transformer.wte(tokens) + self.transformer.wpe(pos)  # (B, T, n_embd)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, (cache.k[i], cache.v[i], window))
-        if not all_logits:
-            last = (lengths - 1).clamp(min=0)
-            x = x[torch.arange(B, device=x.device), last]  # (B, n_embd): only what lm_head must see
-        return self.lm_head(self.transformer.ln_f(x)).float()
-
-    @torch.no_grad()
-    def forward_decode(self, tokens, slots, positions, cache: KVCache, keys):
-        """The decode step alone, for torch.compile: one new token per row, no host syncs, no
-        padding logic (see DecodeWindow). tokens, slots, positions (B,) long; keys = arange(span)
-        with span > every position (and <= the context). Returns float32 logits (B, V)."""
-        window = DecodeWindow(slots, positions, keys)
-        x = self.transformer.wte(tokens[:, None]) + self.transformer.wpe(positions[:, None])  # (B, 1, n_embd)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, (cache.k[i], cache.v[i], window))
-        return self.lm_head(self.transformer.ln_f(x[:, 0])).float()
-
     def crop_block_size(self, block_size):
         """Model surgery to use a smaller context than the checkpoint's (e.g. GPT-2's 1024)."""
         assert block_size <= self.config.block_size
@@ -237,3 +146,39 @@ class GPT(nn.Module):
         optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
         print(f"using fused AdamW: {use_fused}")
         return optimizer
+
+
+# --- Hugging Face GPT2LMHeadModel checkpoints ---------------------------------------------------
+
+HF_PREFIX = "transformer."
+HF_IGNORED = (".attn.bias", ".attn.masked_bias", "lm_head.weight")  # causal-mask buffers; the tied head
+MODEL = GPT
+
+
+def config_from_hf(hf) -> GPTConfig:
+    """GPTConfig from a config.json (nanogpt.formats.HFConfig), refusing what this model does not
+    compute: anything else would load but give different logits."""
+    n_embd = hf.get("n_embd", 768)
+    supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+                 "scale_attn_by_inverse_layer_idx": (False,), "tie_word_embeddings": (True,),
+                 "n_inner": (None, 4 * n_embd), "add_cross_attention": (False,)}
+    hf.check(supported)
+    return GPTConfig(block_size=hf.context_length, vocab_size=hf.vocab_size, n_layer=hf.get("n_layer", 12),
+                     n_head=hf.get("n_head", 12), n_embd=n_embd, dropout=0.0, bias=True,
+                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
+
+
+def hf_weights(config: GPTConfig):
+    """Our parameters from Hugging Face's: the same names, Conv1D weights transposed, the head tied."""
+    yield "transformer.wte.weight", copy("transformer.wte.weight")
+    yield "transformer.wpe.weight", copy("transformer.wpe.weight")
+    for i in range(config.n_layer):
+        h = f"transformer.h.{i}."
+        yield from weight_and_bias(h + "ln_1", h + "ln_1")
+        yield from weight_and_bias(h + "ln_2", h + "ln_2")
+        for conv1d in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            yield h + conv1d + ".weight", transposed(h + conv1d + ".weight")
+            yield h + conv1d + ".bias", copy(h + conv1d + ".bias")
+    yield from weight_and_bias("transformer.ln_f", "transformer.ln_f")
+    yield "lm_head.weight", copy("transformer.wte.weight")  # tied
+

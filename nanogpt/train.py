@@ -187,6 +187,8 @@ def init_model(config: dict, vocab_size: int):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # for the optimizer state
         return load_model(path), checkpoint
     model = load_model(init_from)  # fine-tuning
+    if not isinstance(model, GPT):  # the other families have the serving forward only
+        raise SystemExit(f"{init_from} is a {type(model).__name__} checkpoint: fine-tuning takes GPT-2 and nanoGPT ones")
     if model.config.vocab_size < vocab_size:
         raise SystemExit(f"{init_from} has {model.config.vocab_size} tokens, the data uses {vocab_size}")
     if config["block_size"] < model.config.block_size:

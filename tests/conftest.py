@@ -100,3 +100,95 @@ def _offline_env():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     yield
+
+
+# ---- the other families: random-weight checkpoints saved by transformers, with their tokenizers ----
+
+def write_opt_tokenizer(directory: Path) -> Path:
+    """OPT's tokenizer layout with the real GPT-2 BPE: `<s> <pad> </s> <unk>` at ids 0-3, then the
+    GPT-2 tokens in another order (OPT's ids follow fairseq's dictionary, not the merges)."""
+    import random
+
+    encoder, merges = gpt2_vocab_files()
+    names = sorted(json.loads(encoder.read_text()).items(), key=lambda kv: kv[1])
+    order = [name for name, _ in names]
+    random.Random(0).shuffle(order)
+    vocab = {name: i for i, name in enumerate(["<s>", "<pad>", "</s>", "<unk>", *order])}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_bytes(merges.read_bytes())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "add_bos_token": True, "add_prefix_space": False, "errors": "replace",
+         "bos_token": "</s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "</s>"}))
+    return directory
+
+
+def write_neox_tokenizer(directory: Path) -> Path:
+    """A tokenizer.json built like GPT-NeoX's (Pythia's) with the real GPT-2 BPE: NFC normalization,
+    `<|endoftext|>` and `<|padding|>` at ids 0 and 1, the other tokens after them, and added tokens
+    for runs of 2 to 24 spaces matched before the BPE (not expressible in tiktoken)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    encoder, merges_file = gpt2_vocab_files()
+    names = [name for name, _ in sorted(json.loads(encoder.read_text()).items(), key=lambda kv: kv[1])
+             if name != "<|endoftext|>"]
+    vocab = {name: i for i, name in enumerate(["<|endoftext|>", "<|padding|>", *names])}
+    lines = merges_file.read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split()) for line in lines if line and not line.startswith("#version")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True), AddedToken("<|padding|>", special=True)])
+    tokenizer.add_tokens([AddedToken(" " * n, normalized=True) for n in range(24, 1, -1)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPTNeoXTokenizer", "add_bos_token": False, "add_eos_token": False,
+         "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
+    return directory
+
+
+# Tiny shapes of each family, as transformers' own config classes build them; every feature a family
+# has is on: GPT-Neo's local layers (a window shorter than the test sequences), GPT-J's partial
+# rotary and padded vocabulary, OPT-350m's projections and post-LN, NeoX's partial rotary.
+FAMILY_CONFIGS = {
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(
+        vocab_size=50257, max_position_embeddings=128, hidden_size=64, num_layers=2, num_heads=2,
+        attention_types=[[["global", "local"], 1]], window_size=5)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=50400, n_positions=128, n_embd=64, n_layer=2, n_head=2, rotary_dim=16)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=50272, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+        num_attention_heads=2, word_embed_proj_dim=32, do_layer_norm_before=False)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=50304, max_position_embeddings=128, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=128, rotary_pct=0.5, bos_token_id=0, eos_token_id=0)),
+}
+
+
+def make_family_checkpoint(directory: Path, family: str, *, seed=0, dtype=None, with_tokenizer=True,
+                           **overrides) -> Path:
+    """A random-weight model of `family` saved by transformers' save_pretrained, with its tokenizer."""
+    import torch
+    import transformers
+
+    config_class, model_class, kwargs = FAMILY_CONFIGS[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**{**kwargs, **overrides})
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # random init gives near-uniform logits; widen them so greedy choices are well separated
+        model.get_input_embeddings().weight.mul_(8.0)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        {"opt": write_opt_tokenizer, "gpt_neox": write_neox_tokenizer}.get(family, write_gpt2_tokenizer)(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny checkpoint of each family in FAMILY_CONFIGS, with its tokenizer."""
+    return {family: make_family_checkpoint(tmp_path_factory.mktemp(family), family) for family in FAMILY_CONFIGS}

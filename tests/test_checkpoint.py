@@ -146,11 +146,18 @@ def test_corrupt_config(hf_copy):
     check_error(hf_copy, hf_copy / "config.json", "not readable JSON")
 
 
-def test_config_missing_fields(hf_copy):
+def test_missing_config_fields_take_transformers_defaults(hf_copy):
+    """A key config.json does not hold has GPT2Config's default, as transformers reads it: the
+    context (n_positions: 1024, as the registry reads it too) and n_embd (768), which then no
+    longer fit this checkpoint's tensors."""
     config = json.loads((hf_copy / "config.json").read_text())
+    del config["n_positions"]
+    (hf_copy / "config.json").write_text(json.dumps(config))
+    check_error(hf_copy, hf_copy / "model.safetensors", "transformer.wpe.weight", "(128, 64)", "(1024, 64)")
+    config["n_positions"] = 128
     del config["n_embd"]
     (hf_copy / "config.json").write_text(json.dumps(config))
-    check_error(hf_copy, hf_copy / "config.json", "n_embd")
+    check_error(hf_copy, hf_copy / "model.safetensors", "transformer.wte.weight", "(50257, 64)", "(50257, 768)")
 
 
 def test_unsupported_activation(hf_copy):

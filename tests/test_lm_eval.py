@@ -2,19 +2,15 @@
 harness sends them, with `<|endoftext|>` as the document separator) against nanoserve scores the same
 as its own transformers backend (`hf`) on the same checkpoint, and its generation mode (stop strings
 plus the end-of-text string: five of them) gets the same greedy text.
-
-lm-eval is an optional extra (`pip install -e '.[eval]'`); without it these tests are skipped, and say so.
 """
 from __future__ import annotations
 
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[eval]')")
+from lm_eval.api.instance import Instance
 
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from tests.stack import start_gunicorn, start_processor, write_models_toml  # noqa: E402
-from web.dev.local_redis import start_redis  # noqa: E402
+from tests.stack import start_gunicorn, start_processor, write_models_toml
+from web.dev.local_redis import start_redis
 
 EOT = "<|endoftext|>"
 PAIRS = [  # (context, continuation) as a task hands them to the harness

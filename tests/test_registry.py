@@ -191,8 +191,8 @@ def test_a_missing_checkpoint_fails_alone_and_only_when_used(tmp_path):
     registry = Registry.from_file(path)
     assert [m.id for m in registry.models()] == ["untrained", "gpt2"]
     untrained = registry.get("untrained")
-    with pytest.raises(RegistryError, match=rf"^{path}: model `untrained`: checkpoint not found: "
-                                            rf"{tmp_path / 'out' / 'ckpt.pt'}$"):
+    with pytest.raises(RegistryError, match=rf"^{path}: model `untrained`: {tmp_path / 'out' / 'ckpt.pt'}: "
+                                            "no such file or directory$"):
         untrained.context_length
     assert registry.get("gpt2").context_length == 1024
     # resolution is retried, so a checkpoint trained after startup is picked up
@@ -286,16 +286,18 @@ def test_hugging_face_directory(tmp_path, hf_checkpoint):
     tiny = registry.get("tiny")
     assert (tiny.context_length, tiny.vocab_size, tiny.eos_token_id) == (128, 50257, 50256)
     assert tiny.resolved.path == hf_checkpoint
-    assert tiny.tokenizer == TokenizerSpec("gpt2-bpe", (hf_checkpoint / "vocab.json", hf_checkpoint / "merges.txt"))
+    assert tiny.tokenizer == TokenizerSpec("gpt2-bpe", (hf_checkpoint / "vocab.json", hf_checkpoint / "merges.txt"),
+                                           eos_token_id=50256)
     assert load_tokenizer(tiny).encode("Hello world") == [15496, 995]
     assert registry.get("tiny-short").context_length == 64
 
 
 @pytest.mark.parametrize("config, extra, message", [
-    ("{not json", "", r"config\.json: unreadable config\.json"),
-    ('{"n_positions": "1024"}', "", r"config\.json: unreadable config\.json \(n_positions"),
-    ('{"model_type": "llama"}', "", r"model_type `llama` is not supported"),
-    (None, "", r"neither config\.json \(Hugging Face GPT-2\) nor ckpt\.pt \(nanoGPT\) here"),
+    ("{not json", "", r"config\.json: not readable JSON"),
+    ('{"n_positions": "1024"}', "", r"config\.json: n_positions, vocab_size, bos_token_id and eos_token_id must be "),
+    ('{"model_type": "llama"}', "", r"model_type `llama` is not supported \(supported: gpt2, gpt_neo, gptj, opt, "
+                                    r"gpt_neox\)"),
+    (None, "", r"neither config\.json \(Hugging Face\) nor ckpt\.pt \(nanoGPT\) here"),
     ('{"n_positions": 128}', "context_length = 256", r"context_length 256 exceeds the checkpoint's 128"),
     ('{"n_positions": 128}', "vocab_size = 100", r"vocab_size 100 differs from the checkpoint's 50257"),
 ])
@@ -329,6 +331,12 @@ def test_hf_repos_from_the_local_cache(tmp_path):
         checkpoint = "hf:acme/tiny-gpt2@feedbeef"
         [models.medium]
         checkpoint = "hf:openai-community/gpt2-medium"
+        [models.neo]
+        checkpoint = "hf:EleutherAI/gpt-neo-125m"
+        [models.gptj]
+        checkpoint = "hf:EleutherAI/gpt-j-6b"
+        [models.opt]
+        checkpoint = "hf:facebook/opt-125m"
         [models.declared]
         checkpoint = "hf:acme/not-cached"
         context_length = 2048
@@ -354,7 +362,42 @@ def test_hf_repos_from_the_local_cache(tmp_path):
     assert shapes["tiny-old"] == [512, 50257, 50256, 0, str(other)]
     assert shapes["medium"] == [1024, 50257, 50256, 0, "None"]
     assert shapes["declared"] == [2048, 50257, 50256, 0, "None"]
+    # GPT-Neo and GPT-J use GPT-2's tokenizer; OPT's vocabulary is its own: it must be in the cache
+    assert shapes["neo"] == [2048, 50257, 50256, 0, "None"]
+    assert shapes["gptj"] == [2048, 50400, 50256, 0, "None"]
+    assert "not in the local Hugging Face cache" in shapes["opt"]
     assert shapes["unknown"].startswith(f"{path}: model `unknown`: `hf:acme/not-cached` is not in the local "
                                         "Hugging Face cache")
     assert "context_length" in shapes["unknown"]
     assert shapes["malformed"].startswith(f"{path}: model `malformed`: invalid Hugging Face repo id `a//b`")
+
+
+def test_every_family_is_read_without_torch_or_weights(tmp_path, family_checkpoints):
+    """Context length, vocabulary, EOS and tokenizer of each family's checkpoint, read by the registry
+    in a process where importing torch fails; the tokenizer loads and encodes there too."""
+    for checkpoint in family_checkpoints.values():
+        os.rename(checkpoint / "model.safetensors", checkpoint / "model.safetensors.away")  # no weights at all
+    try:
+        path = write_toml(tmp_path, "".join(f'[models.{name}]\ncheckpoint = "{checkpoint}"\n'
+                                            for name, checkpoint in family_checkpoints.items()))
+        shapes = run_python(f"""
+            import json, sys
+            sys.modules["torch"] = None  # any import of torch raises ImportError
+            from models.registry import Registry
+            from models.tokenizer import load_tokenizer
+            out = {{}}
+            for m in Registry.from_file({str(path)!r}).models():
+                tok = load_tokenizer(m)
+                out[m.id] = [m.context_length, m.vocab_size, m.eos_token_id, tok.vocab_size, tok.eos_token_id,
+                             tok.encode("Hello world")]
+            print(json.dumps(out))
+        """)
+    finally:
+        for checkpoint in family_checkpoints.values():
+            os.rename(checkpoint / "model.safetensors.away", checkpoint / "model.safetensors")
+    assert shapes["gpt_neo"] == [128, 50257, 50256, 50257, 50256, [15496, 995]]
+    assert shapes["gptj"] == [128, 50400, 50256, 50257, 50256, [15496, 995]]  # 143 padding rows
+    assert shapes["opt"][:5] == [128, 50272, 2, 50261, 2]  # OPT: `</s>`, before every text prompt too
+    assert shapes["opt"][5][0] == 2 and len(shapes["opt"][5]) == 3
+    assert shapes["gpt_neox"][:5] == [128, 50304, 0, 50281, 0]  # 2 specials + GPT-2's 50256 + 23 runs of spaces
+    assert shapes["gpt_neox"][5] == [15496 + 2, 995 + 2]  # GPT-2's ids after `<|endoftext|>`, `<|padding|>`

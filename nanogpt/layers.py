@@ -1,0 +1,100 @@
+"""The layers every family is built from: causal self-attention over the slot KV cache (with the
+scale, local window and rotary embeddings the families differ in), the MLP, rotary embeddings.
+
+Attention always runs through a window (kv_cache.py): `FullWindow` for a forward without a cache,
+`CacheWindow` for a ragged batch over the cache, `DecodeWindow` for the compiled decode step; the
+layer itself only projects, rotates and re-assembles heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# transformers' activation names -> the function each stands for
+ACTIVATIONS = {
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),  # GPT-2's tanh approximation
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "gelu": nn.GELU,  # the exact (erf) form
+    "relu": nn.ReLU,
+}
+
+
+class Rotary:
+    """Rotary position embeddings (RoFormer) on the first `dim` features of each head, the rest
+    left as they are. GPT-J rotates interleaved pairs (0, 1), (2, 3), ...; GPT-NeoX the two halves
+    (i, i + dim/2). The angles are computed in float32 once per forward and shared by all layers."""
+
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False):
+        self.dim, self.base, self.interleaved = dim, base, interleaved
+
+    def __call__(self, q, k, window):
+        cos, sin = window.remember(("rotary", self.dim, self.base), lambda: self._angles(window.query_positions))
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _angles(self, positions):
+        """cos and sin (B, 1, T, dim/2) of each position's angle per rotated pair."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=positions.device).float() / self.dim))
+        angles = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, dim/2)
+        return angles.cos(), angles.sin()
+
+    def _rotate(self, x, cos, sin):  # x (B, nh, T, hs)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rot, rest = x[..., :self.dim], x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rot, rest), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused q, k, v projection (`c_attn`, rows q then k
+    then v, each head's features contiguous) and the output projection `c_proj`.
+
+    scale: of q·k (default 1/sqrt(head size); GPT-Neo uses 1); local: attend only to the last
+    `local` positions (GPT-Neo's local layers); rotary: applied to q and k before the cache write."""
+
+    def __init__(self, n_embd: int, n_head: int, bias: bool = True, out_bias: bool | None = None,
+                 dropout: float = 0.0, scale: float | None = None, local: int | None = None,
+                 rotary: Rotary | None = None):
+        super().__init__()
+        assert n_embd % n_head == 0
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)  # q, k, v
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias if out_bias is None else out_bias)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+        self.scale, self.local, self.rotary = scale, local, rotary
+
+    def forward(self, x, cache_layer=None):
+        """cache_layer: None for the training forward (causal over x itself, with dropout), else
+        (keys, values, window): one layer of a KVCache (None, None for a FullWindow) and the window."""
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if cache_layer is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True, scale=self.scale)
+        else:
+            cache_k, cache_v, window = cache_layer
+            if self.rotary is not None:
+                q, k = self.rotary(q, k, window)
+            y = window.attend(q, k, v, cache_k, cache_v, scale=self.scale, local=self.local)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, n_embd: int, n_inner: int, activation: str = "gelu_new", bias: bool = True,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, n_inner, bias=bias)
+        self.act = ACTIVATIONS[activation]()
+        self.c_proj = nn.Linear(n_inner, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))

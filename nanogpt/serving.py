@@ -1,0 +1,117 @@
+"""The serving contract every family's model keeps, implemented once.
+
+worker/ relies on nothing else: `config` (block_size, vocab_size, n_layer, n_head, n_embd),
+`device`, `dtype` (of the activations and the KV cache), `forward_cached`, `forward_decode`, and
+nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subclasses
+`ServingModel` and defines:
+
+    token_embedding        the nn.Embedding of the tokens (device and dtype are read from it)
+    blocks                 its transformer blocks, each called as block(x, (cache_k, cache_v, window))
+    embed(tokens, pos)     (B, T) token ids and positions -> (B, T, n_embd)
+    head(x)                (..., n_embd) -> (..., vocab_size) logits
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nanogpt.kv_cache import CacheWindow, DecodeWindow, FullWindow, KVCache
+
+
+class ServingModel(nn.Module):
+    token_embedding: nn.Embedding
+    blocks: nn.ModuleList
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Make tied parameters one again (after load_state_dict(assign=True) replaced them)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.token_embedding.weight.dtype
+
+    @torch.no_grad()
+    def forward(self, idx):
+        """The full forward without a cache: idx (B, T) -> float32 logits (B, T, V)."""
+        window = FullWindow(idx.shape[1], idx.device)
+        x = self.embed(idx, window.query_positions)
+        for block in self.blocks:
+            x = block(x, (None, None, window))
+        return self.head(x).float()
+
+    @torch.no_grad()
+    def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None):
+        """Serving forward over a ragged batch; prefill (T > 1) and decode (T = 1) alike.
+
+        tokens (B, T) long: row b holds lengths[b] real tokens, left-aligned, then padding.
+        slots (B,) long: each row's KV-cache slot; start_pos (B,) long: position of each row's first
+        token (= tokens already cached in that slot). Each row's keys/values are written to its slot
+        at start_pos[b] .. start_pos[b] + lengths[b] - 1, and each query attends to its slot's
+        positions <= its own. Padding is never written to the cache; a row may have length 0 (its
+        logits are then meaningless). Rows in ascending slots read the cache in place (with few
+        unused slots between them); any other slot order costs a gather (a copy) per layer.
+        span: max(start_pos + lengths) when the caller knows it (saves a host sync).
+        Returns float32 logits of each row's last real token (B, V), or of every position (B, T, V)
+        when all_logits (padding positions then hold meaningless values).
+        """
+        B, T = tokens.shape
+        window = CacheWindow(slots, start_pos, lengths, T, cache.max_len, span)
+        if window.span > self.config.block_size:
+            raise ValueError(f"batch reaches position {window.span - 1}, the model's context is "
+                             f"{self.config.block_size} positions")
+        pos = torch.where(window.valid, window.positions, 0)  # (B, T); padding may lie past the context
+
+        x = self.embed(tokens, pos)  # (B, T, n_embd)
+        for i, block in enumerate(self.blocks):
+            x = block(x, (cache.k[i], cache.v[i], window))
+        if not all_logits:
+            last = (lengths - 1).clamp(min=0)
+            x = x[torch.arange(B, device=x.device), last]  # (B, n_embd): only what the head must see
+        return self.head(x).float()
+
+    @torch.no_grad()
+    def forward_decode(self, tokens, slots, positions, cache: KVCache, keys):
+        """The decode step alone, for torch.compile: one new token per row, no host syncs, no
+        padding logic (see DecodeWindow). tokens, slots, positions (B,) long; keys = arange(span)
+        with span > every position (and <= the context). Returns float32 logits (B, V)."""
+        window = DecodeWindow(slots, positions, keys)
+        x = self.embed(tokens[:, None], positions[:, None])  # (B, 1, n_embd)
+        for i, block in enumerate(self.blocks):
+            x = block(x, (cache.k[i], cache.v[i], window))
+        return self.head(x[:, 0]).float()
+
+
+class GPT2Layout(ServingModel):
+    """The modules laid out as GPT-2's (and GPT-Neo's, GPT-J's): `transformer` holds `wte`, `wpe`
+    (learned positions; absent where rotary embeddings carry them), the blocks `h` and `ln_f`, then
+    `lm_head`, tied to `wte` when `tied`."""
+
+    tied = True
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def embed(self, tokens, positions):
+        x = self.transformer.wte(tokens)
+        return x + self.transformer.wpe(positions) if "wpe" in self.transformer else x
+
+    def head(self, x):
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def tie_weights(self):
+        if self.tied:
+            self.transformer.wte.weight = self.lm_head.weight
