@@ -92,31 +92,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(spec, device: str, sink, compile: bool = False):
-    """Load the model and tokenizer onto one device and wrap them in a started engine.
-
-    dtype: GPUs use the registry's; the CPU runs float32 (bfloat16/float16 buy nothing there) or,
-    when the registry asks for int8, float32 with dynamically quantized linear layers."""
-    import torch
-
+    """Load the model and tokenizer onto one device and wrap them in a started engine, in the
+    precision nanogpt.precision chooses for the registry's dtype on this hardware (a CPU without
+    native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
+    kernels (nanogpt.kernels)."""
     from models.tokenizer import load_tokenizer
+    from nanogpt import kernels, precision
     from nanogpt.checkpoint import load_model
     from worker.engine import Engine, quantize_int8
 
-    if spec.dtype == "int8" and device != "cpu":
-        raise SystemExit(f"model `{spec.id}`: dtype int8 runs on the CPU only, not on {device}")
-    dtype = torch.float32 if device == "cpu" or spec.dtype == "int8" else getattr(torch, spec.dtype)
+    flags = precision.cpu_flags()
+    try:
+        chosen = precision.choose(spec.dtype, device, flags)
+    except ValueError as err:
+        raise SystemExit(f"model `{spec.id}`: {err}")
+    if chosen.note:
+        log.warning(chosen.note, extra={"model": spec.id, "device": device})
     started = time.monotonic()
-    model = load_model(spec.checkpoint, device=device, dtype=dtype)
-    if spec.dtype == "int8":
+    model = load_model(spec.checkpoint, device=device, dtype=chosen.dtype)
+    if chosen.int8:
         quantize_int8(model)
+    elif device == "cpu":
+        kernels.pack_linears(model)
+    faster = precision.faster_options(chosen, device, flags)
+    if faster:
+        log_faster_options(spec.id, model, faster)
     engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
                     event_sink=sink, compile=compile)
     engine.start()
-    log.info("engine ready", extra={"model": spec.id, "device": device,
-                                    "dtype": "int8" if spec.dtype == "int8" else str(dtype).removeprefix("torch."),
+    log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "max_batch": spec.max_batch, "compiled": compile,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
+
+
+def log_faster_options(model_id: str, model, options: list[str]) -> None:
+    """Say once, at load, which faster precisions this CPU runs natively, with how much faster
+    they ran a sample of this model's weight matmuls just now."""
+    import torch
+
+    from nanogpt import kernels
+
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dtypes = {"bfloat16": torch.bfloat16, "int8": torch.qint8}
+    factors = kernels.speedups(layers, [dtypes[o] for o in options]) if layers else {}
+    measured = {o: {rows: round(f, 2) for rows, f in factors.get(dtypes[o], {}).items()} for o in options}
+    log.info(f"running float32; this CPU runs {' and '.join(options)} natively, which ran this model's "
+             "weight matmuls faster (× float32 at 1 and 8 rows): "
+             + "; ".join(f"{o} {' / '.join(f'{f}×' for f in by_rows.values())}" for o, by_rows in measured.items())
+             + " (set dtype in models.toml; float32 is the exact one)",
+             extra={"model": model_id, "faster_dtypes": measured})
 
 
 def check_engines(engines) -> int:
