@@ -190,3 +190,26 @@ def test_loadgen_streams_through_the_openai_client(hf_checkpoint, redis_url, tmp
         assert 0 < r["ttft_p50_s"] <= r["latency_p50_s"] and r["latency_p50_s"] <= r["latency_p99_s"]
     assert (tmp_path / "load.json").exists()
     assert bad_model["errors"] == 1 and "NotFoundError" in bad_model["first_error"]
+
+
+def test_fidelity_compares_each_precision_with_float32(hf_checkpoint, tmp_path):
+    import numpy as np
+
+    from bench import fidelity
+
+    np.random.default_rng(0).integers(0, 50257, 5000, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    result = fidelity.measure(str(hf_checkpoint), tmp_path, ["int8"], count=4, prompts=3, prompt_tokens=5,
+                              new_tokens=6)
+    assert result["positions"] == 4 * 128  # windows of the model's context
+    int8 = result["int8"]
+    assert 0 < int8["kl_nats"] < 0.5 and 0 < int8["logprob_change_mean"] <= int8["logprob_change_p99"]
+    assert 0.5 < int8["argmax_agreement"] <= 1 and int8["greedy_completions"] == 3
+    assert abs(int8["heldout_loss"] - result["float32"]["heldout_loss"]) < 0.5
+    # against itself a precision agrees everywhere
+    model = fidelity.load(str(hf_checkpoint), "float32")
+    batch = fidelity.windows(tmp_path, 2, 16)
+    run = {"logprobs": fidelity.next_token_logprobs(model, batch), "targets": batch[:, 1:],
+           "greedy": fidelity.greedy(model, batch[:, :4], 3)}
+    same = fidelity.compare(run, run)
+    assert same["kl_nats"] == 0 and same["argmax_agreement"] == 1 and same["greedy_identical"] == 2
+    assert "| int8 |" in fidelity.markdown(result)
