@@ -6,19 +6,24 @@ kernel does that fastest depends on the CPU and on the row count: PyTorch's plai
 linear (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, what inductor's weight
 freezing emits) each pack a weight once, and they rank differently on AVX2, AVX-512 and AVX-512
 + BF16 CPUs, at one row, at a few dozen and at a prefill's hundreds. So `pack_linears` times the
-kernels this torch build offers on a sample of the model's own weights at a few row counts (well
-under a second for GPT-2 small), and every nn.Linear then holds the winner's packed weight and
-uses it for the row counts where it beat `F.linear`. docs/benchmarks.md has the measurements.
+kernels this torch build offers on a sample of the model's own weights at a few row counts (about
+a second for GPT-2 small), and every nn.Linear then holds the chosen kernel's packed weight and
+uses it for the row counts where F.linear was not clearly faster. Where the timing cannot be
+trusted (other processes busy), a rule measured on this project's CPUs decides (RULE).
+docs/benchmarks.md has the measurements.
 
 Every kernel multiplies in the weights' dtype (float32 or bfloat16) with the same products; the
 kernels differ only in summation order, so float32 results stay within float32 rounding of
-`F.linear`. A packed copy costs as much memory as the weights it packs.
+`F.linear`. A packed copy costs as much memory as the weights it packs. Under torch.compile a
+packed layer is one opaque op (`nanoserve::linear`), so compiled graphs run the same kernels
+and stay storable in the compile cache (nanogpt/compile_cache.py).
 """
 from __future__ import annotations
 
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -37,10 +42,9 @@ TIMED_ROWS = (1, 8, 64, 256)
 # The sample of the model's weights timed: the first layers in module order up to this size, about
 # a server CPU's last-level cache, so that most weights stream from memory as in a real step.
 SAMPLE_BYTES = 32 << 20
-# Timing stops repeating after this many seconds (at least one timed pass each): on a machine whose
-# cores are all busy, a 2-thread matmul waits for its second thread at every call, and the choice
-# must not hold up a start for long.
-TIME_BUDGET = 0.5
+# Timing stops repeating after this many seconds (at least one timed pass each), so that a busy
+# machine does not hold up a start for long.
+TIME_BUDGET = 1.0
 ENV = "NANOSERVE_KERNEL"  # force one kernel at every row count (benchmarks, diagnosis)
 # Where the timing cannot be trusted, the first available of these serves every row count: on an
 # AVX-512 + BF16 CPU oneDNN's prepacked linear measured fastest at 1-1024 rows in float32 and
@@ -50,6 +54,9 @@ RULE = ("onednn", "mkl", PLAIN)
 # which slows some kernels tenfold at one row and others hardly: timings taken while other
 # processes used more than this many cores are not trusted.
 QUIET_CORES = 0.3
+# Timings of one kernel move by up to ~20% between runs on these machines: a measurement departs
+# from RULE only where another kernel was faster by more than that.
+MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -144,15 +151,19 @@ class Plan:
 
 class KernelLinear(nn.Linear):
     """An nn.Linear that also holds its weight packed for its plan's kernel (not a parameter: the
-    state_dict is unchanged). The pack is a snapshot: once the weight changes, under autograd or
-    while torch.compile traces (inductor packs frozen weights itself), the layer computes as a
-    plain nn.Linear again."""
+    state_dict is unchanged). The pack is a snapshot: once the weight changes, or under autograd,
+    the layer computes as a plain nn.Linear again. Under torch.compile it is one opaque call
+    (`nanoserve::linear`) to the same kernel, so that a compiled graph runs the packed weights
+    without inductor's weight freezing, whose packed constants its compile cache cannot store."""
 
     def set_plan(self, plan: Plan) -> None:
         self._plan = plan
         with torch.no_grad():
             self._packed = KERNELS[plan.packed].pack(self.weight.detach(), None)
         self._packed_from = self._weight_state()
+        if getattr(self, "_handle", None) is None:
+            self._handle = len(_LAYERS)
+            _LAYERS.append(weakref.ref(self))
 
     def _weight_state(self) -> tuple:
         # what identifies the weight packed: in-place changes bump _version; model.to() and
@@ -163,10 +174,33 @@ class KernelLinear(nn.Linear):
         return self._plan is not None and self._packed_from == self._weight_state()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad)
-                or not self.is_current() or x.dtype != self.weight.dtype):
+        if torch.compiler.is_compiling():
+            if self._plan is None or self._plan.packed == PLAIN:
+                return F.linear(x, self.weight, self.bias)
+            return torch.ops.nanoserve.linear(x, self.weight, self.bias, self._handle)
+        if (torch.is_grad_enabled() and self.weight.requires_grad) or not self.is_current() \
+                or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return self._plan.kernel_for(x.numel() // x.shape[-1]).linear(x, self._packed, self.weight, self.bias)
+
+
+# Packed layers by handle: a compiled graph names a layer by its handle (a constant of the graph,
+# so the graph and its cache entry stay free of the packed tensors, which cannot be pickled)
+_LAYERS: list[weakref.ref] = []
+
+
+@torch.library.custom_op("nanoserve::linear", mutates_args=())
+def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int) -> torch.Tensor:
+    layer = _LAYERS[handle]()
+    if layer is None or layer.weight.data_ptr() != weight.data_ptr() or not layer.is_current() \
+            or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return layer._plan.kernel_for(x.numel() // x.shape[-1]).linear(x, layer._packed, weight, bias)
+
+
+@_compiled_linear.register_fake
+def _(x, weight, bias, handle):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
@@ -205,10 +239,9 @@ _plans: dict[tuple, Plan] = {}  # one measurement per weight shapes, dtype and t
 
 
 def choose(layers: list[nn.Linear]) -> Plan:
-    """Time every available kernel on a sample of `layers` (all of one dtype) at TIMED_ROWS; the
-    layers then hold a pack of the kernel that was fastest relative to F.linear over those row
-    counts, and use it for the rows where it beat F.linear (F.linear elsewhere). Timings taken
-    while other processes were busy give way to RULE."""
+    """Time every available kernel on a sample of `layers` (all of one dtype) at TIMED_ROWS and
+    choose from the timings (`plan_from`); timings taken while other processes were busy give
+    way to RULE."""
     sample = _sample(layers)
     dtype = sample[0].weight.dtype
     key = (dtype, tuple(tuple(m.weight.shape) for m in sample), torch.get_num_threads())
@@ -227,17 +260,23 @@ def choose(layers: list[nn.Linear]) -> Plan:
 
 
 def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
-    """The plan measured times {kernel: {rows: seconds}} give (PLAIN among the kernels)."""
+    """The plan measured times {kernel: {rows: seconds}} give (PLAIN among the kernels): RULE's
+    kernel at every row count unless the timings clearly say otherwise, i.e. another packed
+    kernel was MARGIN times faster over all row counts, or F.linear MARGIN times faster at some
+    (F.linear serves those, and packs are not made when it is so at all)."""
     plain = seconds[PLAIN]
     rows = sorted(plain)
-    relative = {name: sum(by_rows[r] / plain[r] for r in rows) for name, by_rows in seconds.items() if name != PLAIN}
-    packed = min(relative, key=relative.get, default=PLAIN)
-    if packed != PLAIN and all(seconds[packed][r] >= plain[r] for r in rows):
-        packed = PLAIN
+    relative = {name: sum(by_rows[r] / plain[r] for r in rows) for name, by_rows in seconds.items()}
+    packed = next(name for name in RULE if name in seconds)
+    challenger = min((name for name in relative if name not in (PLAIN, packed)), key=relative.get, default=None)
+    if challenger and relative[challenger] * MARGIN < relative[packed]:
+        packed = challenger
     ranges = []
     for i, r in enumerate(rows):
         most = math.floor(math.sqrt(r * rows[i + 1])) if i + 1 < len(rows) else math.inf
-        ranges.append((most, packed if seconds[packed][r] < plain[r] else PLAIN))
+        ranges.append((most, PLAIN if plain[r] * MARGIN < seconds[packed][r] else packed))
+    if all(name == PLAIN for _, name in ranges):
+        return Plan(PLAIN, ((math.inf, PLAIN),), seconds)
     return Plan(packed, tuple(ranges), seconds)
 
 
