@@ -97,7 +97,7 @@ def build_engine(spec, device: str, sink, compile: bool = False):
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
     kernels (nanogpt.kernels)."""
     from models.tokenizer import load_tokenizer
-    from nanogpt import kernels, precision
+    from nanogpt import compile_cache, kernels, precision
     from nanogpt.checkpoint import load_model
     from worker.engine import Engine, quantize_int8
 
@@ -117,18 +117,21 @@ def build_engine(spec, device: str, sink, compile: bool = False):
     faster = precision.faster_options(chosen, device, flags)
     if faster:
         log_faster_options(spec.id, model, faster)
+    if compile:
+        compile_cache.enable()  # a second start loads the compiled decode step
     engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
                     event_sink=sink, compile=compile)
     engine.start()
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
-                                    "max_batch": spec.max_batch, "compiled": compile,
+                                    "kernels": kernels.describe(model), "max_batch": spec.max_batch,
+                                    "compiled": compile,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
 
 
 def log_faster_options(model_id: str, model, options: list[str]) -> None:
-    """Say once, at load, which faster precisions this CPU runs natively, with how much faster
-    they ran a sample of this model's weight matmuls just now."""
+    """Say once, at load, which faster precisions this CPU runs natively, with how they ran a
+    sample of this model's weight matmuls just now against float32."""
     import torch
 
     from nanogpt import kernels
@@ -137,10 +140,10 @@ def log_faster_options(model_id: str, model, options: list[str]) -> None:
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.qint8}
     factors = kernels.speedups(layers, [dtypes[o] for o in options]) if layers else {}
     measured = {o: {rows: round(f, 2) for rows, f in factors.get(dtypes[o], {}).items()} for o in options}
-    log.info(f"running float32; this CPU runs {' and '.join(options)} natively, which ran this model's "
-             "weight matmuls faster (× float32 at 1 and 8 rows): "
-             + "; ".join(f"{o} {' / '.join(f'{f}×' for f in by_rows.values())}" for o, by_rows in measured.items())
-             + " (set dtype in models.toml; float32 is the exact one)",
+    log.info(f"running float32 on a CPU that runs {' and '.join(options)} natively (set dtype in "
+             "models.toml; float32 is the exact one); this model's weight matmuls measured just now, "
+             "× float32 at 1 / 8 rows: "
+             + "; ".join(f"{o} {' / '.join(f'{f}' for f in by_rows.values())}" for o, by_rows in measured.items()),
              extra={"model": model_id, "faster_dtypes": measured})
 
 

@@ -226,6 +226,12 @@ def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
     return count
 
 
+def describe(model: nn.Module) -> str | None:
+    """The plans of the model's packed layers, for a log line (None when it has none)."""
+    plans = {m.weight.dtype: m._plan for m in model.modules() if type(m) is KernelLinear and m._plan is not None}
+    return "; ".join(f"{str(dtype).removeprefix('torch.')}: {plan.describe()}" for dtype, plan in plans.items()) or None
+
+
 def _check(name: str, dtype: torch.dtype) -> str:
     if name not in available(dtype):
         raise ValueError(f"kernel {name!r} does not run {str(dtype).removeprefix('torch.')} here; "
