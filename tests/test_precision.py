@@ -100,7 +100,7 @@ def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypa
     (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
     assert set(advice.faster_dtypes) == {"bfloat16", "int8"}
     (ready,) = [r for r in caplog.records if r.getMessage() == "engine ready"]
-    assert ready.kernels.startswith("float32: ") and ready.kernels.endswith(("(measured)", "timing"))
+    assert ready.kernels.startswith("float32: ") and ready.kernels.endswith(("(measured)", "while timing)"))
     assert all(set(f) == {1, 8} and all(x > 0 for x in f.values()) for f in advice.faster_dtypes.values())
     monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
     caplog.clear()
