@@ -139,12 +139,13 @@ def log_faster_options(model_id: str, model, options: list[str]) -> None:
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.qint8}
     factors = kernels.speedups(layers, [dtypes[o] for o in options]) if layers else {}
-    measured = {o: {rows: round(f, 2) for rows, f in factors.get(dtypes[o], {}).items()} for o in options}
+    measured = {o: {rows: round(f, 2) for rows, f in factors[dtypes[o]].items()} for o in options if factors}
     log.info(f"running float32 on a CPU that runs {' and '.join(options)} natively (set dtype in "
-             "models.toml; float32 is the exact one); this model's weight matmuls measured just now, "
-             "× float32 at 1 / 8 rows: "
-             + "; ".join(f"{o} {' / '.join(f'{f}' for f in by_rows.values())}" for o, by_rows in measured.items()),
-             extra={"model": model_id, "faster_dtypes": measured})
+             "models.toml; float32 is the exact one); this model's weight matmuls, "
+             + ("measured just now, × float32 at 1 / 8 rows: "
+                + "; ".join(f"{o} {' / '.join(map(str, by_rows.values()))}" for o, by_rows in measured.items())
+                if measured else "not measured: other processes were busy"),
+             extra={"model": model_id, "faster_dtypes": measured or dict.fromkeys(options)})
 
 
 def check_engines(engines) -> int:

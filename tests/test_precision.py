@@ -4,6 +4,7 @@ passed in, so both sides of every choice are tested on any machine."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -94,14 +95,26 @@ def test_a_worker_asked_for_bfloat16_on_a_cpu_with_native_bf16_runs_it(spec, cap
 
 
 def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypatch, caplog):
+    from nanogpt import kernels
+
     monkeypatch.setattr(precision, "cpu_flags", lambda: ZEN4)
+    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)  # measured whatever else runs
+    monkeypatch.setattr(kernels, "_plans", {})  # not one an earlier test measured
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
     (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
-    assert set(advice.faster_dtypes) == {"bfloat16", "int8"}
-    (ready,) = [r for r in caplog.records if r.getMessage() == "engine ready"]
-    assert ready.kernels.startswith("float32: ") and ready.kernels.endswith(("(measured)", "while timing)"))
+    assert set(advice.faster_dtypes) == {"bfloat16", "int8"} and "measured just now" in advice.getMessage()
     assert all(set(f) == {1, 8} and all(x > 0 for x in f.values()) for f in advice.faster_dtypes.values())
+    (ready,) = [r for r in caplog.records if r.getMessage() == "engine ready"]
+    assert ready.kernels.startswith("float32: ") and ready.kernels.endswith("(measured)")
+
+    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # a busy machine: said, not measured
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="processor"):
+        run_one(processor.build_engine(spec("float32"), "cpu", None))
+    (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
+    assert advice.faster_dtypes == {"bfloat16": None, "int8": None} and "not measured" in advice.getMessage()
+
     monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="processor"):
