@@ -96,30 +96,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(spec, device: str, sink, compile: bool = False):
-    """Load the model and tokenizer onto one device and wrap them in a started engine.
-
-    dtype: GPUs use the registry's; the CPU runs float32 (bfloat16/float16 buy nothing there) or,
-    when the registry asks for int8, float32 with dynamically quantized linear layers."""
-    import torch
-
+    """Load the model and tokenizer onto one device and wrap them in a started engine, in the
+    precision nanogpt.precision chooses for the registry's dtype on this hardware (a CPU without
+    native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
+    kernels (nanogpt.kernels)."""
     from models.tokenizer import load_tokenizer
+    from nanogpt import kernels, precision
     from nanogpt.checkpoint import load_model
     from nanogpt.quantize import quantize_int8
     from worker.engine import Engine
 
-    if spec.dtype == "int8" and device != "cpu":
-        raise SystemExit(f"model `{spec.id}`: dtype int8 runs on the CPU only, not on {device}")
-    dtype = torch.float32 if device == "cpu" or spec.dtype == "int8" else getattr(torch, spec.dtype)
+    flags = precision.cpu_flags()
+    try:
+        chosen = precision.choose(spec.dtype, device, flags)
+    except ValueError as err:
+        raise SystemExit(f"model `{spec.id}`: {err}")
+    if chosen.note:
+        log.warning(chosen.note, extra={"model": spec.id, "device": device})
     started = time.monotonic()
-    model = load_model(spec.checkpoint, device=device, dtype=dtype)
-    if spec.dtype == "int8":
+    model = load_model(spec.checkpoint, device=device, dtype=chosen.dtype)
+    if chosen.int8:
         quantize_int8(model)
+    faster = precision.faster_options(chosen, device, flags)
+    if faster:
+        log_faster_options(spec.id, model, faster)
     engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
                     event_sink=sink, compile=compile)
     engine.start()
-    log.info("engine ready", extra={"model": spec.id, "device": device,
-                                    "dtype": "int8" if spec.dtype == "int8" else str(dtype).removeprefix("torch."),
-                                    "max_batch": spec.max_batch, "compiled": compile,
+    log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
+                                    "kernels": kernels.describe(model), "max_batch": spec.max_batch,
+                                    "compiled": compile,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
 
@@ -130,6 +136,25 @@ def batch_threads(concurrency: int, asked: int | None) -> int:
     if asked is not None:
         return max(0, min(asked, concurrency))
     return max(1, concurrency - max(1, concurrency // 4))
+
+
+def log_faster_options(model_id: str, model, options: list[str]) -> None:
+    """Say once, at load, which faster precisions this CPU runs natively, with how they ran a
+    sample of this model's weight matmuls just now against float32."""
+    import torch
+
+    from nanogpt import kernels
+
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dtypes = {"bfloat16": torch.bfloat16, "int8": torch.qint8}
+    factors = kernels.speedups(layers, [dtypes[o] for o in options]) if layers else {}
+    measured = {o: {rows: round(f, 2) for rows, f in factors[dtypes[o]].items()} for o in options if factors}
+    log.info(f"running float32 on a CPU that runs {' and '.join(options)} natively (set dtype in "
+             "models.toml; float32 is the exact one); this model's weight matmuls, "
+             + ("measured just now, × float32 at 1 / 8 rows: "
+                + "; ".join(f"{o} {' / '.join(map(str, by_rows.values()))}" for o, by_rows in measured.items())
+                if measured else "not measured: other processes were busy"),
+             extra={"model": model_id, "faster_dtypes": measured or dict.fromkeys(options)})
 
 
 def check_engines(engines) -> int:

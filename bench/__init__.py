@@ -1,7 +1,9 @@
 """Benchmarks of nanoserve (results and method in docs/benchmarks.md).
 
-    python -m bench.machine          # this machine's limits: matmul GFLOP/s, copy bandwidth
+    python -m bench.machine          # this machine's limits: the decode matmuls' ceiling per precision
+                                     # and kernel, matmul GFLOP/s, copy bandwidth, the CPU and its flags
     python -m bench.engine_bench     # `make bench`: the engine vs transformers vs one-at-a-time
+    python -m bench.fidelity         # bfloat16 and int8 against float32 on a trained checkpoint
     python -m bench.gateway_bench    # HTTP + Redis + worker overhead over the engine alone
     python -m bench.loadgen --base-url http://127.0.0.1:8000/v1 --model NAME   # any OpenAI server
 

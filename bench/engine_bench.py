@@ -18,12 +18,17 @@ all of them alike:
   which is what a one-request-at-a-time server does (its C requests run one after another, so from
   C = 16 up it runs once per benchmark, one run already holding C requests, and not above 32);
 - `engine-int8`, `engine-compile`: the engine's int8 and torch.compile modes (`engine_mode`).
+- `engine-bf16`: the engine on the model in bfloat16, where the CPU multiplies bf16 natively
+  (nanogpt/precision.py), else "not available".
 
 Per run: aggregate completion tokens/s (C × 64 over the time from submission to the last token),
 time to first token (submission to the first generated token, median over the C requests), peak
 resident memory of the system's process during the run (VmHWM, reset before each run), achieved
-GFLOP/s and weight bytes read per second, as fractions of this machine's limits (bench/machine.py).
-The summary takes the median over repeats, and ratios against transformers within the same run.
+GFLOP/s and weight bytes read per second, as fractions of this machine's limits (bench/machine.py),
+and the fraction of the ceiling of the system's precision: the tokens/s of the workload's weight
+matmuls alone with the fastest kernel of that precision (prefill rows + one row per request per
+step; `machine.workload_ceiling`). The summary takes the median over repeats, and ratios against
+transformers within the same run. The CPU's model and flags are in `limits`.
 """
 from __future__ import annotations
 
@@ -45,7 +50,10 @@ import torch
 
 from bench import EOS, prompt_ids
 
-SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile")
+SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
+# the precision whose ceiling each system is held against
+PRECISION = {"transformers": "float32", "engine": "float32", "serial": "float32", "engine-compile": "float32",
+             "engine-int8": "int8", "engine-bf16": "bfloat16"}
 # `serial` runs its requests one after another: once per benchmark from 16 up (one run already
 # holds C requests), and not above 32 (64 would take minutes and say nothing new: its tokens/s
 # does not depend on the concurrency)
@@ -167,15 +175,18 @@ class EngineRun:
     """nanoserve's engine; `max_batch=None` means one slot per request of the run."""
 
     def __init__(self, checkpoint: Path, workload: Workload, *, max_batch: int | None = None,
-                 prepare=None, options: dict | None = None):
+                 prepare=None, options: dict | None = None, dtype: torch.dtype = torch.float32):
         from models.tokenizer import load_tokenizer
+        from nanogpt import kernels
         from nanogpt.checkpoint import load_model
 
         self.workload, self.max_batch, self.options = workload, max_batch, options or {}
         self.threaded = True  # the engine's own thread steps it, as in the worker
-        self.model = load_model(checkpoint, device="cpu", dtype=torch.float32)
+        self.model = load_model(checkpoint, device="cpu", dtype=dtype)
         if prepare is not None:
             self.model = prepare(self.model)
+        else:  # as the worker does (processor.build_engine)
+            kernels.pack_linears(self.model)
         self.tokenizer = load_tokenizer(checkpoint)
 
     def run(self, count: int, new_tokens: int) -> dict:
@@ -238,6 +249,13 @@ def build_system(name: str, checkpoint: Path, workload: Workload):
     if name in ("engine-int8", "engine-compile"):
         prepare, options = engine_mode(name.removeprefix("engine-"))
         return EngineRun(checkpoint, workload, prepare=prepare, options=options)
+    if name == "engine-bf16":
+        from nanogpt import precision
+
+        chosen = precision.choose("bfloat16", "cpu", precision.cpu_flags())
+        if chosen.dtype != torch.bfloat16:
+            raise NotAvailable(chosen.note)
+        return EngineRun(checkpoint, workload, dtype=torch.bfloat16)
     raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
 
@@ -346,7 +364,8 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
             wait_until_quiet(max_wait=gate.wait, below=gate.quiet_below)
             if threads:
                 torch.set_num_threads(threads)
-            limits = measure()
+            limits = measure(shape=(config["n_layer"], config["n_embd"], config["vocab_size"]),
+                             rows=sorted(set(concurrency)))
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
         for r in range(repeats):
@@ -391,6 +410,8 @@ def code_version() -> dict:
 
 def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
     """Median over repeats per (system, concurrency), with ratios and fractions of the limits."""
+    from bench.machine import workload_ceiling
+
     flops = flops_per_request(config, workload)
     summary: dict[str, dict[int, dict]] = {}
     for name, by_c in runs.items():
@@ -407,6 +428,10 @@ def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
                    "foreign_cores": statistics.median(r.get("foreign_cores", 0.0) for r in rs),
                    "gflops": tok_s / workload.new_tokens * flops / 1e9}
             row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
+            ceiling = limits.get("ceilings", {}).get(PRECISION[name])
+            if ceiling:  # the workload's weight matmuls alone, fastest kernel of the precision
+                row["ceiling_tokens_per_s"] = workload_ceiling(ceiling, c, workload.prompt_tokens, workload.new_tokens)
+                row["ceiling_fraction"] = tok_s / row["ceiling_tokens_per_s"]
             if c == 1:  # one decode step per token: every weight is read once per token
                 row["weight_gbps"] = tok_s * ready[name]["weight_bytes"] / 1e9
                 row["copy_bandwidth_fraction"] = row["weight_gbps"] / limits["copy_gbps"]
@@ -438,13 +463,15 @@ def check_targets(summary) -> list[dict]:
 
 def markdown(results: dict) -> str:
     """The tables of docs/benchmarks.md."""
+    from bench.machine import ceilings_table
+
     s, limits = results["summary"], results["limits"]
     all_runs = [r for by_c in results["runs"].values() for rs in by_c.values() for r in rs]
     loads = [r["load_average"] for r in all_runs]
     foreign = [r["foreign_cores"] for r in all_runs]
-    lines = ["| C | system | tok/s | × transformers | × serial | TTFT p50 (s) | TTFT max (s) | "
+    lines = ["| C | system | tok/s | % of ceiling | × transformers | × serial | TTFT p50 (s) | TTFT max (s) | "
              "peak RSS (MB) | GFLOP/s | % matmul peak |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     concurrency = sorted({c for by_c in s["by_system"].values() for c in by_c})
     for c in concurrency:
         for name, by_c in s["by_system"].items():
@@ -452,7 +479,8 @@ def markdown(results: dict) -> str:
             if row is None:
                 continue
             ratio = lambda key: f"{row[key]:.2f}" if key in row else ""  # noqa: E731
-            lines.append(f"| {c} | {name} | {row['tokens_per_s']:.1f} | {ratio('x_transformers')} | "
+            ceiling = f"{100 * row['ceiling_fraction']:.0f}%" if "ceiling_fraction" in row else ""
+            lines.append(f"| {c} | {name} | {row['tokens_per_s']:.1f} | {ceiling} | {ratio('x_transformers')} | "
                          f"{ratio('x_serial')} | {row['ttft_p50_s']:.2f} | {row['ttft_max_s']:.2f} | "
                          f"{row['peak_rss_mb']:.0f} | {row['gflops']:.1f} | "
                          f"{100 * row['matmul_peak_fraction']:.0f}% |")
@@ -468,7 +496,14 @@ def markdown(results: dict) -> str:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
         met = "not measured" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['system']} ≥ {t['target']}× {t['over']} at {t['concurrency']} | {ratio} | {met} |")
-    lines += ["", f"Torch threads per system: {limits['torch_threads']} (of {limits['cores']} cores). "
+    if limits.get("ceilings"):
+        lines += ["", "Ceilings: the decode step's weight matmuls alone (tokens/s at C rows) per kernel; "
+                  "a system's % of ceiling holds its tokens/s against the workload's matmuls alone "
+                  "(prefill chunks + C rows a step) with the fastest kernel of its precision "
+                  f"({', '.join(f'{n}: {p}' for n, p in PRECISION.items() if n in s['by_system'])}).",
+                  "", ceilings_table(limits)]
+    lines += ["", f"CPU: {limits.get('cpu', '?')} (flags: {' '.join(limits.get('cpu_flags', []))}). "
+              f"Torch threads per system: {limits['torch_threads']} (of {limits['cores']} cores). "
               f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
               f"{limits['copy_gbps']:.1f} GB/s copy (read + write); "
               f"greedy tokens equal to transformers: {s['greedy_equals_transformers']}; "

@@ -1,11 +1,17 @@
 """This machine's measured limits, the yardsticks for every benchmark here.
 
-    python -m bench.machine [--quick]
+    python -m bench.machine [--quick] [--device cpu|cuda]
 
+- ceilings: per precision the machine runs natively (float32; bfloat16 on a CPU with native bf16
+  or on CUDA; int8 on a CPU), the time of one decode step's weight matmuls alone (GPT-2 small's
+  49: 4 per block and the LM head) at 1 / 8 / 32 / 64 rows, with each kernel PyTorch offers
+  (nanogpt/kernels.py: F.linear, MKL's packed GEMM, oneDNN's prepacked linear, fbgemm's dynamic
+  int8) and the fastest of them: the ceiling each engine row is held against (bench.engine_bench);
 - matmul: float32 GFLOP/s of `torch.matmul` at a large square shape (the compute ceiling) and at
   the shapes of GPT-2 small's MLP for a decode batch of B rows (what batched decoding can reach);
 - copy: bytes moved per second (read + write) by copying a tensor much larger than the caches
-  (decode at one request reads every weight once per token, so this bounds it).
+  (decode at one request reads every weight once per token, so this bounds it);
+- the CPU's model name and the flags that decide which kernels are fast.
 
 Each figure is the best of several timed repeats: a limit is what the machine can do, and on a
 shared machine the best repeat is the one least disturbed by others. `ForeignCpu` and
@@ -16,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import platform
 import time
+from pathlib import Path
 
 import torch
+
+from nanogpt.kernels import busy_cpu_seconds
 
 
 def best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
@@ -57,16 +66,6 @@ def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
 
 
 # ---- what else is using the machine (it is shared) ----
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds spent busy by the whole machine since boot (all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / _TICK
-
 
 def own_cpu_seconds() -> float:
     """CPU seconds used so far by this process and its living descendants (the systems measured)."""
@@ -136,35 +135,104 @@ class Gate:
         return result
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+# flags that decide which kernels and precisions are fast (nanogpt/precision.py)
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
+                "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_flags() -> list[str]:
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "amx_tile")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [flag for flag in wanted if flag in flags]
+    from nanogpt.precision import cpu_flags as all_flags
+
+    flags = all_flags()
+    return [flag for flag in KERNEL_FLAGS if flag in flags]
 
 
-def measure(quick: bool = False) -> dict:
-    """The limits as a JSON-able dict (GFLOP/s, GB/s); `quick` uses small sizes (a smoke check)."""
+# ---- the ceilings: one decode step's weight matmuls alone ------------------------------------
+
+DECODE_ROWS = (1, 8, 32, 64)  # the benchmark's concurrencies
+PREFILL_ROWS = 256  # the engine feeds at most this many prompt tokens a step (its prefill chunk)
+GPT2_SMALL = (12, 768, 50257)  # n_layer, n_embd, vocab_size
+
+
+def precisions(device: str = "cpu") -> list[str]:
+    """The precisions this machine runs natively: float32 everywhere, bfloat16 on CUDA or a CPU
+    with native bf16, int8 on a CPU."""
+    from nanogpt.precision import cpu_flags as all_flags, has_native_bf16
+
+    if device.startswith("cuda"):
+        return ["float32", "bfloat16"]
+    return ["float32"] + (["bfloat16"] if has_native_bf16(all_flags()) else []) + ["int8"]
+
+
+def decode_weights(shape=GPT2_SMALL, dtype=torch.float32, device: str = "cpu", seed: int = 0):
+    """Random (weight, bias) pairs of a GPT-2's matmuls, in layer order: the blocks' and the LM head's."""
+    n_layer, d, vocab = shape
+    gen = torch.Generator().manual_seed(seed)
+    linear = lambda out, inp, bias=True: (  # noqa: E731
+        (torch.randn(out, inp, generator=gen) * 0.02).to(device, dtype),
+        (torch.randn(out, generator=gen) * 0.02).to(device, dtype) if bias else None)
+    blocks = [linear(out, inp) for _ in range(n_layer) for out, inp in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
+    return blocks, [linear(vocab, d, bias=False)]
+
+
+def ceiling(precision: str, shape=GPT2_SMALL, rows=DECODE_ROWS, prefill_rows: int | None = PREFILL_ROWS,
+            repeats: int = 5, device: str = "cpu") -> dict:
+    """One precision's ceiling: seconds of the blocks' matmuls and of the LM head's, per kernel and
+    rows (the blocks also at `prefill_rows`, a prefill chunk), and per rows the fastest: its decode
+    step (`step_seconds` = blocks + head) and tokens/s (rows / step)."""
+    from nanogpt import kernels
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}[precision]
+    names = (kernels.available(torch.qint8) if precision == "int8" else
+             [kernels.PLAIN] if device.startswith("cuda") else kernels.available(dtype))
+    blocks, head = decode_weights(shape, dtype, device)
+    block_rows = sorted({*rows, *([prefill_rows] if prefill_rows else [])})
+    timings = {"blocks": kernels.time_kernels(blocks, names, block_rows, repeats, budget=math.inf)}
+    del blocks
+    timings["head"] = kernels.time_kernels(head, names, list(rows), repeats, budget=math.inf)
+    best = {part: {r: min(by_kernel[k][r] for k in names) for r in (block_rows if part == "blocks" else rows)}
+            for part, by_kernel in timings.items()}
+    fastest = {r: min(names, key=lambda k: timings["blocks"][k][r] + timings["head"][k][r]) for r in rows}
+    step = {r: best["blocks"][r] + best["head"][r] for r in rows}
+    return {"kernels": timings, "blocks_seconds": best["blocks"], "head_seconds": best["head"],
+            "step_seconds": step, "tokens_per_s": {r: r / s for r, s in step.items()}, "fastest_kernel": fastest}
+
+
+def workload_ceiling(ceiling: dict, concurrency: int, prompt_tokens: int, new_tokens: int) -> float:
+    """Tokens/s of a workload's weight matmuls alone at a precision's ceiling: C prompts prefilled
+    in chunks of up to PREFILL_ROWS tokens (the blocks at a chunk's rate, the LM head once per
+    prompt), then new_tokens - 1 decode steps of C rows (the first token comes from the prefill)."""
+    prompt_rows = concurrency * prompt_tokens
+    measured = sorted(int(r) for r in ceiling["blocks_seconds"])
+    chunk = max([r for r in measured if r <= min(prompt_rows, PREFILL_ROWS)], default=measured[0])
+    prefill = _at(ceiling["blocks_seconds"], chunk) / chunk * prompt_rows + _at(ceiling["head_seconds"], concurrency)
+    return concurrency * new_tokens / (prefill + (new_tokens - 1) * _at(ceiling["step_seconds"], concurrency))
+
+
+def _at(by_rows: dict, rows: int) -> float:
+    """A timing keyed by rows (int, or str after JSON) at `rows`; where that count was not
+    measured, the time of the next count above (an upper bound), or the largest's scaled up."""
+    table = {int(r): s for r, s in by_rows.items()}
+    if rows in table:
+        return table[rows]
+    above = [r for r in table if r > rows]
+    near = min(above) if above else max(table)
+    return table[near] * (1 if above else rows / near)
+
+
+def measure(quick: bool = False, device: str = "cpu", shape=GPT2_SMALL, rows=None) -> dict:
+    """The limits as a JSON-able dict (GFLOP/s, GB/s, ceilings of a model of `shape`: n_layer,
+    n_embd, vocab_size, at `rows` rows, default DECODE_ROWS); `quick` uses small sizes and few
+    repeats (a smoke check)."""
+    from nanogpt.precision import cpu_name
+
     size = 512 if quick else 2048
-    decode_rows = (1, 8) if quick else (1, 8, 32, 64)
+    decode_rows = tuple(rows or ((1, 8) if quick else DECODE_ROWS))
     repeats = 2 if quick else 5
     return {
         "cpu": cpu_name(),
         "cpu_flags": cpu_flags(),
+        "device": device if device == "cpu" else torch.cuda.get_device_name(device),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -173,15 +241,35 @@ def measure(quick: bool = False) -> dict:
         # GPT-2 small's c_fc: (B, 768) @ (768, 3072) for a decode batch of B sequences
         "decode_matmul_gflops": {b: matmul_gflops(b, 768, 3072, repeats) for b in decode_rows},
         "copy_gbps": copy_bandwidth((32 if quick else 512) << 20, repeats) / 1e9,
+        "ceiling_shape": list(shape),
+        "ceilings": {p: ceiling(p, shape, decode_rows, PREFILL_ROWS, repeats, device) for p in precisions(device)},
         "load_average": os.getloadavg(),
     }
+
+
+def ceilings_table(limits: dict) -> str:
+    """The ceilings as a markdown table: tokens/s of the decode step's weight matmuls per kernel."""
+    lines = ["| precision | kernel | " + " | ".join(f"{r} rows" for r in limits["ceilings"]["float32"]["step_seconds"])
+             + " |", "| --- | --- |" + " ---: |" * len(limits["ceilings"]["float32"]["step_seconds"])]
+    for precision, c in limits["ceilings"].items():
+        for kernel in c["kernels"]["head"]:
+            cells = [int(r) / (c["kernels"]["blocks"][kernel][r] + c["kernels"]["head"][kernel][r])
+                     for r in c["step_seconds"]]
+            lines.append(f"| {precision} | {kernel} | " + " | ".join(f"{t:.1f}" for t in cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: seconds, not a measurement")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.quick), indent=2))
+    limits = measure(args.quick, args.device)
+    if args.json:
+        Path(args.json).write_text(json.dumps(limits, indent=1))
+    print(json.dumps({k: v for k, v in limits.items() if k != "ceilings"}, indent=2))
+    print(ceilings_table(limits))
 
 
 if __name__ == "__main__":

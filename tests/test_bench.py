@@ -8,20 +8,54 @@ import time
 
 import pytest
 
+import torch
+
 from bench import engine_bench, gateway_bench, loadgen
-from bench.machine import ForeignCpu, Gate, measure, wait_until_quiet
+from bench.machine import ForeignCpu, Gate, measure, wait_until_quiet, workload_ceiling
+from nanogpt import kernels, precision
 from tests.stack import start_gunicorn, start_processor, write_models_toml
+
+NATIVE_BF16 = precision.has_native_bf16(precision.cpu_flags())
+TINY = (2, 64, 50257)  # n_layer, n_embd, vocab_size of the hf_checkpoint fixture
 
 
 @pytest.fixture(scope="module")
 def limits() -> dict:
-    return measure(quick=True)
+    return measure(quick=True, shape=TINY)
 
 
 def test_machine_limits_are_measured(limits):
     assert limits["matmul_gflops"] > 0 and limits["copy_gbps"] > 0
     assert set(limits["decode_matmul_gflops"]) == {1, 8}
     assert limits["cores"] >= 1 and limits["torch_threads"] >= 1
+    assert limits["cpu"] == precision.cpu_name() and "avx2" in limits["cpu_flags"]  # every CPU seen has AVX2
+    assert ("avx512_bf16" in limits["cpu_flags"]) == ("avx512_bf16" in precision.cpu_flags())
+
+
+def test_a_ceiling_per_precision_the_machine_runs_natively(limits):
+    ceilings = limits["ceilings"]
+    assert list(ceilings) == ["float32"] + (["bfloat16"] if NATIVE_BF16 else []) + ["int8"]
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.qint8}
+    for name, c in ceilings.items():
+        assert set(c["kernels"]["head"]) == set(kernels.available(dtypes[name]))  # every kernel, timed
+        assert set(c["step_seconds"]) == {1, 8} and set(c["blocks_seconds"]) == {1, 8, 256}
+        for rows, seconds in c["step_seconds"].items():
+            fastest = c["fastest_kernel"][rows]
+            assert seconds == min(c["kernels"]["blocks"][k][rows] for k in c["kernels"]["blocks"]) \
+                + min(c["kernels"]["head"][k][rows] for k in c["kernels"]["head"])
+            assert c["kernels"]["blocks"][fastest][rows] + c["kernels"]["head"][fastest][rows] >= seconds > 0
+            assert c["tokens_per_s"][rows] == rows / seconds
+
+
+def test_a_workloads_ceiling_is_its_prefill_chunks_and_decode_steps():
+    ceiling = {"blocks_seconds": {1: 1.0, 8: 2.0, 256: 64.0}, "head_seconds": {1: 0.5, 8: 1.0},
+               "step_seconds": {1: 1.5, 8: 3.0}}
+    # one 32-token prompt: blocks at the 8-row rate (the largest measured up to 32 rows), the head
+    # once, then 63 steps of one row
+    assert workload_ceiling(ceiling, 1, 32, 64) == 64 / (2.0 / 8 * 32 + 0.5 + 63 * 1.5)
+    # 8 prompts: 256 prompt rows at the chunk's rate; 5 requests are held to the 8-row step
+    assert workload_ceiling(ceiling, 8, 32, 64) == 8 * 64 / (64.0 + 1.0 + 63 * 3.0)
+    assert workload_ceiling(ceiling, 5, 32, 64) == 5 * 64 / (64.0 / 256 * 160 + 1.0 + 63 * 3.0)
 
 
 def test_other_processes_cpu_is_measured():
@@ -38,7 +72,7 @@ def test_other_processes_cpu_is_measured():
 
 def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, tmp_path):
     workload = engine_bench.Workload(prompt_tokens=8, new_tokens=4)
-    systems = ["transformers", "engine", "serial"]
+    systems = ["transformers", "engine", "serial"] + (["engine-bf16"] if NATIVE_BF16 else [])
     results = engine_bench.run_benchmark(hf_checkpoint, systems, [1, 3], 1, workload, limits=limits,
                                          log=lambda msg: None)
 
@@ -51,6 +85,9 @@ def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, t
             assert run["completion_tokens"] == c * 4  # EOS banned: every request runs to max_tokens
             assert len(run["ttft"]) == c and all(0 < t <= run["seconds"] for t in run["ttft"])
             assert row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 0 and row["gflops"] > 0
+            ceiling = limits["ceilings"][engine_bench.PRECISION[name]]
+            assert row["ceiling_tokens_per_s"] == workload_ceiling(ceiling, c, 8, 4)
+            assert row["ceiling_fraction"] == row["tokens_per_s"] / row["ceiling_tokens_per_s"]
             if name != "transformers":
                 assert row["x_transformers"] > 0
         assert "copy_bandwidth_fraction" in by_c[1] and "copy_bandwidth_fraction" not in by_c[3]
@@ -61,20 +98,32 @@ def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, t
     assert set(targets) == {("engine", 32), ("engine", 8), ("engine", 1), ("engine-int8", 1),
                             ("engine-compile", 1), ("engine-compile", 8), ("engine-compile", 32)}
     assert targets["engine", 1]["met"] is not None and targets["engine", 8]["met"] is None
+    if NATIVE_BF16:
+        assert results["systems"]["engine-bf16"]["weight_bytes"] * 2 == results["systems"]["engine"]["weight_bytes"]
 
     table = engine_bench.markdown(results)
     assert "| 3 | serial |" in table and "engine ≥ 1.4× transformers at 1" in table
+    assert limits["cpu"] in table and "| float32 | onednn |" in table
     engine_bench.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_int8_and_compile_modes_are_the_engines():
+def test_int8_and_compile_modes_are_the_engines(hf_checkpoint):
+    """int8 is the engine's quantization (every Linear becomes a dynamically quantized one, and
+    nothing else changes), compile its compile option; a mode the engine lacks is said missing."""
+    from nanogpt.checkpoint import load_model
     from nanogpt.quantize import quantize_int8
     from worker.engine import Engine
 
     assert engine_bench.engine_mode("int8") == (quantize_int8, {})
+    model = quantize_int8(load_model(hf_checkpoint))
+    quantized = [m for m in model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert len(quantized) == 2 * 4 + 1  # 4 a block and the LM head
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert model.dtype == torch.float32  # embeddings, LayerNorms and the KV cache stay float32
+
     assert engine_bench.engine_mode("compile") == (None, {"compile": True})
-    assert "compile" in inspect.signature(Engine.__init__).parameters
+    assert inspect.signature(Engine.__init__).parameters["compile"].default is False
     with pytest.raises(engine_bench.NotAvailable, match="fp8"):
         engine_bench.engine_mode("fp8")
 
@@ -126,3 +175,26 @@ def test_loadgen_streams_through_the_openai_client(hf_checkpoint, redis_url, tmp
         assert 0 < r["ttft_p50_s"] <= r["latency_p50_s"] and r["latency_p50_s"] <= r["latency_p99_s"]
     assert (tmp_path / "load.json").exists()
     assert bad_model["errors"] == 1 and "NotFoundError" in bad_model["first_error"]
+
+
+def test_fidelity_compares_each_precision_with_float32(hf_checkpoint, tmp_path):
+    import numpy as np
+
+    from bench import fidelity
+
+    np.random.default_rng(0).integers(0, 50257, 5000, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    result = fidelity.measure(str(hf_checkpoint), tmp_path, ["int8"], count=4, prompts=3, prompt_tokens=5,
+                              new_tokens=6)
+    assert result["positions"] == 4 * 128  # windows of the model's context
+    int8 = result["int8"]
+    assert 0 < int8["kl_nats"] < 0.5 and 0 < int8["logprob_change_mean"] <= int8["logprob_change_p99"]
+    assert 0.5 < int8["argmax_agreement"] <= 1 and int8["greedy_completions"] == 3
+    assert abs(int8["heldout_loss"] - result["float32"]["heldout_loss"]) < 0.5
+    # against itself a precision agrees everywhere
+    model = fidelity.load(str(hf_checkpoint), "float32")
+    batch = fidelity.windows(tmp_path, 2, 16)
+    run = {"logprobs": fidelity.next_token_logprobs(model, batch), "targets": batch[:, 1:],
+           "greedy": fidelity.greedy(model, batch[:, :4], 3)}
+    same = fidelity.compare(run, run)
+    assert same["kl_nats"] == 0 and same["argmax_agreement"] == 1 and same["greedy_identical"] == 2
+    assert "| int8 |" in fidelity.markdown(result)

@@ -307,7 +307,7 @@ def test_bfloat16_is_close(family):
 def test_int8_serves_close_to_float32(family):
     """int8 linear layers (CPU): the engine scores the same text within 0.2 of float32's logprobs
     (scored, not generated: random weights have near ties that int8 may break either way)."""
-    from worker.engine import quantize_int8
+    from nanogpt.quantize import quantize_int8
 
     quantized = quantize_int8(load_model(family.directory))
     assert type(quantized.blocks[0].mlp.c_fc) is not torch.nn.Linear

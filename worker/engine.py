@@ -79,12 +79,12 @@ class Engine:
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
-        prepack: on a CPU float32 model, also hold the Linear weights in MKL's packed layout
-        (nanogpt/packed.py, done in place on the model; as much memory again as those weights):
-        decode steps of several sequences run about twice as fast.
+        prepack: on a CPU float32 or bfloat16 model, give each Linear the fastest matmul kernel this
+        machine has for it (nanogpt/kernels.py, in place on the model; a prepacked kernel holds as
+        much memory again as those weights).
         compile: torch.compile the decode step (GPT.forward_decode), one graph per batch size of
         runner.BATCH_BUCKETS (the batch is padded up to one), all compiled here before the engine
-        runs; on CPU with inductor's weight freezing."""
+        runs (nanogpt/compile.py)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)

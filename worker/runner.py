@@ -21,7 +21,7 @@ import torch
 
 from nanogpt.compile import compile_decode
 from nanogpt.kv_cache import KVCache
-from nanogpt.packed import pack_linears
+from nanogpt.kernels import pack_linears
 from worker.beams import BeamGroup, advance
 from worker.logprobs import score
 from worker.sampling import Sampler
@@ -60,7 +60,7 @@ class Runner:
         self.sampler = Sampler(slots, vocab_size, self.device)
         self.prompt_tokens = self.tokens_generated = 0
         self.batch_sizes = Counter()  # decode forwards by batch size
-        if prepack and self.device.type == "cpu" and dtype == torch.float32:
+        if prepack and self.device.type == "cpu":
             pack_linears(model)
         self.compiled = compile
         if compile:

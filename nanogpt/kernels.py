@@ -1,0 +1,372 @@
+"""Matmul kernels for CPU inference, chosen per machine when a model is loaded.
+
+A decode step multiplies a few rows (one per running sequence) by every weight matrix, and which
+kernel does that fastest depends on the CPU and on the row count: PyTorch's plain `F.linear`
+(a GEMM that lays the weight out anew on every call), MKL's packed GEMM and oneDNN's prepacked
+linear (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, what inductor's weight
+freezing emits) each pack a weight once, and they rank differently on AVX2, AVX-512 and AVX-512
++ BF16 CPUs, at one row, at a few dozen and at a prefill's hundreds. So `pack_linears` times the
+kernels this torch build offers on a sample of the model's own weights at a few row counts (about
+a second for GPT-2 small), and every nn.Linear then holds the chosen kernel's packed weight and
+uses it for the row counts where F.linear was not clearly faster. Where the timing cannot be
+trusted (other processes busy), a rule measured on this project's CPUs decides (RULE).
+docs/benchmarks.md has the measurements.
+
+Every kernel multiplies in the weights' dtype (float32 or bfloat16) with the same products; the
+kernels differ only in summation order, so float32 results stay within float32 rounding of
+`F.linear`. A packed copy costs as much memory as the weights it packs. Under torch.compile a
+packed layer is one opaque op (`nanoserve::linear`), so compiled graphs run the same kernels
+and stay storable in the compile cache (nanogpt/compile_cache.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+PLAIN = "linear"
+# The packed kernels lay a weight out for a row count they are told; packed for 64 rows, both
+# served 1-1024 rows as fast as packed for each count (measured; MKL packed for 8 is slow at 32+).
+PACK_ROWS = 64
+# Row counts timed when choosing; each stands for the rows up to the geometric mean with the
+# next (1: 1-2, 8: 3-22, 64: 23-128, 256: the rest), i.e. one sequence, a small batch, a large
+# batch, a prefill chunk (the engine feeds at most 256 prompt tokens a step).
+TIMED_ROWS = (1, 8, 64, 256)
+# The sample of the model's weights timed: the first layers in module order up to this size, about
+# a server CPU's last-level cache, so that most weights stream from memory as in a real step.
+SAMPLE_BYTES = 32 << 20
+# Timing stops repeating after this many seconds (at least one timed pass each), so that a busy
+# machine does not hold up a start for long.
+TIME_BUDGET = 1.0
+ENV = "NANOSERVE_KERNEL"  # force one kernel at every row count (benchmarks, diagnosis)
+# Where the timing cannot be trusted, the first available of these serves every row count: on an
+# AVX-512 + BF16 CPU oneDNN's prepacked linear measured fastest at 1-1024 rows in float32 and
+# bfloat16, ahead of MKL's packed GEMM, itself ahead of F.linear from 8 rows on an AVX-512 Xeon.
+RULE = ("onednn", "mkl", PLAIN)
+# A 2-thread matmul waits for its second thread at every call when another process holds a core,
+# which slows some kernels tenfold at one row and others hardly: timings taken while other
+# processes used more than this many cores are not trusted.
+QUIET_CORES = 0.3
+# Timings of one kernel move by up to ~20% between runs on these machines: a measurement departs
+# from RULE only where another kernel was faster by more than that.
+MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way to compute x @ weight.T + bias: `pack(weight, bias)` once per layer, then
+    `linear(x, packed, weight, bias)` per call, for weights of the given dtypes (torch.qint8:
+    the weight quantized to int8, x quantized on the fly)."""
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    available: Callable[[torch.dtype], bool]
+    pack: Callable
+    linear: Callable
+
+
+def _has_onednn(dtype: torch.dtype) -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A dynamically quantized linear layer of the weight, as torch.ao's quantize_dynamic makes."""
+    import warnings
+
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    layer.qconfig = torch.ao.quantization.default_dynamic_qconfig
+    with warnings.catch_warnings():  # the deprecation notice points to torchao, not installed here
+        warnings.simplefilter("ignore")
+        return nnqd.Linear.from_float(layer)
+
+
+KERNELS = {kernel.name: kernel for kernel in [
+    Kernel(PLAIN, (torch.float32, torch.bfloat16), lambda dtype: True,
+           lambda w, b: None, lambda x, packed, w, b: F.linear(x, w, b)),
+    Kernel("mkl", (torch.float32,), lambda dtype: torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_linear"),
+           lambda w, b: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS),
+           lambda x, packed, w, b: torch.ops.mkl._mkl_linear(x, packed, w, b, x.numel() // x.shape[-1])),
+    Kernel("onednn", (torch.float32, torch.bfloat16), _has_onednn,
+           lambda w, b: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS),
+           lambda x, packed, w, b: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")),
+    # What the engine's int8 mode runs (fbgemm through the x86 quantized engine). Weight-only int8
+    # (aten._weight_int8pack_mm) is left out: 6 tok/s for GPT-2 small's decode matmuls.
+    Kernel("int8-dynamic", (torch.qint8,), lambda dtype: bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)),
+           _int8_pack, lambda x, packed, w, b: packed(x)),
+]}
+
+
+def available(dtype: torch.dtype = torch.float32) -> list[str]:
+    """Names of the kernels this torch build runs on the CPU for weights of `dtype`."""
+    return [k.name for k in KERNELS.values() if dtype in k.dtypes and k.available(dtype)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which kernel serves which row counts: `ranges` holds (most rows, kernel name) in rising
+    order, the last one unbounded. `packed` is the one kernel the layers hold a pack of (PLAIN:
+    none). `seconds` holds what the choice was made from: {kernel: {rows: seconds}}; `source`
+    says how it was made (measured, the rule, forced)."""
+    packed: str
+    ranges: tuple[tuple[float, str], ...]
+    seconds: dict = field(default_factory=dict, compare=False)
+    source: str = field(default="measured", compare=False)
+
+    def describe(self) -> str:
+        """e.g. "linear up to 2 rows, onednn above (measured)"."""
+        spans = []  # consecutive ranges of one kernel merged
+        for most, name in self.ranges:
+            if spans and spans[-1][1] == name:
+                spans[-1] = (most, name)
+            else:
+                spans.append((most, name))
+        words = [f"{name} up to {most} rows" for most, name in spans[:-1]]
+        words.append(spans[-1][1] + (" above" if words else " at every row count"))
+        return f"{', '.join(words)} ({self.source})"
+
+    def kernel_for(self, rows: int) -> Kernel:
+        for most, name in self.ranges:
+            if rows <= most:
+                return KERNELS[name]
+        return KERNELS[self.ranges[-1][1]]
+
+    @classmethod
+    def only(cls, name: str, source: str = "forced") -> "Plan":
+        return cls(name, ((math.inf, name),), source=source)
+
+
+class KernelLinear(nn.Linear):
+    """An nn.Linear that also holds its weight packed for its plan's kernel (not a parameter: the
+    state_dict is unchanged). The pack is a snapshot: once the weight changes, or under autograd,
+    the layer computes as a plain nn.Linear again. Under torch.compile it is one opaque call
+    (`nanoserve::linear`) to the same kernel, so that a compiled graph runs the packed weights
+    without inductor's weight freezing, whose packed constants its compile cache cannot store."""
+
+    def set_plan(self, plan: Plan) -> None:
+        self._plan = plan
+        with torch.no_grad():
+            self._packed = KERNELS[plan.packed].pack(self.weight.detach(), None)
+        self._packed_from = self._weight_state()
+        if getattr(self, "_handle", None) is None:
+            self._handle = len(_LAYERS)
+            _LAYERS.append(weakref.ref(self))
+
+    def _weight_state(self) -> tuple:
+        # what identifies the weight packed: in-place changes bump _version; model.to() and
+        # load_state_dict(assign=True) put another tensor in its place
+        return self.weight.data_ptr(), self.weight._version, self.weight.dtype
+
+    def is_current(self) -> bool:
+        return self._plan is not None and self._packed_from == self._weight_state()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            if self._plan is None or self._plan.packed == PLAIN:
+                return F.linear(x, self.weight, self.bias)
+            return torch.ops.nanoserve.linear(x, self.weight, self.bias, self._handle)
+        if (torch.is_grad_enabled() and self.weight.requires_grad) or not self.is_current() \
+                or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return self._plan.kernel_for(x.numel() // x.shape[-1]).linear(x, self._packed, self.weight, self.bias)
+
+
+# Packed layers by handle: a compiled graph names a layer by its handle (a constant of the graph,
+# so the graph and its cache entry stay free of the packed tensors, which cannot be pickled)
+_LAYERS: list[weakref.ref] = []
+
+
+@torch.library.custom_op("nanoserve::linear", mutates_args=())
+def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int) -> torch.Tensor:
+    layer = _LAYERS[handle]()
+    if layer is None or layer.weight.data_ptr() != weight.data_ptr() or not layer.is_current() \
+            or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return layer._plan.kernel_for(x.numel() // x.shape[-1]).linear(x, layer._packed, weight, bias)
+
+
+@_compiled_linear.register_fake
+def _(x, weight, bias, handle):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
+    """Give every CPU float32 / bfloat16 nn.Linear of `model` the fastest kernel this machine has
+    for it (in place: the class of the same module object changes; parameters, weight tying and
+    state_dict stay as they are), and repack those whose weights changed since. The kernel is
+    chosen by timing (`choose`), or forced by `kernel` or the NANOSERVE_KERNEL environment
+    variable. Returns how many layers hold a current pack (0 where plain F.linear won)."""
+    kernel = kernel or os.environ.get(ENV) or None
+    layers = [m for m in model.modules() if type(m) in (nn.Linear, KernelLinear)
+              and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
+    count = 0
+    for dtype in {m.weight.dtype for m in layers}:
+        group = [m for m in layers if m.weight.dtype == dtype]
+        plan = Plan.only(_check(kernel, dtype)) if kernel else choose(group)
+        for module in group:
+            if type(module) is nn.Linear:
+                module.__class__ = KernelLinear
+                module._plan = None
+            if module._plan != plan or not module.is_current():
+                module.set_plan(plan)
+            count += plan.packed != PLAIN
+    return count
+
+
+def describe(model: nn.Module) -> str | None:
+    """The plans of the model's packed layers, for a log line (None when it has none)."""
+    plans = {m.weight.dtype: m._plan for m in model.modules() if type(m) is KernelLinear and m._plan is not None}
+    return "; ".join(f"{str(dtype).removeprefix('torch.')}: {plan.describe()}" for dtype, plan in plans.items()) or None
+
+
+def _check(name: str, dtype: torch.dtype) -> str:
+    if name not in available(dtype):
+        raise ValueError(f"kernel {name!r} does not run {str(dtype).removeprefix('torch.')} here; "
+                         f"available: {', '.join(available(dtype))}")
+    return name
+
+
+# ---- choosing by measurement ----
+
+_plans: dict[tuple, Plan] = {}  # one measurement per weight shapes, dtype and thread count
+
+
+def choose(layers: list[nn.Linear]) -> Plan:
+    """Time every available kernel on a sample of `layers` (all of one dtype) at TIMED_ROWS and
+    choose from the timings (`plan_from`); timings taken while other processes were busy give
+    way to RULE."""
+    sample = _sample(layers)
+    dtype = sample[0].weight.dtype
+    key = (dtype, tuple(tuple(m.weight.shape) for m in sample), torch.get_num_threads())
+    if key not in _plans:
+        others = OtherProcesses()
+        seconds = time_kernels([(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in sample],
+                               available(dtype), TIMED_ROWS)
+        busy = others.cores()
+        if busy <= QUIET_CORES:
+            _plans[key] = plan_from(seconds)
+        else:
+            rule = next(name for name in RULE if name in seconds)
+            _plans[key] = replace(Plan.only(rule, f"rule: other processes used {busy:.1f} cores while "
+                                            "timing"), seconds=seconds)
+    return _plans[key]
+
+
+def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
+    """The plan measured times {kernel: {rows: seconds}} give (PLAIN among the kernels): RULE's
+    kernel at every row count unless the timings clearly say otherwise, i.e. another packed
+    kernel was MARGIN times faster over all row counts, or F.linear MARGIN times faster at some
+    (F.linear serves those, and packs are not made when it is so at all)."""
+    plain = seconds[PLAIN]
+    rows = sorted(plain)
+    relative = {name: sum(by_rows[r] / plain[r] for r in rows) for name, by_rows in seconds.items()}
+    packed = next(name for name in RULE if name in seconds)
+    challenger = min((name for name in relative if name not in (PLAIN, packed)), key=relative.get, default=None)
+    if challenger and relative[challenger] * MARGIN < relative[packed]:
+        packed = challenger
+    ranges = []
+    for i, r in enumerate(rows):
+        most = math.floor(math.sqrt(r * rows[i + 1])) if i + 1 < len(rows) else math.inf
+        ranges.append((most, PLAIN if plain[r] * MARGIN < seconds[packed][r] else packed))
+    if all(name == PLAIN for _, name in ranges):
+        return Plan(PLAIN, ((math.inf, PLAIN),), seconds)
+    return Plan(packed, tuple(ranges), seconds)
+
+
+def time_kernels(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: list[str], rows,
+                 repeats: int = 3, budget: float = TIME_BUDGET) -> dict[str, dict[int, float]]:
+    """Best seconds of one pass of x @ W.T + b over every (W, b) of `weights`, in order, per kernel
+    and row count, over `repeats` timed passes (fewer once `budget` seconds have gone, at least
+    one). The kernels take turns within each repeat, so that a burst of other load on a shared
+    machine hits them alike. On a GPU only PLAIN runs, timed to the device's completion."""
+    device = weights[0][0].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    packs = {name: [KERNELS[name].pack(w, b) for w, b in weights] for name in kernels}
+    inputs = {r: {w.shape[1]: torch.randn(r, w.shape[1], dtype=w.dtype, device=device) for w, _ in weights}
+              for r in rows}
+    best = {name: {r: math.inf for r in rows} for name in kernels}
+    started = time.perf_counter()
+    with torch.no_grad():
+        for repeat in range(repeats + 1):  # the first pass warms up (allocations, thread pool)
+            if repeat > 1 and time.perf_counter() - started > budget:
+                break
+            for r in rows:
+                xs = inputs[r]
+                for name in kernels:
+                    linear = KERNELS[name].linear
+                    sync()
+                    start = time.perf_counter()
+                    for (w, b), packed in zip(weights, packs[name]):
+                        linear(xs[w.shape[1]], packed, w, b)
+                    sync()
+                    if repeat:
+                        best[name][r] = min(best[name][r], time.perf_counter() - start)
+    return best
+
+
+def _sample(layers: list[nn.Linear]) -> list[nn.Linear]:
+    sample, size = [], 0
+    for module in layers:
+        sample.append(module)
+        size += module.weight.numel() * module.weight.element_size()
+        if size >= SAMPLE_BYTES:
+            break
+    return sample
+
+
+def speedups(layers: list[nn.Linear], dtypes: list[torch.dtype], rows=(1, 8)) -> dict[torch.dtype, dict[int, float]]:
+    """How many times faster the fastest kernel for each of `dtypes` (torch.bfloat16, torch.qint8)
+    runs a sample of these float32 layers than the fastest float32 kernel: {dtype: {rows: factor}};
+    {} when other processes were too busy for the timings to mean anything."""
+    weights = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in _sample(layers)]
+    others = OtherProcesses()
+
+    def fastest(weights, dtype):
+        seconds = time_kernels(weights, available(dtype), rows, budget=TIME_BUDGET / 2)
+        return {r: min(by_rows[r] for by_rows in seconds.values()) for r in rows}
+
+    base = fastest(weights, torch.float32)
+    out = {}
+    for dtype in dtypes:
+        cast = weights if dtype == torch.qint8 else [(w.to(dtype), None if b is None else b.to(dtype)) for w, b in weights]
+        out[dtype] = {r: base[r] / s for r, s in fastest(cast, dtype).items()}
+    return out if others.cores() <= QUIET_CORES else {}
+
+
+# ---- how busy the machine is ----
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (all but idle and iowait); 0 where
+    there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except OSError:
+        return 0.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherProcesses:
+    """Cores used by other processes than this one since it was made (/proc/stat counts 10 ms
+    ticks, so a window of a few hundred ms or more is needed)."""
+
+    def __init__(self):
+        self._t, self._busy, self._own = time.monotonic(), busy_cpu_seconds(), time.process_time()
+
+    def cores(self) -> float:
+        wall = time.monotonic() - self._t
+        foreign = (busy_cpu_seconds() - self._busy) - (time.process_time() - self._own)
+        return max(0.0, foreign / wall) if wall > 0 else 0.0

@@ -1,0 +1,270 @@
+"""CPU matmul kernels chosen per machine (nanogpt/kernels.py) and the compile-friendly decode step
+(GPT.forward_decode) against the plain model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.testing import assert_close
+
+from conftest import make_hf_checkpoint
+from nanogpt import kernels
+from nanogpt.checkpoint import load_model
+from nanogpt.kv_cache import KVCache
+
+FLOAT_KERNELS = kernels.available(torch.float32)
+BF16_KERNELS = kernels.available(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("kernels"), n_layer=2, n_embd=64, n_head=2, with_tokenizer=False)
+
+
+def test_this_torch_build_offers_the_packed_kernels():
+    # the CPU wheels this project installs ship both MKL and oneDNN: a build without them would
+    # silently lose the fast paths, so say so here rather than skip their tests
+    assert {"linear", "mkl", "onednn"} <= set(FLOAT_KERNELS)
+    assert "mkl" not in BF16_KERNELS  # MKL's packed GEMM is float32 only
+    assert kernels.available(torch.qint8) == ["int8-dynamic"]
+
+
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
+def test_every_float32_kernel_computes_what_linear_computes(name):
+    kernel = kernels.KERNELS[name]
+    torch.manual_seed(0)
+    for out_features, in_features, bias in ((192, 64, True), (50257, 64, False)):
+        w = torch.randn(out_features, in_features) * 0.1
+        b = torch.randn(out_features) if bias else None
+        packed = kernel.pack(w, b)
+        for shape in ((1, 64), (2, 64), (5, 1, 64), (64, 64), (3, 100, 64), (300, 64)):
+            x = torch.randn(*shape)
+            assert_close(kernel.linear(x, packed, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BF16_KERNELS)
+def test_every_bfloat16_kernel_computes_what_linear_computes_in_bfloat16(name):
+    kernel = kernels.KERNELS[name]
+    torch.manual_seed(0)
+    w, b = (torch.randn(192, 64) * 0.1).bfloat16(), torch.randn(192).bfloat16()
+    packed = kernel.pack(w, b)
+    for rows in (1, 8, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        got = kernel.linear(x, packed, w, b)
+        assert got.dtype == torch.bfloat16
+        # bf16 has an 8-bit mantissa: results may differ by its rounding of the float32 sum
+        assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
+def test_a_model_on_each_kernel_gives_transformers_logits(checkpoint, name):
+    from transformers import GPT2LMHeadModel
+
+    reference = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
+    model = load_model(str(checkpoint))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = 0 if name == "linear" else 2 * 4 + 1  # 4 Linears a block, and the LM head
+    assert kernels.pack_linears(model, kernel=name) == expected
+    assert type(model.lm_head) is kernels.KernelLinear
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert model.state_dict().keys() == state.keys()
+    tokens = torch.randint(0, 50257, (3, 20))
+    cache = KVCache(model.config, max_slots=3, max_len=32)
+    with torch.no_grad():
+        want = reference(tokens).logits
+        got = model.forward_cached(tokens, torch.full((3,), 20), torch.arange(3), torch.zeros(3, dtype=torch.long),
+                                   cache, all_logits=True)
+        assert_close(got, want, rtol=1e-5, atol=1e-4)
+        step = model.forward_cached(want[:, -1].argmax(-1, keepdim=True), torch.ones(3, dtype=torch.long),
+                                    torch.arange(3), torch.full((3,), 20), cache)  # decode rows
+        full = reference(torch.cat([tokens, want[:, -1].argmax(-1, keepdim=True)], 1)).logits[:, -1]
+        assert_close(step, full, rtol=1e-5, atol=1e-4)
+
+
+def test_the_choice_takes_only_kernels_this_machine_runs(checkpoint):
+    model = load_model(str(checkpoint))
+    kernels.pack_linears(model)  # measured here
+    plan = model.lm_head._plan
+    assert set(plan.seconds) == set(FLOAT_KERNELS)
+    assert all(all(0 < s < math.inf for s in by_rows.values()) for by_rows in plan.seconds.values())
+    assert plan.packed in FLOAT_KERNELS and {name for _, name in plan.ranges} <= {plan.packed, "linear"}
+    assert all(m._plan is plan for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.raises(ValueError, match="available: linear, onednn"):
+        kernels.pack_linears(model.to(torch.bfloat16), kernel="mkl")  # float32 only
+
+
+def test_the_plan_follows_the_timings():
+    # seconds per pass at 1 / 8 / 64 / 256 rows. Within the margin, the rule's kernel (oneDNN)
+    # serves every row count; F.linear takes the row counts where it was clearly faster
+    seconds = {"linear": {1: 1.0, 8: 2.0, 64: 8.0, 256: 30.0},
+               "mkl": {1: 1.1, 8: 1.7, 64: 7.0, 256: 20.0},
+               "onednn": {1: 1.5, 8: 1.9, 64: 6.0, 256: 26.0}}
+    plan = kernels.plan_from(seconds)
+    assert plan.packed == "onednn"
+    assert plan.ranges == ((2, "linear"), (22, "onednn"), (128, "onednn"), (math.inf, "onednn"))
+    assert plan.describe() == "linear up to 2 rows, onednn above (measured)"
+    # another packed kernel clearly faster overall replaces it
+    seconds["mkl"] = {1: 0.5, 8: 1.0, 64: 4.0, 256: 15.0}
+    assert kernels.plan_from(seconds) == kernels.Plan("mkl", ((2, "mkl"), (22, "mkl"), (128, "mkl"), (math.inf, "mkl")))
+    # packed kernels that never clearly beat F.linear are not packed (no memory spent on them)
+    slow = kernels.plan_from({"linear": {1: 1.0, 8: 1.0}, "mkl": {1: 1.5, 8: 1.3}, "onednn": {1: 2.0, 8: 1.4}})
+    assert slow == kernels.Plan("linear", ((math.inf, "linear"),)) and slow.describe().startswith("linear at every")
+
+
+def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
+    model = load_model(str(checkpoint))
+    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
+    monkeypatch.setattr(kernels, "_plans", {})
+    kernels.pack_linears(model)
+    plan = model.lm_head._plan
+    assert plan.ranges == ((math.inf, "onednn"),) and plan.source.startswith("rule: other processes used")
+    assert set(plan.seconds) == set(FLOAT_KERNELS)  # measured all the same, for the record
+
+
+def test_the_forced_kernel_comes_from_the_environment(checkpoint, monkeypatch):
+    model = load_model(str(checkpoint))
+    monkeypatch.setenv(kernels.ENV, "mkl")
+    kernels.pack_linears(model)
+    assert model.lm_head._plan == kernels.Plan.only("mkl")
+
+
+@pytest.mark.skipif(not BF16_KERNELS[1:], reason="no packed bfloat16 kernel in this torch build")
+def test_a_bfloat16_model_is_packed_in_bfloat16(checkpoint):
+    model = load_model(str(checkpoint), dtype=torch.bfloat16)
+    assert kernels.pack_linears(model, kernel="onednn") == 9
+    reference = load_model(str(checkpoint), dtype=torch.bfloat16)
+    tokens = torch.randint(0, 50257, (2, 6))
+    caches = [KVCache(m.config, 2, 16, dtype=torch.bfloat16) for m in (model, reference)]
+    args = (torch.full((2,), 6), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    got = model.forward_cached(tokens, *args, caches[0])
+    want = reference.forward_cached(tokens, *args, caches[1])
+    assert got.dtype == torch.float32  # logits leave the model in float32
+    assert_close(got, want, rtol=0.05, atol=0.1)
+
+
+def test_a_changed_weight_is_not_served_from_a_stale_pack(checkpoint):
+    model = load_model(str(checkpoint))
+    kernels.pack_linears(model, kernel="onednn")
+    layer = model.transformer.h[0].attn.c_proj
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+        assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        kernels.pack_linears(model, kernel="onednn")  # repacks what changed
+        assert layer.is_current()
+        assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        model.to(torch.bfloat16)  # another tensor in the weight's place
+        assert not layer.is_current()
+        assert_close(layer(x.bfloat16()), F.linear(x.bfloat16(), layer.weight, layer.bias))
+
+
+def test_autograd_goes_around_the_pack(checkpoint):
+    model = load_model(str(checkpoint))
+    kernels.pack_linears(model, kernel="onednn")
+    layer = model.transformer.h[0].mlp.c_fc
+    layer.weight.requires_grad_(True)
+    layer(torch.randn(4, 64)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_speedups_of_other_precisions_are_measured(checkpoint, monkeypatch):
+    model = load_model(str(checkpoint))
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)  # whatever else runs on the machine
+    factors = kernels.speedups(layers, [torch.bfloat16, torch.qint8], rows=(1, 8))
+    assert set(factors) == {torch.bfloat16, torch.qint8}
+    assert all(set(f) == {1, 8} and all(0 < v < math.inf for v in f.values()) for f in factors.values())
+    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
+    assert kernels.speedups(layers, [torch.bfloat16], rows=(1,)) == {}
+
+
+def test_decode_step_matches_the_serving_forward(checkpoint):
+    """forward_decode (what the engine compiles) against forward_cached, uncompiled: rows in
+    scattered slots at different positions, and padding rows sharing a spare slot."""
+    model = load_model(str(checkpoint))
+    cache = KVCache(model.config, max_slots=6, max_len=32)
+    twin = KVCache(model.config, max_slots=6, max_len=32)
+    prompts = {4: torch.randint(0, 50257, (7,)), 1: torch.randint(0, 50257, (3,)), 2: torch.randint(0, 50257, (5,))}
+    slots = torch.tensor(list(prompts))
+    for c in (cache, twin):
+        for slot, prompt in prompts.items():
+            model.forward_cached(prompt[None], torch.tensor([len(prompt)]), torch.tensor([slot]), torch.tensor([0]), c)
+    positions = torch.tensor([len(p) for p in prompts.values()])
+    tokens = torch.randint(0, 50257, (3,))
+    for step in range(3):
+        want = model.forward_cached(tokens[:, None], torch.ones(3, dtype=torch.long), slots, positions + step, cache)
+        spare = torch.tensor([5, 5])  # two padding rows, as a batch bucket adds them
+        got = model.forward_decode(torch.cat([tokens, torch.zeros(2, dtype=torch.long)]), torch.cat([slots, spare]),
+                                   torch.cat([positions + step, torch.zeros(2, dtype=torch.long)]), twin,
+                                   torch.arange(int(positions.max()) + step + 1))
+        assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+        tokens = want.argmax(-1)
+    for layer in range(model.config.n_layer):
+        for slot in prompts:
+            assert_close(twin.k[layer][slot], cache.k[layer][slot], rtol=1e-5, atol=1e-6)
+
+
+COMPILE_SCRIPT = """
+import sys, torch
+from torch._dynamo.utils import counters
+from nanogpt import compile_cache, kernels
+from nanogpt.checkpoint import load_model
+from nanogpt.kv_cache import KVCache
+compile_cache.enable(sys.argv[2])
+model = load_model(sys.argv[1])
+kernels.pack_linears(model, kernel="onednn")
+cache = KVCache(model.config, max_slots=4, max_len=32)
+step = torch.compile(model.forward_decode)
+tokens, slots, positions = torch.tensor([5, 7]), torch.tensor([0, 2]), torch.tensor([0, 0])
+with torch.no_grad():
+    got = step(tokens, slots, positions, cache, torch.arange(2))
+torch.save(got, sys.argv[3])
+print(dict(counters["inductor"]), dict(counters["aot_autograd"]))
+"""
+
+
+def test_a_compiled_decode_step_runs_the_packs_and_a_second_start_loads_it_from_the_cache(checkpoint, tmp_path):
+    """Compiled without weight freezing, the packed layers are calls of nanoserve::linear, whose
+    graph the compile cache stores: a second process finds it there (nothing compiled again)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def start(n: int) -> tuple[str, torch.Tensor]:
+        out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(checkpoint), str(tmp_path / "cache"),
+                              str(tmp_path / f"logits{n}.pt")], cwd=REPO, capture_output=True, text=True,
+                             timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout, torch.load(tmp_path / f"logits{n}.pt")
+
+    first, logits = start(1)
+    assert "'fxgraph_cache_miss': 1" in first and "autograd_cache_saved" in first
+    second, again = start(2)
+    assert "'fxgraph_cache_hit': 1" in second and "'autograd_cache_hit': 1" in second
+    assert "miss" not in second
+    # the same logits as the eager step
+    model = load_model(str(checkpoint))
+    cache = KVCache(model.config, max_slots=4, max_len=32)
+    want = model.forward_decode(torch.tensor([5, 7]), torch.tensor([0, 2]), torch.tensor([0, 0]), cache, torch.arange(2))
+    assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert_close(again, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_packed_layers_call_their_kernel(checkpoint):
+    model = load_model(str(checkpoint))
+    kernels.pack_linears(model, kernel="onednn")
+    layer = model.transformer.h[0].mlp.c_fc
+    graphs = []
+
+    def backend(gm, inputs):  # what dynamo hands a compiler
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        got = torch.compile(layer, backend=backend)(x)
+    assert "torch.ops.nanoserve.linear" in graphs[0] and "torch._C._nn.linear" not in graphs[0]
+    assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)

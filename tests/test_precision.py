@@ -1,0 +1,122 @@
+"""The precision a model runs in (nanogpt/precision.py): bfloat16 on CPUs with native bf16 only,
+and a worker that says so once when it runs slower than its hardware could. The CPU's flags are
+passed in, so both sides of every choice are tested on any machine."""
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import processor
+from models.registry import ModelSpec
+from nanogpt import precision
+from worker.protocol import CompletionJob
+
+AVX2 = frozenset({"avx", "avx2", "fma"})
+AVX512_VNNI = AVX2 | {"avx512f", "avx512_vnni"}  # the Xeon of docs/benchmarks.md
+ZEN4 = AVX512_VNNI | {"avx512_bf16"}  # AVX-512 with native bf16
+SAPPHIRE_RAPIDS = AVX512_VNNI | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.mark.parametrize("flags", [ZEN4, SAPPHIRE_RAPIDS])
+def test_bfloat16_runs_bfloat16_on_a_cpu_with_native_bf16(flags):
+    chosen = precision.choose("bfloat16", "cpu", flags)
+    assert (chosen.name, chosen.dtype, chosen.int8, chosen.note) == ("bfloat16", torch.bfloat16, False, None)
+
+
+@pytest.mark.parametrize("flags", [AVX2, AVX512_VNNI])
+def test_bfloat16_runs_float32_on_a_cpu_without_and_says_why(flags):
+    chosen = precision.choose("bfloat16", "cpu", flags)
+    assert (chosen.name, chosen.dtype) == ("float32", torch.float32)
+    assert "running float32" in chosen.note and "avx512_bf16" in chosen.note
+
+
+def test_the_other_dtypes():
+    assert precision.choose("float32", "cpu", ZEN4) == precision.Precision("float32", torch.float32)
+    assert precision.choose("int8", "cpu", AVX2) == precision.Precision("int8", torch.float32, int8=True)
+    float16 = precision.choose("float16", "cpu", SAPPHIRE_RAPIDS)
+    assert float16.dtype == torch.float32 and "float16" in float16.note
+    # a GPU runs what is asked, whatever the host CPU has
+    assert precision.choose("bfloat16", "cuda:0", AVX2).dtype == torch.bfloat16
+    assert precision.choose("float16", "cuda", AVX2).dtype == torch.float16
+    with pytest.raises(ValueError, match="CPU only"):
+        precision.choose("int8", "cuda:0", ZEN4)
+
+
+def test_faster_options_are_what_the_cpu_runs_natively():
+    f32 = precision.Precision("float32", torch.float32)
+    assert precision.faster_options(f32, "cpu", ZEN4) == ["bfloat16", "int8"]
+    assert precision.faster_options(f32, "cpu", AVX512_VNNI) == ["int8"]
+    assert precision.faster_options(f32, "cpu", AVX2) == []
+    assert precision.faster_options(precision.choose("bfloat16", "cpu", ZEN4), "cpu", ZEN4) == []
+    assert precision.faster_options(f32, "cuda:0", ZEN4) == []
+
+
+def test_the_flags_read_agree_with_what_torch_detects():
+    flags = precision.cpu_flags()
+    assert ("avx2" in flags) == torch.cpu._is_avx2_supported()
+    assert precision.has_native_bf16(flags) == (torch.cpu._is_avx512_bf16_supported() or "amx_bf16" in flags)
+    assert precision.cpu_name()
+
+
+@pytest.fixture()
+def spec(hf_checkpoint):
+    return lambda dtype: ModelSpec(id="tiny", checkpoint=str(hf_checkpoint), device="cpu", dtype=dtype, max_batch=2)
+
+
+def run_one(engine) -> str:
+    try:
+        job = CompletionJob(id="j", model="tiny", prompts=[[464, 3290, 318]], max_tokens=4, temperature=0.0, seed=0)
+        return engine.generate(job)["choices"][0]["text"]
+    finally:
+        engine.stop()
+
+
+def test_a_worker_asked_for_bfloat16_on_a_cpu_without_runs_float32_and_logs_it(spec, monkeypatch, caplog):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
+    with caplog.at_level(logging.INFO, logger="processor"):
+        engine = processor.build_engine(spec("bfloat16"), "cpu", None)
+    assert engine.model.dtype == torch.float32 and run_one(engine)
+    notes = [r for r in caplog.records if "running float32" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.WARNING
+    assert [r.dtype for r in caplog.records if r.getMessage() == "engine ready"] == ["float32"]
+
+
+@pytest.mark.skipif(not precision.has_native_bf16(precision.cpu_flags()), reason="this CPU has no native bf16")
+def test_a_worker_asked_for_bfloat16_on_a_cpu_with_native_bf16_runs_it(spec, caplog):
+    with caplog.at_level(logging.INFO, logger="processor"):
+        engine = processor.build_engine(spec("bfloat16"), "cpu", None)
+    assert engine.model.dtype == torch.bfloat16 and engine.cache.k[0].dtype == torch.bfloat16
+    assert run_one(engine)
+    assert [r.dtype for r in caplog.records if r.getMessage() == "engine ready"] == ["bfloat16"]
+    assert not [r for r in caplog.records if "running float32" in r.getMessage()]
+
+
+def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypatch, caplog):
+    from nanogpt import kernels
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ZEN4)
+    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)  # measured whatever else runs
+    monkeypatch.setattr(kernels, "_plans", {})  # not one an earlier test measured
+    with caplog.at_level(logging.INFO, logger="processor"):
+        run_one(processor.build_engine(spec("float32"), "cpu", None))
+    (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
+    assert set(advice.faster_dtypes) == {"bfloat16", "int8"} and "measured just now" in advice.getMessage()
+    assert all(set(f) == {1, 8} and all(x > 0 for x in f.values()) for f in advice.faster_dtypes.values())
+    (ready,) = [r for r in caplog.records if r.getMessage() == "engine ready"]
+    assert ready.kernels.startswith("float32: ") and ready.kernels.endswith("(measured)")
+
+    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # a busy machine: said, not measured
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="processor"):
+        run_one(processor.build_engine(spec("float32"), "cpu", None))
+    (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
+    assert advice.faster_dtypes == {"bfloat16": None, "int8": None} and "not measured" in advice.getMessage()
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="processor"):
+        run_one(processor.build_engine(spec("float32"), "cpu", None))
+    assert not [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
