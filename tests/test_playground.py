@@ -264,7 +264,7 @@ def stub_completions(browser, frames: list[dict]) -> None:
 
 def test_errors_show_openai_message(stack, browser):
     page = Page(browser, stack["open"])
-    page.fill(prompt="Hello", max_tokens=8, stop="a\nb\nc\nd\ne")  # OpenAI allows at most 4
+    page.fill(prompt="Hello", max_tokens=8, stop="\n".join("abcdefghijklmnopq"))  # past the cap of 16
     page.run()
     assert page.wait_finished() == "error"
     assert page.error().startswith("Error 400: ") and "'stop'" in page.error()

@@ -78,7 +78,7 @@ def test_a_worker_asked_for_bfloat16_on_a_cpu_without_runs_float32_and_logs_it(s
     monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
     with caplog.at_level(logging.INFO, logger="processor"):
         engine = processor.build_engine(spec("bfloat16"), "cpu", None)
-    assert engine.model.dtype == torch.float32 and run_one(engine)
+    assert engine.runner.model.dtype == torch.float32 and run_one(engine)
     notes = [r for r in caplog.records if "running float32" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelno == logging.WARNING
     assert [r.dtype for r in caplog.records if r.getMessage() == "engine ready"] == ["float32"]
@@ -88,7 +88,7 @@ def test_a_worker_asked_for_bfloat16_on_a_cpu_without_runs_float32_and_logs_it(s
 def test_a_worker_asked_for_bfloat16_on_a_cpu_with_native_bf16_runs_it(spec, caplog):
     with caplog.at_level(logging.INFO, logger="processor"):
         engine = processor.build_engine(spec("bfloat16"), "cpu", None)
-    assert engine.model.dtype == torch.bfloat16 and engine.cache.k[0].dtype == torch.bfloat16
+    assert engine.runner.model.dtype == torch.bfloat16 and engine.runner.cache.k[0].dtype == torch.bfloat16
     assert run_one(engine)
     assert [r.dtype for r in caplog.records if r.getMessage() == "engine ready"] == ["bfloat16"]
     assert not [r for r in caplog.records if "running float32" in r.getMessage()]
