@@ -4,14 +4,15 @@ and against one-request-at-a-time serving, on one workload, in one run (`make be
     python -m bench.engine_bench [--quick] [--repeats 3] [--concurrency 1,8,32,64]
                                  [--systems transformers,engine,serial,...] [--json PATH] [--plot PATH]
 
-Workload: a random-weight GPT-2 small checkpoint (12 layers, 768 wide, 50257 tokens), float32 on
-the CPU; C requests arrive together, each a 32-token prompt (its own) and 64 new tokens, greedy,
-with EOS banned (logit_bias {50256: -100}) so every request generates all 64.
+Workload: a random-weight GPT-2 small checkpoint (12 layers, 768 wide, 50257 tokens; `--model
+gpt-neo-125m` or `opt-125m` for those shapes, `--checkpoint` for any directory), float32 on the
+CPU; C requests arrive together, each a 32-token prompt (its own) and 64 new tokens, greedy, with
+the model's EOS banned (logit_bias -100) so every request generates all 64.
 
 Systems, each in a subprocess of its own that loads the model once (so its peak memory is its own);
 the runs alternate between them, in a rotating order, so that drifts in the machine's load hit
 all of them alike:
-- `transformers`: `GPT2LMHeadModel.generate` over one static batch of the C prompts (KV cache on,
+- `transformers`: `AutoModelForCausalLM.generate` over one static batch of the C prompts (KV cache on,
   `do_sample=False`, EOS banned with `sequence_bias`);
 - `engine`: `worker.engine.Engine` with `max_batch=C`, the C jobs submitted at once;
 - `serial`: the same engine with `max_batch=1`: one request at a time while the others queue,
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from bench import EOS, prompt_ids
+from bench import EOS, SHAPES, model_shape, prompt_ids
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
 # the precision whose ceiling each system is held against
@@ -71,6 +72,7 @@ TARGETS = [("engine", "transformers", 32, 1.5), ("engine", "transformers", 8, 2.
 class Workload:
     prompt_tokens: int = 32
     new_tokens: int = 64
+    eos: int = EOS  # the model's end-of-text id, banned
 
     def prompts(self, count: int) -> list[list[int]]:
         return [prompt_ids(i, self.prompt_tokens) for i in range(count)]
@@ -138,10 +140,10 @@ class HFGenerate:
     """transformers' generate over one static batch."""
 
     def __init__(self, checkpoint: Path, workload: Workload):
-        from transformers import GPT2LMHeadModel
+        from transformers import AutoModelForCausalLM
 
         self.workload = workload
-        self.model = GPT2LMHeadModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
     def run(self, count: int, new_tokens: int) -> dict:
         from transformers import LogitsProcessor, LogitsProcessorList
@@ -159,8 +161,8 @@ class HFGenerate:
         start = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS,
-                                      sequence_bias=[[[EOS], -100.0]],
+                                      max_new_tokens=new_tokens, do_sample=False, pad_token_id=self.workload.eos,
+                                      sequence_bias=[[[self.workload.eos], -100.0]],
                                       logits_processor=LogitsProcessorList([FirstLogits()]))
         seconds = time.perf_counter() - start
         new = out[:, ids.shape[1]:]
@@ -177,16 +179,13 @@ class EngineRun:
     def __init__(self, checkpoint: Path, workload: Workload, *, max_batch: int | None = None,
                  prepare=None, options: dict | None = None, dtype: torch.dtype = torch.float32):
         from models.tokenizer import load_tokenizer
-        from nanogpt import kernels
         from nanogpt.checkpoint import load_model
 
         self.workload, self.max_batch, self.options = workload, max_batch, options or {}
         self.threaded = True  # the engine's own thread steps it, as in the worker
         self.model = load_model(checkpoint, device="cpu", dtype=dtype)
-        if prepare is not None:
+        if prepare is not None:  # the engine packs what is left of Linear layers, as in the worker
             self.model = prepare(self.model)
-        else:  # as the worker does (processor.build_engine)
-            kernels.pack_linears(self.model)
         self.tokenizer = load_tokenizer(checkpoint)
 
     def run(self, count: int, new_tokens: int) -> dict:
@@ -208,7 +207,7 @@ class EngineRun:
         engine = Engine(self.model, self.tokenizer, max_batch=self.max_batch or count,
                         max_len=self.workload.prompt_tokens + new_tokens, event_sink=sink, **self.options)
         jobs = [CompletionJob(id=f"r{i}", model="bench", prompts=[prompt], max_tokens=new_tokens,
-                              temperature=0.0, logit_bias={EOS: -100.0}, seed=0)
+                              temperature=0.0, logit_bias={self.workload.eos: -100.0}, seed=0)
                 for i, prompt in enumerate(self.workload.prompts(count))]
         if self.threaded:
             engine.start()
@@ -343,7 +342,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
 
     gate = gate or Gate()
 
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = model_shape(checkpoint)
     load_before = os.getloadavg()
     # First calls allocate, pack weights and meet every sequence length; a compiled system compiles
     # for each batch size it meets, so it runs the whole workload once at every concurrency first.
@@ -385,7 +384,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
             proc.close()
     return {
         "workload": {**asdict(workload), "model": config["model_type"], "n_layer": config["n_layer"],
-                     "n_embd": config["n_embd"], "n_head": config["n_head"]},
+                     "n_embd": config["n_embd"], "n_head": config["n_head"], "checkpoint": checkpoint.name},
         "limits": limits,
         "code": code_version(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
@@ -572,7 +571,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of the default")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
+    parser.add_argument("--model", default="gpt2-small", choices=[s for s in SHAPES if s != "tiny"],
+                        help="the random-weight shape to build and serve")
+    parser.add_argument("--checkpoint", default=None, help="a Hugging Face directory instead of --model")
     parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
     parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
     parser.add_argument("--threads", type=int, default=None,
@@ -597,8 +598,8 @@ def main(argv: list[str] | None = None) -> dict:
     # SIGTERM unwinds like Ctrl-C, so the systems' subprocesses are stopped too
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint("gpt2-small")
-    workload = Workload(args.prompt_tokens, args.new_tokens)
+    ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint(args.model)
+    workload = Workload(args.prompt_tokens, args.new_tokens, model_shape(ckpt)["eos"])
     if args.profile:
         if args.threads:
             torch.set_num_threads(args.threads)
