@@ -94,6 +94,16 @@ def batch_redis_url(redis_server) -> str:
     return url
 
 
+@pytest.fixture()
+def batch_redis(batch_redis_url):
+    """A client of that database."""
+    import redis
+
+    client = redis.Redis.from_url(batch_redis_url)
+    yield client
+    client.close()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _offline_env():
     # Tests never reach a model hub.

@@ -15,7 +15,7 @@ from conftest import FAMILY_CONFIGS, make_family_checkpoint
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
 from nanogpt.kv_cache import KVCache
-from test_engine import PROMPTS, Sink, job, make_engine, run_all
+from test_engine import PROMPTS, job, make_engine, run_all
 from test_model import cached_call, random_seq
 from worker.protocol import CompletionJob
 
