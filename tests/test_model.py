@@ -39,11 +39,16 @@ class Pair:
         return self._ref[key]
 
 
+def make_pair(name: str, tmp_path_factory, device="cpu") -> Pair:
+    """The Pair of a random-weight checkpoint of SHAPES[name], both models on `device`."""
+    shape = SHAPES[name]
+    directory = make_hf_checkpoint(tmp_path_factory.mktemp(name), with_tokenizer=False, **shape)
+    return Pair(directory, shape["n_positions"], device)
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def pair(request, tmp_path_factory):
-    shape = SHAPES[request.param]
-    directory = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), with_tokenizer=False, **shape)
-    return Pair(directory, shape["n_positions"])
+    return make_pair(request.param, tmp_path_factory)
 
 
 def random_seq(n, seed):
