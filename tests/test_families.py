@@ -34,7 +34,7 @@ class Family:
     def reference(self, seq):
         """transformers' logits (len(seq), V) of one whole sequence."""
         with torch.no_grad():
-            return self.hf(torch.tensor([seq])).logits[0]
+            return self.hf(torch.tensor([seq], device=self.hf.device)).logits[0]
 
     def greedy(self, prompt_ids, max_new):
         """transformers' greedy tokens over the tokenizer's vocabulary (GPT-J's padding rows are no
