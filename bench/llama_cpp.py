@@ -13,6 +13,7 @@ that one process only) and torch and transformers, which the dev environment alr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -94,10 +95,27 @@ def convert(hf_checkpoint: Path, precision: str = "f32") -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src / "gguf-py"),
                                                                      os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_checkpoint), "--outfile", str(tmp),
-                    "--outtype", precision], check=True, env=env)
+    with tempfile.TemporaryDirectory(prefix="gguf-input-") as view:
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(_converter_view(hf_checkpoint, view)),
+                        "--outfile", str(tmp), "--outtype", precision, "--model-name", hf_checkpoint.name],
+                       check=True, env=env)
     tmp.rename(out)
     return out
+
+
+def _converter_view(hf_checkpoint: Path, directory: str) -> Path:
+    """The checkpoint as the converter reads it: its files linked into `directory`, with GPT-2's
+    context length also under `n_ctx`, the original config's key, which the converter reads and
+    transformers no longer writes (it writes `n_positions` alone)."""
+    view = Path(directory)
+    for path in hf_checkpoint.iterdir():
+        if path.name != "config.json":
+            (view / path.name).symlink_to(path)
+    config = json.loads((hf_checkpoint / "config.json").read_text())
+    if config.get("model_type") == "gpt2":
+        config.setdefault("n_ctx", config["n_positions"])
+    (view / "config.json").write_text(json.dumps(config, indent=1))
+    return view
 
 
 @contextmanager
