@@ -2,7 +2,9 @@
 
     python -m bench.llama_cpp build                       # once: ~10+ minutes on 2 cores
     python -m bench.llama_cpp convert --precision q8_0    # the GPT-2 small checkpoint as GGUF
-    python -m bench.llama_cpp serve --precision f32 --slots 8    # serves until Ctrl-C
+    python -m bench.llama_cpp serve --precision f32 --slots 8    # serves until Ctrl-C, e.g. for
+    python -m bench.loadgen --base-url http://127.0.0.1:PORT/v1 --model gpt2-small --stream
+    python -m bench.serving_bench --server llama.cpp:q8_0    # started and stopped by the benchmark
 
 llama.cpp is not a dependency of nanoserve: its sources come from the copy vendored in PyPI's
 `llama-cpp-python` sdist (a pinned, reproducible snapshot that pip can fetch like any package), are
@@ -33,9 +35,8 @@ ROOT = CACHE / "llama.cpp"
 SOURCES = ROOT / "src"
 BUILD = ROOT / "build"
 SERVER = BUILD / "bin" / "llama-server"
-PRECISIONS = ("f32", "f16", "q8_0")  # convert_hf_to_gguf's --outtype names
-# nanoserve's precision each llama.cpp type is held against
-MATCHED = {"float32": "f32", "bfloat16": "f16", "int8": "q8_0"}
+# convert_hf_to_gguf's --outtype names, held against nanoserve's float32, bfloat16 and int8
+PRECISIONS = ("f32", "f16", "q8_0")
 
 
 def sources() -> Path:

@@ -64,18 +64,20 @@ class Request:
     max_tokens: int
 
 
-def workload(requests: int, seed: int = 0, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS) -> list[Request]:
-    """The requests' lengths, uniform in the given inclusive ranges, the same for every seed's run."""
+def workload(requests: int, seed: int = 0, prompt_tokens: tuple[int, int] = PROMPT_TOKENS,
+             new_tokens: tuple[int, int] = NEW_TOKENS) -> list[Request]:
+    """The requests' lengths, uniform in the given inclusive ranges; a seed always draws the same."""
     rng = random.Random(f"workload-{seed}")
     return [Request(i, rng.randint(*prompt_tokens), rng.randint(*new_tokens)) for i in range(requests)]
 
 
 def arrivals(requests: int, rate: float, seed: int = 0) -> list[float]:
     """When each request arrives (seconds from the first, which comes at 0): a Poisson process of
-    `rate` requests per second, i.e. independent exponential gaps of mean 1 / rate."""
+    `rate` requests per second, i.e. independent exponential gaps of mean 1 / rate, drawn from
+    (seed, rate)."""
     rng = random.Random(f"arrivals-{seed}-{rate}")
     times, t = [], 0.0
-    for i in range(requests):
+    for _ in range(requests):
         times.append(t)
         t += rng.expovariate(rate)
     return times
