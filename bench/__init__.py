@@ -6,6 +6,10 @@
     python -m bench.fidelity         # bfloat16 and int8 against float32 on a trained checkpoint
     python -m bench.gateway_bench    # HTTP + Redis + worker overhead over the engine alone
     python -m bench.loadgen --base-url http://127.0.0.1:8000/v1 --model NAME   # any OpenAI server
+    python -m bench.serving_bench    # a serving load: Poisson arrivals, random lengths, TTFT/TPOT/ITL/E2E,
+                                     # against nanoserve's stack, llama.cpp or any OpenAI base URL
+    python -m bench.llama_cpp build  # llama.cpp's llama-server from source (the peer compared against),
+                                     # GGUF conversion (f32, f16, q8_0), `serve` for any client
 
 Checkpoints are random-weight Hugging Face directories of known shapes (GPT-2 small, and the 125M
 GPT-Neo and OPT beside it), built once with `transformers` into `bench/.cache/` (or
