@@ -6,12 +6,18 @@
     python -m bench.fidelity         # bfloat16 and int8 against float32 on a trained checkpoint
     python -m bench.gateway_bench    # HTTP + Redis + worker overhead over the engine alone
     python -m bench.loadgen --base-url http://127.0.0.1:8000/v1 --model NAME   # any OpenAI server
+    python -m bench.serving_bench    # a serving load: Poisson arrivals, random lengths, TTFT/TPOT/ITL/E2E,
+                                     # against nanoserve's stack, llama.cpp or any OpenAI base URL
+    python -m bench.llama_cpp build  # llama.cpp's llama-server from source (the peer compared against),
+                                     # GGUF conversion (f32, f16, q8_0), `serve` for any client
 
-Checkpoints are random-weight GPT-2-shaped Hugging Face directories, built once with
-`transformers` into `bench/.cache/` (or $NANOSERVE_BENCH_CACHE) and reused: nothing downloads.
+Checkpoints are random-weight Hugging Face directories of known shapes (GPT-2 small, and the 125M
+GPT-Neo and OPT beside it), built once with `transformers` into `bench/.cache/` (or
+$NANOSERVE_BENCH_CACHE) and reused: nothing downloads.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -22,30 +28,53 @@ CACHE = Path(os.environ.get("NANOSERVE_BENCH_CACHE", Path(__file__).resolve().pa
 
 EOS = 50256  # GPT-2's <|endoftext|>, banned in every benchmark request (logit_bias -100)
 
-# (n_layer, n_head, n_embd, n_positions) of the checkpoints the benchmarks use
+# (family, the shape in transformers' config names) of the checkpoints the benchmarks use
 SHAPES = {
-    "gpt2-small": (12, 12, 768, 1024),  # GPT-2 124M
-    "tiny": (2, 2, 64, 128),  # engine time near zero: what is left is the gateway's
+    "gpt2-small": ("gpt2", dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024)),  # GPT-2 124M
+    "tiny": ("gpt2", dict(n_layer=2, n_head=2, n_embd=64, n_positions=128)),  # engine time near zero: the gateway's
+    # EleutherAI/gpt-neo-125m's shape: global and local (window 256) layers alternating
+    "gpt-neo-125m": ("gpt_neo", dict(vocab_size=50257, max_position_embeddings=2048, hidden_size=768, num_layers=12,
+                                     num_heads=12, attention_types=[[["global", "local"], 6]], window_size=256)),
+    # facebook/opt-125m's shape
+    "opt-125m": ("opt", dict(vocab_size=50272, max_position_embeddings=2048, hidden_size=768, num_hidden_layers=12,
+                             ffn_dim=3072, num_attention_heads=12, word_embed_proj_dim=768,
+                             do_layer_norm_before=True)),
 }
 
 
 def checkpoint(shape: str = "gpt2-small", cache: Path | None = None) -> Path:
-    """A random-weight GPT-2 checkpoint of a known shape with the real GPT-2 vocabulary, built on
-    first use (a few seconds) and then read from the cache."""
-    # The tests' builder is the one place that knows how to make such a checkpoint.
-    from tests.conftest import make_hf_checkpoint
+    """A random-weight checkpoint of a known shape with its family's tokenizer files (the real GPT-2
+    vocabulary), built on first use (seconds) and then read from the cache."""
+    # The tests' builders are the one place that knows how to make such checkpoints.
+    from tests.conftest import make_family_checkpoint, make_hf_checkpoint
 
     directory = (cache or CACHE) / f"{shape}-random"
     if not (directory / "config.json").exists():
         directory.parent.mkdir(parents=True, exist_ok=True)
-        n_layer, n_head, n_embd, n_positions = SHAPES[shape]
+        family, shape_args = SHAPES[shape]
         # build beside the target, then rename: an interrupted build never looks finished
         tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=directory.parent))
-        make_hf_checkpoint(tmp, n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions)
+        if family == "gpt2":
+            make_hf_checkpoint(tmp, **shape_args)
+        else:
+            make_family_checkpoint(tmp, family, **shape_args)
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)
     return directory
+
+
+def model_shape(checkpoint: Path) -> dict:
+    """A Hugging Face checkpoint's model type, layers, width, heads, vocabulary and end-of-text id,
+    whatever its family calls them."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+
+    def first(*names):
+        return next(config[n] for n in names if config.get(n) is not None)
+
+    return {"model_type": config["model_type"], "n_layer": first("n_layer", "num_layers", "num_hidden_layers"),
+            "n_embd": first("n_embd", "hidden_size"), "n_head": first("n_head", "num_heads", "num_attention_heads"),
+            "vocab_size": config["vocab_size"], "eos": config.get("eos_token_id", EOS)}
 
 
 def prompt_ids(index: int, length: int = 32) -> list[int]:

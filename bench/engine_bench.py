@@ -1,17 +1,18 @@
-"""Engine throughput on CPU: nanoserve's continuous-batching engine against transformers' `generate`
-and against one-request-at-a-time serving, on one workload, in one run (`make bench`).
+"""Engine throughput on CPU (or a GPU): nanoserve's continuous-batching engine against transformers'
+`generate` and against one-request-at-a-time serving, on one workload, in one run (`make bench`).
 
-    python -m bench.engine_bench [--quick] [--repeats 3] [--concurrency 1,8,32,64]
+    python -m bench.engine_bench [--quick] [--repeats 3] [--concurrency 1,8,32,64] [--device cpu|cuda]
                                  [--systems transformers,engine,serial,...] [--json PATH] [--plot PATH]
 
-Workload: a random-weight GPT-2 small checkpoint (12 layers, 768 wide, 50257 tokens), float32 on
-the CPU; C requests arrive together, each a 32-token prompt (its own) and 64 new tokens, greedy,
-with EOS banned (logit_bias {50256: -100}) so every request generates all 64.
+Workload: a random-weight GPT-2 small checkpoint (12 layers, 768 wide, 50257 tokens; `--model
+gpt-neo-125m` or `opt-125m` for those shapes, `--checkpoint` for any directory), float32 on the
+CPU; C requests arrive together, each a 32-token prompt (its own) and 64 new tokens, greedy, with
+the model's EOS banned (logit_bias -100) so every request generates all 64.
 
 Systems, each in a subprocess of its own that loads the model once (so its peak memory is its own);
 the runs alternate between them, in a rotating order, so that drifts in the machine's load hit
 all of them alike:
-- `transformers`: `GPT2LMHeadModel.generate` over one static batch of the C prompts (KV cache on,
+- `transformers`: `AutoModelForCausalLM.generate` over one static batch of the C prompts (KV cache on,
   `do_sample=False`, EOS banned with `sequence_bias`);
 - `engine`: `worker.engine.Engine` with `max_batch=C`, the C jobs submitted at once;
 - `serial`: the same engine with `max_batch=1`: one request at a time while the others queue,
@@ -20,6 +21,10 @@ all of them alike:
 - `engine-int8`, `engine-compile`: the engine's int8 and torch.compile modes (`engine_mode`).
 - `engine-bf16`: the engine on the model in bfloat16, where the CPU multiplies bf16 natively
   (nanogpt/precision.py), else "not available".
+
+`--device cuda` (or `cuda:N`) puts transformers and the engine on that GPU: bfloat16 runs there,
+int8 is "not available" (a CPU mode), the ceilings are F.linear's on the GPU (bench/machine.py),
+and the matmul and copy columns, which bench/machine.py measures on the host CPU, are left empty.
 
 Per run: aggregate completion tokens/s (C × 64 over the time from submission to the last token),
 time to first token (submission to the first generated token, median over the C requests), peak
@@ -48,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from bench import EOS, prompt_ids
+from bench import EOS, SHAPES, model_shape, prompt_ids
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
 # the precision whose ceiling each system is held against
@@ -71,6 +76,7 @@ TARGETS = [("engine", "transformers", 32, 1.5), ("engine", "transformers", 8, 2.
 class Workload:
     prompt_tokens: int = 32
     new_tokens: int = 64
+    eos: int = EOS  # the model's end-of-text id, banned
 
     def prompts(self, count: int) -> list[list[int]]:
         return [prompt_ids(i, self.prompt_tokens) for i in range(count)]
@@ -134,17 +140,25 @@ def flops_per_request(config, workload: Workload) -> float:
 
 # ---- the systems (each lives in its own subprocess) ------------------------------------------
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a time taken next includes it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class HFGenerate:
     """transformers' generate over one static batch."""
 
-    def __init__(self, checkpoint: Path, workload: Workload):
-        from transformers import GPT2LMHeadModel
+    def __init__(self, checkpoint: Path, workload: Workload, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
 
-        self.workload = workload
-        self.model = GPT2LMHeadModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        self.workload, self.device = workload, torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(self.device).eval()
 
     def run(self, count: int, new_tokens: int) -> dict:
         from transformers import LogitsProcessor, LogitsProcessorList
+
+        device = self.device
 
         class FirstLogits(LogitsProcessor):
             """Notes when the first logits exist: the prefill is done, token 1 is an argmax away."""
@@ -152,16 +166,19 @@ class HFGenerate:
 
             def __call__(self, input_ids, scores):
                 if FirstLogits.at is None:
+                    synchronize(device)
                     FirstLogits.at = time.perf_counter()
                 return scores
 
-        ids = torch.tensor(self.workload.prompts(count))
+        ids = torch.tensor(self.workload.prompts(count), device=device)
+        synchronize(device)
         start = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS,
-                                      sequence_bias=[[[EOS], -100.0]],
+                                      max_new_tokens=new_tokens, do_sample=False, pad_token_id=self.workload.eos,
+                                      sequence_bias=[[[self.workload.eos], -100.0]],
                                       logits_processor=LogitsProcessorList([FirstLogits()]))
+        synchronize(device)
         seconds = time.perf_counter() - start
         new = out[:, ids.shape[1]:]
         return {"seconds": seconds, "completion_tokens": new.numel(),
@@ -175,18 +192,16 @@ class EngineRun:
     """nanoserve's engine; `max_batch=None` means one slot per request of the run."""
 
     def __init__(self, checkpoint: Path, workload: Workload, *, max_batch: int | None = None,
-                 prepare=None, options: dict | None = None, dtype: torch.dtype = torch.float32):
+                 prepare=None, options: dict | None = None, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu"):
         from models.tokenizer import load_tokenizer
-        from nanogpt import kernels
         from nanogpt.checkpoint import load_model
 
         self.workload, self.max_batch, self.options = workload, max_batch, options or {}
         self.threaded = True  # the engine's own thread steps it, as in the worker
-        self.model = load_model(checkpoint, device="cpu", dtype=dtype)
-        if prepare is not None:
+        self.model = load_model(checkpoint, device=device, dtype=dtype)
+        if prepare is not None:  # the engine packs what is left of Linear layers, as in the worker
             self.model = prepare(self.model)
-        else:  # as the worker does (processor.build_engine)
-            kernels.pack_linears(self.model)
         self.tokenizer = load_tokenizer(checkpoint)
 
     def run(self, count: int, new_tokens: int) -> dict:
@@ -208,7 +223,7 @@ class EngineRun:
         engine = Engine(self.model, self.tokenizer, max_batch=self.max_batch or count,
                         max_len=self.workload.prompt_tokens + new_tokens, event_sink=sink, **self.options)
         jobs = [CompletionJob(id=f"r{i}", model="bench", prompts=[prompt], max_tokens=new_tokens,
-                              temperature=0.0, logit_bias={EOS: -100.0}, seed=0)
+                              temperature=0.0, logit_bias={self.workload.eos: -100.0}, seed=0)
                 for i, prompt in enumerate(self.workload.prompts(count))]
         if self.threaded:
             engine.start()
@@ -239,28 +254,39 @@ def engine_mode(mode: str) -> tuple:
     raise NotAvailable(f"the engine has no {mode} mode")
 
 
-def build_system(name: str, checkpoint: Path, workload: Workload):
-    if name == "transformers":
-        return HFGenerate(checkpoint, workload)
-    if name == "engine":
-        return EngineRun(checkpoint, workload)
-    if name == "serial":
-        return EngineRun(checkpoint, workload, max_batch=1)
-    if name in ("engine-int8", "engine-compile"):
-        prepare, options = engine_mode(name.removeprefix("engine-"))
-        return EngineRun(checkpoint, workload, prepare=prepare, options=options)
-    if name == "engine-bf16":
-        from nanogpt import precision
+def chosen_precision(requested: str, device: str):
+    """What the worker runs for the registry dtype `requested` on `device` (nanogpt.precision);
+    NotAvailable where it refuses (int8 on a GPU)."""
+    from nanogpt import precision
 
-        chosen = precision.choose("bfloat16", "cpu", precision.cpu_flags())
+    try:
+        return precision.choose(requested, device, precision.cpu_flags())
+    except ValueError as err:
+        raise NotAvailable(str(err)) from err
+
+
+def build_system(name: str, checkpoint: Path, workload: Workload, device: str = "cpu"):
+    if name == "transformers":
+        return HFGenerate(checkpoint, workload, device)
+    if name == "engine":
+        return EngineRun(checkpoint, workload, device=device)
+    if name == "serial":
+        return EngineRun(checkpoint, workload, max_batch=1, device=device)
+    if name in ("engine-int8", "engine-compile"):
+        if name == "engine-int8":
+            chosen_precision("int8", device)
+        prepare, options = engine_mode(name.removeprefix("engine-"))
+        return EngineRun(checkpoint, workload, prepare=prepare, options=options, device=device)
+    if name == "engine-bf16":
+        chosen = chosen_precision("bfloat16", device)
         if chosen.dtype != torch.bfloat16:
             raise NotAvailable(chosen.note)
-        return EngineRun(checkpoint, workload, dtype=torch.bfloat16)
+        return EngineRun(checkpoint, workload, dtype=torch.bfloat16, device=device)
     raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
 
 def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[tuple[int, int]],
-                 threads: int | None) -> None:
+                 threads: int | None, device: str = "cpu") -> None:
     """Subprocess body: build the system, warm it up, then answer run requests until None."""
     if threads:
         torch.set_num_threads(threads)
@@ -268,7 +294,7 @@ def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         started = time.perf_counter()
-        system = build_system(name, Path(checkpoint), Workload(**workload))
+        system = build_system(name, Path(checkpoint), Workload(**workload), device)
         for count, new_tokens in warmup:
             system.run(count, new_tokens)
         conn.send({"ready": True, "load_seconds": time.perf_counter() - started,
@@ -296,12 +322,12 @@ class SystemProcess:
     """The parent's handle on one system's subprocess."""
 
     def __init__(self, name: str, checkpoint: Path, workload: Workload, warmup: list[tuple[int, int]],
-                 threads: int | None = None):
+                 threads: int | None = None, device: str = "cpu"):
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve_system, name=f"bench-{name}", daemon=True,
-                                   args=(child, name, str(checkpoint), asdict(workload), warmup, threads))
+                                   args=(child, name, str(checkpoint), asdict(workload), warmup, threads, device))
         self.process.start()
         child.close()
         self.info: dict = {}
@@ -333,8 +359,8 @@ class SystemProcess:
 
 def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], repeats: int,
                   workload: Workload, limits: dict | None = None, gate=None, threads: int | None = None,
-                  log=print) -> dict:
-    """Start every system, run them alternately, summarize. Returns a JSON-able dict.
+                  log=print, device: str = "cpu") -> dict:
+    """Start every system on `device`, run them alternately, summarize. Returns a JSON-able dict.
     threads: torch threads of every system and of the limits' measurement (default: torch's, one
     per core).
     gate: a bench.machine.Gate that times each run in a quiet moment of the (shared) machine and
@@ -343,13 +369,13 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
 
     gate = gate or Gate()
 
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = model_shape(checkpoint)
     load_before = os.getloadavg()
     # First calls allocate, pack weights and meet every sequence length; a compiled system compiles
     # for each batch size it meets, so it runs the whole workload once at every concurrency first.
     procs = {name: SystemProcess(name, checkpoint, workload,
                                  [(c, workload.new_tokens) for c in sorted(set(concurrency))] if "compile" in name
-                                 else [(min(concurrency), workload.new_tokens)], threads)
+                                 else [(min(concurrency), workload.new_tokens)], threads, device)
              for name in systems}
     try:
         ready, unavailable = {}, {}
@@ -365,7 +391,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
             if threads:
                 torch.set_num_threads(threads)
             limits = measure(shape=(config["n_layer"], config["n_embd"], config["vocab_size"]),
-                             rows=sorted(set(concurrency)))
+                             rows=sorted(set(concurrency)), device=device)
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
         for r in range(repeats):
@@ -384,14 +410,15 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         for proc in procs.values():
             proc.close()
     return {
+        "device": device,
         "workload": {**asdict(workload), "model": config["model_type"], "n_layer": config["n_layer"],
-                     "n_embd": config["n_embd"], "n_head": config["n_head"]},
+                     "n_embd": config["n_embd"], "n_head": config["n_head"], "checkpoint": checkpoint.name},
         "limits": limits,
         "code": code_version(),
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "systems": {name: {k: v for k, v in info.items() if k != "ready"} for name, info in ready.items()},
         "unavailable": {name: info["reason"].strip().splitlines()[-1] for name, info in unavailable.items()},
-        "summary": summarize(runs, ready, config, workload, limits),
+        "summary": summarize(runs, ready, config, workload, limits, device),
         "runs": {name: {str(c): rs for c, rs in by_c.items()} for name, by_c in runs.items()},
     }
 
@@ -408,8 +435,9 @@ def code_version() -> dict:
             "uncommitted": git("status", "--porcelain", "--", "worker", "nanogpt").splitlines()}
 
 
-def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
-    """Median over repeats per (system, concurrency), with ratios and fractions of the limits."""
+def summarize(runs, ready, config, workload: Workload, limits: dict, device: str = "cpu") -> dict:
+    """Median over repeats per (system, concurrency), with ratios and fractions of the limits (of
+    the matmul and copy limits only on the CPU, the only device bench/machine.py measures them on)."""
     from bench.machine import workload_ceiling
 
     flops = flops_per_request(config, workload)
@@ -427,14 +455,16 @@ def summarize(runs, ready, config, workload: Workload, limits: dict) -> dict:
                    "peak_rss_mb": min(r["peak_rss_mb"] for r in rs),
                    "foreign_cores": statistics.median(r.get("foreign_cores", 0.0) for r in rs),
                    "gflops": tok_s / workload.new_tokens * flops / 1e9}
-            row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
+            if device == "cpu":
+                row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
             ceiling = limits.get("ceilings", {}).get(PRECISION[name])
             if ceiling:  # the workload's weight matmuls alone, fastest kernel of the precision
                 row["ceiling_tokens_per_s"] = workload_ceiling(ceiling, c, workload.prompt_tokens, workload.new_tokens)
                 row["ceiling_fraction"] = tok_s / row["ceiling_tokens_per_s"]
             if c == 1:  # one decode step per token: every weight is read once per token
                 row["weight_gbps"] = tok_s * ready[name]["weight_bytes"] / 1e9
-                row["copy_bandwidth_fraction"] = row["weight_gbps"] / limits["copy_gbps"]
+                if device == "cpu":
+                    row["copy_bandwidth_fraction"] = row["weight_gbps"] / limits["copy_gbps"]
             summary[name][c] = row
     for name, by_c in summary.items():
         for c, row in by_c.items():
@@ -479,18 +509,18 @@ def markdown(results: dict) -> str:
             if row is None:
                 continue
             ratio = lambda key: f"{row[key]:.2f}" if key in row else ""  # noqa: E731
-            ceiling = f"{100 * row['ceiling_fraction']:.0f}%" if "ceiling_fraction" in row else ""
-            lines.append(f"| {c} | {name} | {row['tokens_per_s']:.1f} | {ceiling} | {ratio('x_transformers')} | "
-                         f"{ratio('x_serial')} | {row['ttft_p50_s']:.2f} | {row['ttft_max_s']:.2f} | "
-                         f"{row['peak_rss_mb']:.0f} | {row['gflops']:.1f} | "
-                         f"{100 * row['matmul_peak_fraction']:.0f}% |")
+            percent = lambda key: f"{100 * row[key]:.0f}%" if key in row else ""  # noqa: E731
+            lines.append(f"| {c} | {name} | {row['tokens_per_s']:.1f} | {percent('ceiling_fraction')} | "
+                         f"{ratio('x_transformers')} | {ratio('x_serial')} | {row['ttft_p50_s']:.2f} | "
+                         f"{row['ttft_max_s']:.2f} | {row['peak_rss_mb']:.0f} | {row['gflops']:.1f} | "
+                         f"{percent('matmul_peak_fraction')} |")
     lines += ["", "At one request (one decode step per token, every weight read once per token):", "",
               "| system | tok/s | weights read (GB/s) | % of copy bandwidth |", "| --- | ---: | ---: | ---: |"]
     for name, by_c in s["by_system"].items():
         row = by_c.get(1)
         if row and "weight_gbps" in row:
-            lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['weight_gbps']:.1f} | "
-                         f"{100 * row['copy_bandwidth_fraction']:.0f}% |")
+            copy = f"{100 * row['copy_bandwidth_fraction']:.0f}%" if "copy_bandwidth_fraction" in row else ""
+            lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['weight_gbps']:.1f} | {copy} |")
     lines += ["", "| target | ratio | met |", "| --- | ---: | --- |"]
     for t in s["targets"]:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
@@ -502,6 +532,12 @@ def markdown(results: dict) -> str:
                   "(prefill chunks + C rows a step) with the fastest kernel of its precision "
                   f"({', '.join(f'{n}: {p}' for n, p in PRECISION.items() if n in s['by_system'])}).",
                   "", ceilings_table(limits)]
+    device = results.get("device", "cpu")
+    if device != "cpu":
+        lines += ["", f"GPU: {limits.get('device', '?')} ({device}), where transformers and the engine ran, in "
+                  "float32 except engine-bf16; the ceilings are F.linear's on the GPU (bench/machine.py). "
+                  "The matmul and copy limits below are the host CPU's (bench/machine.py measures them there "
+                  "only), so the GPU rows have no % matmul peak or % of copy bandwidth."]
     lines += ["", f"CPU: {limits.get('cpu', '?')} (flags: {' '.join(limits.get('cpu_flags', []))}). "
               f"Torch threads per system: {limits['torch_threads']} (of {limits['cores']} cores). "
               f"Limits: {limits['matmul_gflops']:.1f} GFLOP/s ({limits['matmul_shape']} matmul), "
@@ -534,7 +570,8 @@ def plot(results: dict, path: Path) -> None:
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("aggregate completion tokens/s")
-    ax.set_title(f"GPT-2 small shape, CPU float32, {w['prompt_tokens']}-token prompts, "
+    where = "CPU" if results.get("device", "cpu") == "cpu" else results["limits"].get("device", "GPU")
+    ax.set_title(f"GPT-2 small shape, {where} float32, {w['prompt_tokens']}-token prompts, "
                  f"{w['new_tokens']} new tokens", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -544,12 +581,13 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def profile(checkpoint: Path, system: str, count: int, workload: Workload, rows: int = 25) -> str:
+def profile(checkpoint: Path, system: str, count: int, workload: Workload, rows: int = 25,
+            device: str = "cpu") -> str:
     """Where one run's time goes: torch.profiler's operators by self CPU time, and the share of
     the wall time spent outside torch operators (Python: scheduling, sampling glue, events)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    runner = build_system(system, checkpoint, workload)
+    runner = build_system(system, checkpoint, workload, device)
     runner.threaded = False
     runner.run(count, 4)  # warm-up
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -572,7 +610,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of the default")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--checkpoint", default=None, help="a GPT-2 HF directory (default: built gpt2-small)")
+    parser.add_argument("--model", default="gpt2-small", choices=[s for s in SHAPES if s != "tiny"],
+                        help="the random-weight shape to build and serve")
+    parser.add_argument("--checkpoint", default=None, help="a Hugging Face directory instead of --model")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda / cuda:N: transformers and the engine on that GPU (int8 is CPU-only)")
     parser.add_argument("--json", default="bench/.cache/engine_bench.json", help="where the results go")
     parser.add_argument("--plot", default=None, help="write the tokens/s plot here (a .png)")
     parser.add_argument("--threads", type=int, default=None,
@@ -597,13 +639,13 @@ def main(argv: list[str] | None = None) -> dict:
     # SIGTERM unwinds like Ctrl-C, so the systems' subprocesses are stopped too
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint("gpt2-small")
-    workload = Workload(args.prompt_tokens, args.new_tokens)
+    ckpt = Path(args.checkpoint) if args.checkpoint else build_checkpoint(args.model)
+    workload = Workload(args.prompt_tokens, args.new_tokens, model_shape(ckpt)["eos"])
     if args.profile:
         if args.threads:
             torch.set_num_threads(args.threads)
         system, count = args.profile.split(":")
-        print(profile(ckpt, system, int(count), workload))
+        print(profile(ckpt, system, int(count), workload, device=args.device))
         return {}
     concurrency = [int(c) for c in args.concurrency.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -612,7 +654,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_foreign = spare if args.max_foreign is None else args.max_foreign
     gate = Gate(args.quiet_wait, args.quiet_budget, max_foreign, quiet_below=max_foreign)
     results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, gate=gate, threads=args.threads,
-                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True), device=args.device)
     results["wall_seconds"] = time.perf_counter() - started
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

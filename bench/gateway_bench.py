@@ -28,11 +28,16 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 from bench import checkpoint
 from bench.loadgen import Sample, completion_body, openai_sender, percentile, run
 from bench.machine import Gate
+
+if TYPE_CHECKING:
+    from tests.stack import Service
 
 API_KEY = "unused"  # auth is disabled in the benchmark's stack
 
@@ -52,6 +57,26 @@ def engine_sender(engine, model_id: str):
         return Sample(time.perf_counter() - start, result["usage"]["completion_tokens"])
 
     return send
+
+
+@contextmanager
+def stack(models_file: Path, workdir: Path, *, concurrency: int = 32) -> Iterator[Service]:
+    """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
+    private redis-server, `processor.py` with `concurrency` rq workers per model, gunicorn (2 workers
+    × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`)."""
+    from models.registry import Registry
+    from tests.stack import start_gunicorn, start_processor
+    from web.dev.local_redis import start_redis
+
+    models = sorted(spec.id for spec in Registry.from_file(models_file).models())
+    server = start_redis()
+    try:
+        with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir), \
+                start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
+                               log_dir=workdir) as web:
+            yield web
+    finally:
+        server.stop()
 
 
 def timed(fn) -> float:
@@ -115,8 +140,7 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
     gate = gate or Gate()
     from models.registry import Registry
     from processor import build_engine
-    from tests.stack import start_gunicorn, start_processor, write_models_toml
-    from web.dev.local_redis import start_redis
+    from tests.stack import write_models_toml
 
     checkpoints = checkpoints or {name: checkpoint(name) for name in sorted({"tiny", throughput_model})}
     models_file = write_models_toml(workdir / "models.toml", checkpoints, device="cpu", max_batch=32,
@@ -124,11 +148,8 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
     registry = Registry.from_file(models_file)
     engines = {name: build_engine(registry.get(name), "cpu", None) for name in checkpoints}
     load_before = os.getloadavg()
-    server = start_redis()
     try:
-        with start_processor(server.url, models_file, models=sorted(engines), concurrency=32, log_dir=workdir), \
-                start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
-                               log_dir=workdir) as web:
+        with stack(models_file, workdir, concurrency=32) as web:
             import openai
 
             client = openai.OpenAI(base_url=web.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -141,7 +162,6 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
                                          clients, requests_per_client, max_tokens, repeats, gate, log),
             }
     finally:
-        server.stop()
         for engine in engines.values():
             engine.stop()
     result["throughput"].update(model=throughput_model, clients=clients,

@@ -8,7 +8,7 @@ client: the same client measures this stack and any peer server (llama.cpp's lla
 Closed loop: C clients, each sending its next request as soon as its last one is answered, until
 C × requests-per-client requests are done. Per concurrency it reports aggregate completion tokens/s
 (over the run's wall time), requests/s, latency p50/p99, time to first token p50/p99 (`--stream`
-only: the first chunk carrying a choice) and errors.
+only: the first chunk carrying text) and errors.
 
 Requests: a `prompt` of token ids (request i's own random GPT-2 ids, as in bench/engine_bench.py),
 `max_tokens`, `temperature: 0` and `logit_bias {"50256": -100}` (EOS banned, so every request
@@ -25,7 +25,7 @@ import math
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from bench import EOS, prompt_ids
@@ -39,6 +39,10 @@ class Sample:
     completion_tokens: int
     ttft: float | None = None
     error: str | None = None
+    # streaming only: when each chunk carrying text arrived (its gaps: inter-token latency),
+    # and whether the server reported usage (else completion_tokens counts chunks)
+    chunk_times: list[float] = field(default_factory=list)
+    usage_reported: bool = False
 
 
 Send = Callable[[dict], Sample]
@@ -64,17 +68,17 @@ def openai_sender(base_url: str, model: str, *, api_key: str = "unused", stream:
             if not stream:
                 response = client.completions.create(model=model, **body)
                 return Sample(time.perf_counter() - start, response.usage.completion_tokens)
-            ttft, chunks, usage = None, 0, None
+            chunk_times, usage = [], None
             for chunk in client.completions.create(model=model, stream=True,
                                                    stream_options={"include_usage": True}, **body):
-                if chunk.choices:
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
+                if any(choice.text for choice in chunk.choices):  # not a closing chunk
+                    chunk_times.append(time.perf_counter() - start)
                 if chunk.usage is not None:
                     usage = chunk.usage.completion_tokens
             # a server that sends no usage: one token per chunk, as most do
-            return Sample(time.perf_counter() - start, chunks if usage is None else usage, ttft)
+            return Sample(time.perf_counter() - start, len(chunk_times) if usage is None else usage,
+                          chunk_times[0] if chunk_times else None, chunk_times=chunk_times,
+                          usage_reported=usage is not None)
         except openai.OpenAIError as err:
             return Sample(time.perf_counter() - start, 0, error=f"{type(err).__name__}: {err}")
 

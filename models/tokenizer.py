@@ -507,19 +507,3 @@ def _config_special_tokens(directory: Path) -> tuple[set[str], dict[str, int]]:
             for token in (extra if isinstance(extra, list) else ()):
                 add(token)
     return names, added
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise TokenizerError(f"{path}: cannot read tokenizer file: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise TokenizerError(f"{path}: not UTF-8 text ({err})") from None
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(_read_text(path))
-    except json.JSONDecodeError as err:
-        raise TokenizerError(f"{path}: invalid JSON ({err})") from None

@@ -53,6 +53,19 @@ def make_hf_checkpoint(directory: Path, *, n_layer=2, n_head=2, n_embd=64, n_pos
     return directory
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped, with the reason, where torch sees no GPU."""
+    cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="CUDA is not available (torch.cuda.is_available() is False)")
+        for item in cuda:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory) -> Path:
     """A small GPT-2-shaped checkpoint (2 layers, 64 wide, 128 positions) with the real vocabulary."""
@@ -92,6 +105,16 @@ def batch_redis_url(redis_server) -> str:
     client.flushdb()
     client.close()
     return url
+
+
+@pytest.fixture()
+def batch_redis(batch_redis_url):
+    """A client of that database."""
+    import redis
+
+    client = redis.Redis.from_url(batch_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -98,10 +98,8 @@ class Executor:
 
 
 @pytest.fixture()
-def r(batch_redis_url):
-    client = redis.Redis.from_url(batch_redis_url)
-    yield client
-    client.close()
+def r(batch_redis):
+    return batch_redis
 
 
 @pytest.fixture()

@@ -5,7 +5,6 @@ import json
 import time
 
 import pytest
-import redis
 
 from web.batch.files import FileStore, content_key, record_key
 from web.batch.input import MAX_ERRORS, read_input
@@ -15,10 +14,8 @@ MODELS = {"tiny": "tiny", "tiny-alias": "tiny", "other": "other"}
 
 
 @pytest.fixture()
-def r(batch_redis_url):
-    client = redis.Redis.from_url(batch_redis_url)
-    yield client
-    client.close()
+def r(batch_redis):
+    return batch_redis
 
 
 @pytest.fixture()

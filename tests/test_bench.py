@@ -10,7 +10,7 @@ import pytest
 
 import torch
 
-from bench import engine_bench, gateway_bench, loadgen
+from bench import SHAPES, engine_bench, gateway_bench, loadgen, model_shape
 from bench.machine import ForeignCpu, Gate, measure, wait_until_quiet, workload_ceiling
 from nanogpt import kernels, precision
 from tests.stack import start_gunicorn, start_processor, write_models_toml
@@ -106,6 +106,28 @@ def test_engine_bench_runs_every_system_on_a_tiny_model(hf_checkpoint, limits, t
     assert limits["cpu"] in table and "| float32 | onednn |" in table
     engine_bench.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("family", ["opt", "gpt_neo"])
+def test_engine_bench_serves_other_families(family, family_checkpoints, limits):
+    """The engine rows of GPT-Neo and OPT shapes: each family's own EOS is banned (OPT's is 2), and
+    the engine's greedy tokens equal transformers' AutoModelForCausalLM's."""
+    checkpoint = family_checkpoints[family]
+    shape = model_shape(checkpoint)
+    assert shape["eos"] == {"opt": 2, "gpt_neo": 50256}[family] and shape["n_layer"] == 2 and shape["n_embd"] == 64
+    workload = engine_bench.Workload(prompt_tokens=8, new_tokens=4, eos=shape["eos"])
+    results = engine_bench.run_benchmark(checkpoint, ["transformers", "engine"], [2], 1, workload, limits=limits,
+                                         log=lambda msg: None)
+    assert results["workload"]["model"] == family and not results["unavailable"]
+    assert all(results["runs"][name]["2"][0]["completion_tokens"] == 8 for name in ("transformers", "engine"))
+    assert results["summary"]["greedy_equals_transformers"]["engine"]
+
+
+def test_benchmark_shapes_are_the_published_models():
+    assert {name: (family, args.get("n_layer", args.get("num_layers", args.get("num_hidden_layers"))))
+            for name, (family, args) in SHAPES.items()} == {
+        "gpt2-small": ("gpt2", 12), "tiny": ("gpt2", 2), "gpt-neo-125m": ("gpt_neo", 12), "opt-125m": ("opt", 12)}
+    assert SHAPES["opt-125m"][1]["ffn_dim"] == 4 * SHAPES["opt-125m"][1]["hidden_size"] == 3072
 
 
 def test_int8_and_compile_modes_are_the_engines(hf_checkpoint):

@@ -11,7 +11,7 @@ import torch
 from conftest import FAMILY_CONFIGS
 from models.tokenizer import load_tokenizer
 from tests.stack import start_gunicorn, start_processor, write_models_toml
-from web.local_redis import start_redis
+from web.dev.local_redis import start_redis
 
 PROMPT = "The quick brown fox"
 

@@ -7,7 +7,6 @@ with a registered but idle worker it fills its queue for the 429.
 """
 from __future__ import annotations
 
-import json
 import time
 
 import openai

@@ -74,11 +74,13 @@ def run_all(engine, jobs):
 
 
 def hf_greedy(hf, prompt_ids, max_new):
-    out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+    """transformers' greedy tokens and each step's log_softmax (on the CPU, whatever the model's device)."""
+    ids = torch.tensor([prompt_ids], device=hf.device)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids),
                       max_new_tokens=max_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                       pad_token_id=50256)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    return tokens, torch.log_softmax(torch.cat(out.logits).float(), -1)  # (steps, V)
+    return tokens, torch.log_softmax(torch.cat(out.logits).float(), -1).cpu()  # (steps, V)
 
 
 # ---- numerics against transformers ----

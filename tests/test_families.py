@@ -15,7 +15,7 @@ from conftest import FAMILY_CONFIGS, make_family_checkpoint
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
 from nanogpt.kv_cache import KVCache
-from test_engine import PROMPTS, Sink, job, make_engine, run_all
+from test_engine import PROMPTS, job, make_engine, run_all
 from test_model import cached_call, random_seq
 from worker.protocol import CompletionJob
 
@@ -34,7 +34,7 @@ class Family:
     def reference(self, seq):
         """transformers' logits (len(seq), V) of one whole sequence."""
         with torch.no_grad():
-            return self.hf(torch.tensor([seq])).logits[0]
+            return self.hf(torch.tensor([seq], device=self.hf.device)).logits[0]
 
     def greedy(self, prompt_ids, max_new):
         """transformers' greedy tokens over the tokenizer's vocabulary (GPT-J's padding rows are no

@@ -83,6 +83,14 @@ def test_a_model_on_each_kernel_gives_transformers_logits(checkpoint, name):
         assert_close(step, full, rtol=1e-5, atol=1e-4)
 
 
+def test_only_cpu_layers_are_packed():
+    """The packed kernels are CPU ones: a layer on another device (a GPU; here the meta device,
+    which every machine has) stays a plain nn.Linear."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, device="meta"))
+    assert kernels.pack_linears(model, kernel="onednn") == 1
+    assert type(model[0]) is kernels.KernelLinear and type(model[1]) is torch.nn.Linear
+
+
 def test_the_choice_takes_only_kernels_this_machine_runs(checkpoint):
     model = load_model(str(checkpoint))
     kernels.pack_linears(model)  # measured here

@@ -21,12 +21,12 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # float32
 class Pair:
     """Our model and the transformers reference, loaded from one random-weight checkpoint."""
 
-    def __init__(self, directory, n_positions):
+    def __init__(self, directory, n_positions, device="cpu"):
         from transformers import GPT2LMHeadModel
 
         self.directory = directory
-        self.ours = load_model(str(directory))
-        self.hf = GPT2LMHeadModel.from_pretrained(directory).eval()
+        self.ours = load_model(str(directory), device=device)
+        self.hf = GPT2LMHeadModel.from_pretrained(directory).to(device).eval()
         self.n_positions = n_positions
         self._ref = {}
 
@@ -35,15 +35,20 @@ class Pair:
         key = tuple(seq)
         if key not in self._ref:
             with torch.no_grad():
-                self._ref[key] = self.hf(torch.tensor([seq])).logits[0]
+                self._ref[key] = self.hf(torch.tensor([seq], device=self.hf.device)).logits[0]
         return self._ref[key]
+
+
+def make_pair(name: str, tmp_path_factory, device="cpu") -> Pair:
+    """The Pair of a random-weight checkpoint of SHAPES[name], both models on `device`."""
+    shape = SHAPES[name]
+    directory = make_hf_checkpoint(tmp_path_factory.mktemp(name), with_tokenizer=False, **shape)
+    return Pair(directory, shape["n_positions"], device)
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def pair(request, tmp_path_factory):
-    shape = SHAPES[request.param]
-    directory = make_hf_checkpoint(tmp_path_factory.mktemp(request.param), with_tokenizer=False, **shape)
-    return Pair(directory, shape["n_positions"])
+    return make_pair(request.param, tmp_path_factory)
 
 
 def random_seq(n, seed):
@@ -52,13 +57,16 @@ def random_seq(n, seed):
 
 def cached_call(model, cache, rows, all_logits=False):
     """One forward_cached call. rows: (slot, seq, start, n) = feed seq[start:start+n] into slot.
-    Padding is filled with random tokens, so that a leak of it into real results would show."""
+    Padding is filled with random tokens, so that a leak of it into real results would show. The
+    inputs go to the cache's device."""
     T = max(n for _, _, _, n in rows)
     tokens = torch.randint(0, 50257, (len(rows), T))
     for b, (_, seq, start, n) in enumerate(rows):
         tokens[b, :n] = torch.tensor(seq[start:start + n], dtype=torch.long)
-    as_tensor = lambda i: torch.tensor([row[i] for row in rows], dtype=torch.long)  # noqa: E731
-    return model.forward_cached(tokens, as_tensor(3), as_tensor(0), as_tensor(2), cache, all_logits=all_logits)
+    device = cache.k[0].device
+    as_tensor = lambda i: torch.tensor([row[i] for row in rows], dtype=torch.long, device=device)  # noqa: E731
+    return model.forward_cached(tokens.to(device), as_tensor(3), as_tensor(0), as_tensor(2), cache,
+                                all_logits=all_logits)
 
 
 def test_full_forward_matches_transformers(pair):

@@ -38,11 +38,29 @@ def test_the_other_dtypes():
     assert precision.choose("int8", "cpu", AVX2) == precision.Precision("int8", torch.float32, int8=True)
     float16 = precision.choose("float16", "cpu", SAPPHIRE_RAPIDS)
     assert float16.dtype == torch.float32 and "float16" in float16.note
-    # a GPU runs what is asked, whatever the host CPU has
-    assert precision.choose("bfloat16", "cuda:0", AVX2).dtype == torch.bfloat16
-    assert precision.choose("float16", "cuda", AVX2).dtype == torch.float16
-    with pytest.raises(ValueError, match="CPU only"):
+
+
+@pytest.mark.parametrize("flags", [AVX2, AVX512_VNNI, ZEN4, SAPPHIRE_RAPIDS], ids=["avx2", "vnni", "zen4", "spr"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_a_gpu_runs_the_precision_asked_whatever_its_host_cpu(flags, device):
+    for name in ("float32", "bfloat16", "float16"):
+        chosen = precision.choose(name, device, flags)
+        assert chosen == precision.Precision(name, getattr(torch, name))  # no note: nothing was replaced
+        assert precision.faster_options(chosen, device, flags) == []  # the CPU's modes are no GPU's
+
+
+def test_int8_on_a_gpu_is_refused_with_the_reason_before_anything_loads(tmp_path):
+    """The worker exits naming the model and why; the engine benchmark calls the system not
+    available. The checkpoint does not exist, so a load tried first would fail differently."""
+    from bench import engine_bench
+
+    with pytest.raises(ValueError, match="int8 runs on the CPU only, not on cuda:0"):
         precision.choose("int8", "cuda:0", ZEN4)
+    spec = ModelSpec(id="tiny", checkpoint=str(tmp_path / "missing"), device="cuda:0", dtype="int8", max_batch=2)
+    with pytest.raises(SystemExit, match="model `tiny`: dtype int8 runs on the CPU only, not on cuda:0"):
+        processor.build_engine(spec, "cuda:0", None)
+    with pytest.raises(engine_bench.NotAvailable, match="int8 runs on the CPU only, not on cuda"):
+        engine_bench.build_system("engine-int8", tmp_path / "missing", engine_bench.Workload(), device="cuda")
 
 
 def test_faster_options_are_what_the_cpu_runs_natively():

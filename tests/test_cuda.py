@@ -1,0 +1,270 @@
+"""The CUDA path, on a GPU, against the references of the CPU tests: nanoserve's model against
+transformers' on the same GPU (float32 to 1e-4, bfloat16 within its rounding of the float32
+logits), the full forward and ragged-batch decoding through the KV cache, for GPT-2 and GPT-NeoX;
+the engine's greedy tokens and logprobs equal to transformers' generate; seeded sampling that does
+not depend on its batch; the compiled decode step; two replicas with `processor.py --device all`;
+and `bench.engine_bench --device cuda`.
+
+Every test is marked `cuda` and skipped, with the reason, where torch sees no GPU
+(tests/conftest.py). On a GPU machine: `pytest -m cuda`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import test_engine
+from models.tokenizer import load_tokenizer
+from nanogpt.checkpoint import load_model
+from nanogpt.kv_cache import KVCache
+from test_engine import PROMPTS, hf_greedy, job, make_engine, run_all, tok  # noqa: F401  (tok: the fixture)
+from test_families import CONTEXT, Family
+from test_model import SHAPES, cached_call, make_pair, random_seq
+
+pytestmark = pytest.mark.cuda
+
+CUDA = "cuda"
+FLOAT32 = dict(rtol=1e-4, atol=1e-4)
+# bfloat16 keeps 8 significant bits (each rounding is off by up to 2^-9 of the value): through the
+# embeddings, the blocks and the head, the logits of these models (within about +-18) drift from
+# the float32 ones by a few hundredths (at most 0.045 and 0.063 for the two SHAPES, measured on a
+# CPU's bf16); this bound leaves more than 3x room. Their top two logits lie 2.5 or more apart,
+# far beyond the bound, so every argmax must stay the same.
+BFLOAT16 = dict(rtol=0.02, atol=0.2)
+TOLERANCE = {torch.float32: FLOAT32, torch.bfloat16: BFLOAT16}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """float32 matmuls in float32, not TF32: PyTorch's default, which a training run in the same
+    process (nanogpt/train.py) switches off."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ---- logits against transformers on the GPU ----
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def pair(request, tmp_path_factory):
+    """Our model and transformers', both on the GPU in float32 (tests/test_model.py's Pair)."""
+    return make_pair(request.param, tmp_path_factory, device=CUDA)
+
+
+def ours_in(pair, dtype):
+    return pair.ours if dtype == torch.float32 else load_model(str(pair.directory), device=CUDA, dtype=dtype)
+
+
+def replay(model, cache, seqs, slot_of, plan, reference, tolerance):
+    """Feed each step of `plan` (a list of (name, n): seqs[name]'s next n tokens into its slot;
+    n = 0 is a padding row) through forward_cached, and hold every real row's logits against
+    reference(seq) at that position. Checks that the slots of no real sequence stay untouched."""
+    done = dict.fromkeys(seqs, 0)
+    for step in plan:
+        out = cached_call(model, cache, [(slot_of[name], seqs[name], done[name], n) for name, n in step])
+        assert out.dtype == torch.float32 and out.device.type == "cuda" and out.shape == (len(step), model.config.vocab_size)
+        for row, (name, n) in enumerate(step):
+            if n:
+                want = reference(seqs[name])[done[name] + n - 1]
+                assert_close(out[row], want, **tolerance)
+                assert out[row].argmax() == want.argmax()
+                done[name] += n
+    real = {slot_of[name] for name, n in done.items() if n}
+    for layer in cache.k + cache.v:
+        for slot in set(range(cache.max_slots)) - real:
+            assert not layer[slot].any()
+
+
+@DTYPES
+def test_full_forward_matches_transformers(pair, dtype):
+    model = ours_in(pair, dtype)
+    idx = torch.randint(0, 50257, (3, pair.n_positions), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    with torch.no_grad():
+        logits, loss = model(idx[:, :-1], targets=idx[:, 1:])
+        ref = pair.hf(idx, labels=idx)  # float32, on the GPU
+    assert logits.device.type == "cuda" and logits.dtype == dtype
+    assert_close(logits.float(), ref.logits[:, :-1], **TOLERANCE[dtype])
+    assert torch.equal(logits.float().argmax(-1), ref.logits[:, :-1].argmax(-1))
+    assert_close(loss, ref.loss, **TOLERANCE[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("slot_of", [dict(a=5, b=1, c=3, pad=0), dict(a=1, b=2, c=3, pad=0)],
+                         ids=["scattered", "consecutive"])
+def test_ragged_batch_decoding_matches_transformers(pair, dtype, slot_of):
+    """Prefills of different lengths, decode steps with a padding row, a sequence joining among the
+    others' decode and a chunked continuation, in the cache's dtype: every row's logits are
+    transformers' float32 ones at that position, within the dtype's tolerance."""
+    model = ours_in(pair, dtype)
+    cache = KVCache(model.config, max_slots=6, max_len=pair.n_positions, device=CUDA, dtype=dtype)
+    seqs = {name: random_seq(pair.n_positions, seed) for seed, name in enumerate("abc", start=1)}
+    seqs["pad"] = []
+    plan = ([[("a", 9), ("b", 3)]] + [[("a", 1), ("b", 1), ("pad", 0)]] * 3 + [[("a", 1), ("c", 6), ("b", 1)]]
+            + [[("a", 1), ("b", 1), ("c", 1)]] * 3 + [[("b", 4), ("a", 1), ("c", 1)]])
+    replay(model, cache, seqs, slot_of, plan, pair.reference, TOLERANCE[dtype])
+
+
+@pytest.fixture(scope="module")
+def neox(family_checkpoints) -> Family:
+    """GPT-NeoX (partial rotary embeddings, parallel residual) on the GPU, ours and transformers'."""
+    from transformers import GPTNeoXForCausalLM
+
+    directory = family_checkpoints["gpt_neox"]
+    hf = GPTNeoXForCausalLM.from_pretrained(directory).to(CUDA).eval()
+    return Family("gpt_neox", directory, load_model(directory, device=CUDA), hf, load_tokenizer(directory))
+
+
+def test_another_family_matches_transformers(neox):
+    idx = torch.randint(0, neox.tok.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    with torch.no_grad():
+        ref = neox.hf(idx).logits
+    assert_close(neox.ours(idx), ref, **FLOAT32)
+
+    cache = KVCache(neox.ours.config, max_slots=4, max_len=CONTEXT, device=CUDA)
+    seqs = {name: random_seq(30, seed) for seed, name in enumerate("ab", start=1)}
+    plan = [[("a", 9), ("b", 4)]] + [[("b", 1), ("a", 1)]] * 3 + [[("a", 5), ("b", 1)]]
+    replay(neox.ours, cache, seqs, dict(a=3, b=0), plan, neox.reference, FLOAT32)
+
+
+# ---- the engine on the GPU ----
+
+@pytest.fixture(scope="module")
+def model(hf_checkpoint):
+    return load_model(str(hf_checkpoint), device=CUDA)
+
+
+@pytest.fixture(scope="module")
+def hf(hf_checkpoint):
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(hf_checkpoint).to(CUDA).eval()
+
+
+def test_engine_greedy_matches_transformers(model, tok, hf):
+    """tests/test_engine.py's ragged batch (chunked prefills, waiting admissions, n) on the GPU:
+    transformers' greedy tokens, and their logprobs and top logprobs to 1e-4."""
+    assert model.device.type == "cuda" and next(hf.parameters()).device.type == "cuda"
+    test_engine.test_greedy_ragged_batch_matches_transformers(model, tok, hf)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
+    """A seeded request alone and among others (tests/test_engine.py's), drawn from the GPU's
+    generator: the same text; another seed gives another."""
+    test_engine.test_seeded_request_is_independent_of_its_batch(model, tok, top_p)
+
+
+def test_compiled_decode_gives_the_eager_tokens(model, tok, tmp_path, monkeypatch):
+    from nanogpt import compile_cache
+
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "compile-cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    # 3 rows, padded to the graph of 4; EOS banned, so that all 3 run every step
+    jobs = lambda: [job(tok, [p], max_tokens=12, logprobs=0, logit_bias={tok.eos_token_id: -100.0})  # noqa: E731
+                    for p in PROMPTS[:3]]
+    eager = run_all(make_engine(model, tok)[0], jobs())
+    engine, _ = make_engine(model, tok, compile=True)
+    # a decode step that fails to compile is served eagerly (worker/runner.py), which would prove nothing here
+    assert engine.runner.compiled
+    compiled = run_all(engine, jobs())
+    assert engine.runner.batch_sizes[3] > 0  # decode steps of 3 rows ran
+    for a, b in zip(eager, compiled):
+        a, b = a["choices"][0], b["choices"][0]
+        assert b["text"] == a["text"] and b["logprobs"]["tokens"] == a["logprobs"]["tokens"]
+        assert_close(torch.tensor(b["logprobs"]["token_logprobs"]), torch.tensor(a["logprobs"]["token_logprobs"]),
+                     atol=1e-4, rtol=0)
+
+
+# ---- two replicas, one per GPU ----
+
+def tokens_by_device(metrics_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {sample.labels["device"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "nanoserve_worker_tokens_generated_total"}
+
+
+def test_two_replicas_with_device_all(hf_checkpoint, tok, hf, tmp_path):
+    """`processor.py --device all` on two or more GPUs: one engine per GPU, all fed from the model's
+    queue; requests through gunicorn and the openai client reach every GPU and give transformers'
+    greedy text."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        pytest.skip(f"two replicas need two GPUs; torch.cuda.device_count() is {count}")
+    import openai
+
+    from stack import start_gunicorn, start_processor, write_models_toml
+    from web.dev.local_redis import free_port, start_redis
+
+    devices = [f"cuda:{i}" for i in range(count)]
+    models = write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint}, max_batch=4)
+    port = free_port()
+    greedy = hf_greedy(hf, tok.encode(PROMPTS[1]), 24)[0]
+    want = tok.decode(greedy[:greedy.index(tok.eos_token_id)] if tok.eos_token_id in greedy else greedy)  # EOS: a stop
+    server = start_redis()
+    try:
+        with start_processor(server.url, models, device="all", concurrency=2, log_dir=tmp_path,
+                             extra_args=["--metrics-port", str(port)]) as worker, \
+                start_gunicorn(server.url, models, env={"NANOSERVE_AUTH": "disabled"}, workers=1, threads=16,
+                               log_dir=tmp_path) as web:
+            metrics_url = f"http://127.0.0.1:{port}/metrics"
+            deadline = time.monotonic() + 180  # the metrics server starts once every engine is built
+            while True:
+                try:
+                    assert sorted(tokens_by_device(metrics_url)) == devices
+                    break
+                except OSError:
+                    assert worker.alive() and time.monotonic() < deadline, worker.logs()[-4000:]
+                    time.sleep(0.5)
+            records = [json.loads(line) for line in worker.logs().splitlines() if line.startswith("{")]
+            assert sorted(r["device"] for r in records if r["msg"] == "engine ready") == devices
+
+            client = openai.OpenAI(base_url=web.url + "/v1", api_key="unused", max_retries=0)
+            with ThreadPoolExecutor(4 * len(devices)) as pool:  # more requests at once than one GPU's workers take
+                texts = list(pool.map(lambda _: client.completions.create(
+                    model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0).choices[0].text,
+                    range(8 * len(devices))))
+            assert texts == [want] * len(texts)
+            generated = tokens_by_device(metrics_url)
+            assert sorted(generated) == devices and all(generated[d] > 0 for d in devices), generated
+    finally:
+        server.stop()
+
+
+# ---- the engine benchmark on the GPU ----
+
+def test_engine_bench_runs_on_cuda(hf_checkpoint, tmp_path):
+    from bench import engine_bench
+
+    systems = ["transformers", "engine", "serial", "engine-compile", "engine-bf16", "engine-int8"]
+    results = engine_bench.main([
+        "--device", CUDA, "--checkpoint", str(hf_checkpoint), "--systems", ",".join(systems), "--repeats", "1",
+        "--concurrency", "1,3", "--prompt-tokens", "8", "--new-tokens", "4", "--json", str(tmp_path / "bench.json"),
+        "--quiet-wait", "0", "--max-foreign", "inf"])
+
+    assert results["device"] == CUDA and results["limits"]["device"] == torch.cuda.get_device_name(CUDA)
+    # int8 is a CPU mode, said so with the worker's reason; bfloat16 runs on any GPU
+    assert list(results["unavailable"]) == ["engine-int8"] and "CPU only" in results["unavailable"]["engine-int8"]
+    summary = results["summary"]
+    assert set(summary["by_system"]) == set(systems) - {"engine-int8"}
+    greedy = summary["greedy_equals_transformers"]
+    assert all(greedy[name] for name in ("transformers", "engine", "serial", "engine-compile")), greedy
+    # ceilings of the GPU's float32 and bfloat16 F.linear; no fractions of the host CPU's limits
+    assert list(results["limits"]["ceilings"]) == ["float32", "bfloat16"]
+    for name, by_c in summary["by_system"].items():
+        assert set(by_c) == {1, 3}
+        for row in by_c.values():
+            assert row["tokens_per_s"] > 0 and row["ceiling_fraction"] > 0
+            assert "matmul_peak_fraction" not in row and "copy_bandwidth_fraction" not in row
+    assert json.loads((tmp_path / "bench.json").read_text())["device"] == CUDA
+    table = engine_bench.markdown(results)
+    assert f"GPU: {results['limits']['device']} (cuda)" in table and "| 3 | engine-bf16 |" in table
