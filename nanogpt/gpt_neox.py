@@ -75,8 +75,11 @@ class GPTNeoX(ServingModel):
     def embed(self, tokens, positions):
         return self.embed_in(tokens)  # positions enter through the rotary embeddings
 
-    def head(self, x):
-        return self.embed_out(self.final_layer_norm(x))
+    def final_hidden(self, x):
+        return self.final_layer_norm(x)
+
+    def unembed(self, h):
+        return self.embed_out(h)
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:

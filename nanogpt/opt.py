@@ -83,12 +83,15 @@ class OPT(ServingModel):
             x = self.project_in(x)
         return x + self.embed_positions(positions + POSITION_OFFSET)
 
-    def head(self, x):
+    def final_hidden(self, x):
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x)
+        return x
+
+    def unembed(self, h):
+        return self.lm_head(h)
 
     def tie_weights(self):
         self.embed_tokens.weight = self.lm_head.weight

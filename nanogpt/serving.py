@@ -8,7 +8,13 @@ nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subc
     token_embedding        the nn.Embedding of the tokens (device and dtype are read from it)
     blocks                 its transformer blocks, each called as block(x, (cache_k, cache_v, window))
     embed(tokens, pos)     (B, T) token ids and positions -> (B, T, n_embd)
-    head(x)                (..., n_embd) -> (..., vocab_size) logits
+    final_hidden(x)        the last block's output (..., n_embd) -> the last hidden state: after the
+                           final norm (and any projection before the output layer), what transformers
+                           reports as hidden_states[-1]
+    unembed(h)             the last hidden state (..., width) -> (..., vocab_size) logits
+
+`forward_cached(..., hidden=True)` also returns the last hidden state of every position (contrastive
+search compares them); without it, nothing beyond the logits is computed.
 """
 from __future__ import annotations
 
@@ -25,8 +31,15 @@ class ServingModel(nn.Module):
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's output (..., n_embd) -> logits (..., vocab_size)."""
+        return self.unembed(self.final_hidden(x))
 
     def tie_weights(self) -> None:
         """Make tied parameters one again (after load_state_dict(assign=True) replaced them)."""
@@ -49,7 +62,8 @@ class ServingModel(nn.Module):
         return self.head(x).float()
 
     @torch.no_grad()
-    def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None):
+    def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None,
+                       hidden=False):
         """Serving forward over a ragged batch; prefill (T > 1) and decode (T = 1) alike.
 
         tokens (B, T) long: row b holds lengths[b] real tokens, left-aligned, then padding.
@@ -61,9 +75,10 @@ class ServingModel(nn.Module):
         unused slots between them); any other slot order costs a gather (a copy) per layer.
         span: max(start_pos + lengths) when the caller knows it (saves a host sync).
         Returns float32 logits of each row's last real token (B, V), or of every position (B, T, V)
-        when all_logits (padding positions then hold meaningless values).
+        when all_logits (padding positions then hold meaningless values); with `hidden`, the pair
+        (logits, float32 last hidden states of every position (B, T, width)).
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         window = CacheWindow(slots, start_pos, lengths, T, cache.max_len, span)
         if window.span > self.config.block_size:
             raise ValueError(f"batch reaches position {window.span - 1}, the model's context is "
@@ -73,10 +88,10 @@ class ServingModel(nn.Module):
         x = self.embed(tokens, pos)  # (B, T, n_embd)
         for i, block in enumerate(self.blocks):
             x = block(x, (cache.k[i], cache.v[i], window))
-        if not all_logits:
-            last = (lengths - 1).clamp(min=0)
-            x = x[torch.arange(B, device=x.device), last]  # (B, n_embd): only what the head must see
-        return self.head(x).float()
+        if hidden:
+            h = self.final_hidden(x)  # (B, T, width)
+            return self.unembed(h if all_logits else _last(h, lengths)).float(), h.float()
+        return self.head(x if all_logits else _last(x, lengths)).float()
 
     @torch.no_grad()
     def forward_decode(self, tokens, slots, positions, cache: KVCache, keys):
@@ -88,6 +103,11 @@ class ServingModel(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, (cache.k[i], cache.v[i], window))
         return self.head(x[:, 0]).float()
+
+
+def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, T, d) -> (B, d): each row's last real position, the only one whose logits are needed."""
+    return x[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
 
 
 class GPT2Layout(ServingModel):
@@ -109,8 +129,11 @@ class GPT2Layout(ServingModel):
         x = self.transformer.wte(tokens)
         return x + self.transformer.wpe(positions) if "wpe" in self.transformer else x
 
-    def head(self, x):
-        return self.lm_head(self.transformer.ln_f(x))
+    def final_hidden(self, x):
+        return self.transformer.ln_f(x)
+
+    def unembed(self, h):
+        return self.lm_head(h)
 
     def tie_weights(self):
         if self.tied:

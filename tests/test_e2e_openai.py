@@ -297,7 +297,9 @@ def test_job_stream_resumes(stack):
     ({"extra_body": {"length_penalty": "long"}}, "length_penalty"),
     ({"extra_body": {"early_stopping": "soon"}}, "early_stopping"),
     ({"extra_body": {"no_repeat_ngram_size": -1}}, "no_repeat_ngram_size"),
-    ({"extra_body": {"penalty_alpha": 0.6, "top_k": 4}}, "penalty_alpha"),
+    ({"extra_body": {"penalty_alpha": 0.6, "top_k": 1}}, "top_k"),
+    ({"extra_body": {"penalty_alpha": 0.6, "top_k": 9}}, "top_k"),  # more candidates than the worker's 8 slots
+    ({"extra_body": {"penalty_alpha": 0.6, "top_k": 4}, "n": 2}, "n"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
 ])
 def test_bad_request_errors_name_the_param(client, kwargs, param):
@@ -393,6 +395,27 @@ def test_beam_search_returns_transformers_hypotheses_prompt_major(client, hf_che
                              do_sample=False, pad_token_id=50256)
         assert texts[2 * p:2 * p + 2] == [tokenizer.decode(row[len(ids):]) for row in out.tolist()]
     assert result.usage.completion_tokens == 4 * 5
+
+
+def test_contrastive_search_through_extra_body_is_the_papers_formula(client, hf_checkpoint, tokenizer):
+    """penalty_alpha with top_k (transformers' GPT-API extension) through the openai client: the
+    tokens of a direct implementation of the formula over transformers, streamed and not."""
+    from transformers import GPT2LMHeadModel
+
+    from test_contrastive import reference
+
+    extra = {"penalty_alpha": 0.6, "top_k": 4}
+    prompts = [PROMPT, "The sky"]
+    result = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, logprobs=1, extra_body=extra)
+    model = GPT2LMHeadModel.from_pretrained(hf_checkpoint).eval()
+    want = [reference(model, tokenizer.encode(p), 0.6, 4, 8, tokenizer.vocab_size)[0] for p in prompts]
+    assert [c.text for c in result.choices] == [tokenizer.decode(w) for w in want]
+    assert [c.logprobs.tokens for c in result.choices] == [[tokenizer.token_string(t) for t in w] for w in want]
+    assert tokenizer.decode(want[0]) != greedy(client, max_tokens=8).choices[0].text  # not greedy search
+    texts, finishes, _ = collect_stream(client.completions.create(model="tiny", prompt=prompts, max_tokens=8,
+                                                                  stream=True, extra_body=extra))
+    assert [texts[i] for i in range(2)] == [c.text for c in result.choices]
+    assert [finishes[i] for i in range(2)] == ["length", "length"]
 
 
 def test_prompt_logprobs_a_list_per_prompt_token_first_null(client, tokenizer):

@@ -207,8 +207,13 @@ def test_extras_defaults_are_vllms_and_nulls_mean_them():
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"), ({"top_k": -2}, "top_k"),
     ({"length_penalty": float("inf")}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
-    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"), ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha"),
-    ({"penalty_alpha": 2}, "penalty_alpha"), ({"include_stop_str_in_output": None, "skip_special_tokens": 0}, "skip_special_tokens"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"), ({"penalty_alpha": 2, "top_k": 4}, "penalty_alpha"),
+    ({"penalty_alpha": -0.1, "top_k": 4}, "penalty_alpha"), ({"penalty_alpha": "0.5", "top_k": 4}, "penalty_alpha"),
+    ({"penalty_alpha": 0.6}, "top_k"), ({"penalty_alpha": 0.6, "top_k": 1}, "top_k"), ({"penalty_alpha": 0, "top_k": -1}, "top_k"),
+    ({"penalty_alpha": 0.6, "top_k": 4, "use_beam_search": True}, "penalty_alpha"),
+    ({"penalty_alpha": 0.6, "top_k": 4, "n": 2}, "n"), ({"penalty_alpha": 0.6, "top_k": 4, "best_of": 3}, "best_of"),
+    ({"penalty_alpha": 0.6, "top_k": 4, "top_p": 0.9}, "top_p"), ({"penalty_alpha": 0.6, "top_k": 4, "min_p": 0.1}, "min_p"),
+    ({"include_stop_str_in_output": None, "skip_special_tokens": 0}, "skip_special_tokens"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
     ({"use_beam_search": True, "stream": True}, "stream"), ({"use_beam_search": True, "top_p": 0.9}, "top_p"),
     ({"use_beam_search": True, "top_k": 5}, "top_k"), ({"use_beam_search": True, "min_p": 0.1}, "min_p"),
@@ -240,3 +245,16 @@ def test_extras_go_into_the_job():
     assert (job.prompt_logprobs, job.return_tokens_as_token_ids, job.no_repeat_ngram_size) == (2, True, 3)
     assert (job.use_beam_search, job.best_of, job.n, job.length_penalty, job.early_stopping) == (True, 3, 2, 0.5, "never")
     assert protocol.CompletionJob.from_payload(job.to_payload()) == job
+
+
+def test_contrastive_search_goes_into_the_job_deterministic():
+    """penalty_alpha with top_k candidates; temperature has no part in it, and penalty_alpha 0 is greedy
+    search (as in transformers), so the job is greedy in both cases."""
+    spec = ModelSpec(id="m", checkpoint="unused")
+    job = parse(prompt="x", penalty_alpha=0.6, top_k=4, temperature=0.8, stream=True).to_job(spec, [[1]], seed=0)
+    assert (job.penalty_alpha, job.top_k, job.temperature, job.stream) == (0.6, 4, 0.0, True)
+    greedy = parse(prompt="x", penalty_alpha=0, top_k=4).to_job(spec, [[1]], seed=0)
+    assert (greedy.penalty_alpha, greedy.temperature) == (0.0, 0.0)
+    sampled = parse(prompt="x", temperature=0.8).to_job(spec, [[1]], seed=0)
+    assert (sampled.penalty_alpha, sampled.temperature) == (0.0, 0.8)
+    assert parse(prompt="x", penalty_alpha=None).penalty_alpha is None

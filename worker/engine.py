@@ -197,6 +197,9 @@ class Engine:
         if job.use_beam_search and width > self.runner.slots:
             raise EngineError(f"Beam search of width {width} needs as many KV-cache slots; this worker has "
                               f"{self.runner.slots}.", param="best_of" if job.best_of else "n")
+        if job.penalty_alpha > 0 and job.top_k > self.runner.slots:
+            raise EngineError(f"Contrastive search among top_k={job.top_k} candidates needs as many KV-cache "
+                              f"slots; this worker has {self.runner.slots}.", param="top_k")
         eos = self.output.eos_token_id
         stop_ids = [*job.stop_token_ids, *([eos] if eos is not None and not job.ignore_eos else [])]
         params = SamplingParams(
@@ -248,11 +251,16 @@ class Engine:
         self.runner.admit(batch.admitted)
         for unit in batch.ready:
             self.output.start(unit)
-        rows = list(batch.decoding)
-        logits = [self.runner.decode(rows)] if rows else []
+        searching = [s for s in batch.decoding if s.search is not None]  # contrastive search: its own choice
+        rows = [s for s in batch.decoding if s.search is None]
+        logits = [self.runner.decode(rows, searching)] if batch.decoding else []
         prefilled = self.runner.prefill(batch.chunks)
+        new_searches = []  # their first candidates go out with the next step's decode
         for unit, last in prefilled:
             started = self.output.start(unit)  # those not finished by their echo or replay draw
+            if unit.seqs[0].request.contrastive:
+                new_searches += started
+                continue
             rows += started
             logits += [last[None]] * len(started)
             req = unit.seqs[0].request
@@ -263,7 +271,8 @@ class Engine:
         draws = self.runner.sample([rows[i] for i in sampled], [x[sampled]] if sampled else [])
         self.output.accept([rows[i] for i in sampled], draws)
         self.runner.step_beams(self._beam_rows(rows, x), self.tokenizer)
-        self.scheduler.update([unit for unit, _ in prefilled], rows)
+        self.output.accept(searching, self.runner.contrast(searching))
+        self.scheduler.update([unit for unit, _ in prefilled], rows + searching + new_searches)
 
     @staticmethod
     def _beam_rows(rows, x) -> list:

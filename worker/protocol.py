@@ -93,6 +93,7 @@ class CompletionJob(BaseModel):
     use_beam_search: bool = False  # width best_of (or n), the n best returned
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    penalty_alpha: float = 0.0  # contrastive search among top_k candidates (worker/contrastive.py); 0: off
 
     def to_payload(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -6,7 +6,9 @@ that score their context (echo with logprobs, or a resumed job's logprobs) in an
 every position's logits. A completed prefill's keys and values are copied from its leader's slot
 to those of the prompt's other copies (`n`/`best_of` share one prefill). Every row that has logits
 then draws its token (sampling.py) and is scored (logprobs.py), and all of it comes to the host in
-one `.tolist()`: the step's one sync.
+one `.tolist()`: the step's one sync. Contrastive searches (contrastive.py) put their candidates
+in the decode forward, which then also returns last hidden states (eagerly: the compiled decode
+has no hidden-state output), and choose among them after it, with a sync of their own.
 
 The model is used through its serving contract only: `config`, `device`, `dtype`,
 `forward_cached` (prefill, and eager decode) and `forward_decode` (the compiled decode).
@@ -22,6 +24,7 @@ import torch
 from nanogpt.compile import compile_decode
 from nanogpt.kv_cache import KVCache
 from nanogpt.kernels import pack_linears
+from worker import contrastive
 from worker.beams import BeamGroup, advance
 from worker.logprobs import score
 from worker.sampling import Sampler
@@ -83,9 +86,15 @@ class Runner:
         resumed one already drew (penalties, draw counter)."""
         for s in seqs:
             self.sampler.assign(s.slot, s.request.params, s.candidate, s.history, s.prompt)
+            if s.request.contrastive:
+                s.search = contrastive.Search(s.request.job.penalty_alpha, [s.slot, *s.scratch],
+                                              len(s.prompt) + s.max_new)
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits (B, V) of one step of the decoding sequences."""
+    def decode(self, seqs: list[Sequence], searching: list[Sequence] = ()) -> torch.Tensor:
+        """Logits (B, V) of one step of the decoding sequences; the candidates of the `searching`
+        sequences' contrastive searches go through the same forward (see `contrast`)."""
+        if searching:
+            return self._decode_with_candidates(seqs, searching)
         self.batch_sizes[len(seqs)] += 1
         B = len(seqs)
         span = max(s.position for s in seqs) + 1
@@ -99,7 +108,8 @@ class Runner:
 
     def prefill(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
         """Feed each prefill its next n context tokens; return the prefills completed, each with its
-        last position's logits (V,) and its keys/values copied to its other sequences' slots."""
+        last position's logits (V,) and its keys/values copied to its other sequences' slots. A
+        contrastive search remembers the hidden states of its context and starts from those logits."""
         done = []
         for all_logits in (False, True):  # plain prefills, then those scoring their context
             group = [(unit, n) for unit, n in chunks if (unit.score_from is not None) == all_logits]
@@ -109,16 +119,24 @@ class Runner:
             tokens = torch.tensor([u.context[u.fed:u.fed + n] + [0] * (T - n) for u, n in group], device=self.device)
             meta = torch.tensor([[n for _, n in group], [u.seqs[0].slot for u, _ in group],
                                  [u.fed for u, _ in group]], device=self.device)
-            out = self.model.forward_cached(tokens, meta[0], meta[1], meta[2], self.cache, all_logits=all_logits)
+            searches = [u.seqs[0].search for u, _ in group]
+            wants_hidden = any(search is not None for search in searches)
+            out = self.model.forward_cached(tokens, meta[0], meta[1], meta[2], self.cache, all_logits=all_logits,
+                                            hidden=wants_hidden)
+            out, hidden = out if wants_hidden else (out, None)
             for b, (unit, n) in enumerate(group):
                 if all_logits:
                     self._score_context(unit, out[b, :n, :self.vocab_size])
+                if searches[b] is not None:
+                    searches[b].remember(hidden[b, :n])
                 unit.fed += n
                 self.prompt_tokens += n
                 if unit.fed == len(unit.context):
                     done.append((unit, out[b, n - 1] if all_logits else out[b]))
-        for unit, _ in done:
+        for unit, last in done:
             self._share_cache(unit)
+            if unit.seqs[0].search is not None:
+                unit.seqs[0].search.logits = last[:self.vocab_size]
         return done
 
     def sample(self, rows: list[Sequence], logits: list[torch.Tensor]) -> list[Draw]:
@@ -128,6 +146,21 @@ class Runner:
             return []
         x = (logits[0] if len(logits) == 1 else torch.cat(logits))[:, :self.vocab_size]  # (B, V); nanoGPT pads V
         tokens = self.sampler.sample(x, [s.slot for s in rows], [s.tokens for s in rows])
+        return self._draws(rows, x, tokens)
+
+    def contrast(self, seqs: list[Sequence]) -> list[Draw]:
+        """The token each contrastive search chooses among the candidates of this step's decode,
+        scored as a greedy row's would be (the model's logprobs of the distribution it was chosen from)."""
+        if not seqs:
+            return []
+        searches = [s.search for s in seqs]
+        x = torch.stack([s.logits for s in searches])  # the distributions the candidates came from
+        tokens = contrastive.choose(searches, self.cache)
+        self.sampler.advance([s.slot for s in seqs], tokens)
+        return self._draws(seqs, x, tokens)
+
+    def _draws(self, rows: list[Sequence], x: torch.Tensor, tokens: torch.Tensor) -> list[Draw]:
+        """The rows' tokens (B,) drawn from logits x (B, V), with the logprobs their requests ask for."""
         self.tokens_generated += len(rows)
         if not any(s.request.needs_scores for s in rows):
             return [Draw(t, None, []) for t in tokens.tolist()]
@@ -146,6 +179,27 @@ class Runner:
         for group, logits in groups:
             self.tokens_generated += len(group.rows)
             advance(group, logits[:, :self.vocab_size], self.cache, self.sampler, tokenizer)
+
+    def _decode_with_candidates(self, seqs: list[Sequence], searching: list[Sequence]) -> torch.Tensor:
+        """One eager forward of the decoding sequences and the searches' candidates, rows in slot
+        order (the cache is then read in place); the searches keep their candidates' outputs."""
+        searches = [s.search for s in searching]
+        candidates = contrastive.propose(searches, searching, self.sampler)
+        cand_slots, cand_positions = contrastive.rows(searches)
+        slots = [s.slot for s in seqs] + cand_slots
+        positions = [s.position for s in seqs] + cand_positions
+        self.batch_sizes[len(slots)] += 1
+        tokens = torch.cat([torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=self.device), candidates])
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        meta = torch.tensor([[slots[r] for r in order], [positions[r] for r in order], order], device=self.device)
+        logits, hidden = self.model.forward_cached(tokens[meta[2], None], torch.ones_like(meta[0]), meta[0], meta[1],
+                                                   self.cache, span=max(positions) + 1, hidden=True)
+        back = torch.empty_like(meta[2])
+        back[meta[2]] = torch.arange(len(order), device=self.device)  # each row's place in the sorted batch
+        logits, hidden = logits[back], hidden[back, 0]
+        B = len(seqs)
+        contrastive.take(searches, logits[B:, :self.vocab_size], hidden[B:])
+        return logits[:B]
 
     # ---- the compiled decode ----
 
@@ -190,9 +244,11 @@ class Runner:
             unit.scores.append((lp, list(zip(ti, tl))))
 
     def _share_cache(self, unit: Prefill) -> None:
-        """Copy the leader's prefilled keys/values to the other sequences of the prefill."""
-        if len(unit.seqs) > 1:
+        """Copy the leader's prefilled keys/values to the other sequences of the prefill (and to the
+        scratch slots of a contrastive search)."""
+        others = [s.slot for s in unit.seqs[1:]] + [slot for s in unit.seqs for slot in s.scratch]
+        if others:
             src, L = unit.seqs[0].slot, len(unit.context)
-            dst = torch.tensor([s.slot for s in unit.seqs[1:]], device=self.device)
+            dst = torch.tensor(others, device=self.device)
             for layer in self.cache.k + self.cache.v:
                 layer[dst, :, :L] = layer[src, :, :L]

@@ -37,6 +37,9 @@ class Request:
         self.best_of = job.best_of or job.n  # with beam search: the beam width
         self.beam = job.use_beam_search
         self.beams: dict[int, object] = {}  # prompt index -> its beams (worker/beams.BeamGroup)
+        # contrastive search: each sequence holds top_k KV-cache slots, one per candidate (worker/contrastive.py)
+        self.contrastive = job.penalty_alpha > 0
+        self.slots_per_sequence = job.top_k if self.contrastive else 1
         # best_of > n and beam search: the choices are decided at the end
         self.streams = self.best_of == self.n and not self.beam
         self.wants_logprobs = job.logprobs is not None
@@ -64,6 +67,8 @@ class Sequence:
         self.history = (emitted[len(self.prompt):] if job.echo else emitted) if emitted is not None else []
         self.echo_pending = job.echo and emitted is None
         self.slot: int | None = None
+        self.scratch: list[int] = []  # more slots it holds (contrastive search's candidates)
+        self.search = None  # its contrastive search (worker/contrastive.Search), from admission
         self.tokens: list[int] = []  # generated so far (history included)
         self.entries: list[TokenLogprob] = []  # logprobs of the generated tokens
         self.logprob_sum = 0.0
@@ -226,11 +231,13 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         """Waiting prefills take free slots in arrival order; one too big for what is free is split
         (its remaining copies wait for slots and a prefill of their own), except a prompt's beams,
-        which start together or wait. Returns the sequences admitted."""
+        which start together or wait, and a contrastive search, which waits for all its slots.
+        Returns the sequences admitted."""
         admitted = []
         while self.waiting and self.free_slots:
             head = self.waiting[0]
-            if len(head.seqs) > len(self.free_slots) and head.seqs[0].request.beam:
+            req = head.seqs[0].request
+            if len(head.seqs) * req.slots_per_sequence > len(self.free_slots) and (req.beam or req.contrastive):
                 break
             if len(head.seqs) > len(self.free_slots):
                 take = len(self.free_slots)
@@ -240,6 +247,7 @@ class Scheduler:
                 unit = self.waiting.popleft()
             for s in unit.seqs:
                 s.slot = heapq.heappop(self.free_slots)
+                s.scratch = [heapq.heappop(self.free_slots) for _ in range(req.slots_per_sequence - 1)]
             admitted += unit.seqs
             self.prefilling.append(unit)
         return admitted
@@ -260,5 +268,6 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
-            heapq.heappush(self.free_slots, seq.slot)
-            seq.slot = None
+            for slot in [seq.slot, *seq.scratch]:
+                heapq.heappush(self.free_slots, slot)
+            seq.slot, seq.scratch, seq.search = None, [], None

@@ -89,7 +89,7 @@ class CompletionRequest(BaseModel):
     early_stopping: bool | Literal["never"] = False
     # transformers' generate options
     no_repeat_ngram_size: int = Field(0, ge=0)
-    penalty_alpha: float | None = Field(None, ge=0, le=1)  # contrastive search: refused, see _check_combinations
+    penalty_alpha: float | None = Field(None, ge=0, le=1)  # contrastive search among top_k candidates
 
     @field_validator("echo", "frequency_penalty", "n", "presence_penalty", "stream", "temperature",
                      "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
@@ -184,7 +184,7 @@ class CompletionRequest(BaseModel):
             raise RequestError("truncate_prompt_tokens must be at least 1 (or -1: the model's context).",
                                "truncate_prompt_tokens")
         if self.penalty_alpha is not None:
-            raise RequestError("penalty_alpha (contrastive search) is not supported by this server.", "penalty_alpha")
+            self._check_contrastive_search()
         if self.use_beam_search:
             self._check_beam_search()
         return self
@@ -193,11 +193,30 @@ class CompletionRequest(BaseModel):
         """Beam search is deterministic: truncations of a sampled distribution have no meaning in it."""
         if self.stream:
             raise RequestError("Streaming is not supported with beam search.", "stream")
-        for name, neutral in (("top_p", 1.0), ("min_p", 0.0)):
-            if getattr(self, name) != neutral:
-                raise RequestError(f"{name} cannot be used with use_beam_search.", name)
+        self._refuse_truncations("use_beam_search")
         if self.top_k > 0:
             raise RequestError("top_k cannot be used with use_beam_search.", "top_k")
+
+    def _check_contrastive_search(self) -> None:
+        """Contrastive search (penalty_alpha) compares top_k candidates and keeps one deterministic
+        sequence per prompt: it needs at least two candidates, and takes neither another search (beam
+        search), copies of itself (n, best_of) nor truncations of a sampled distribution."""
+        if self.use_beam_search:
+            raise RequestError("penalty_alpha (contrastive search) cannot be used with use_beam_search.",
+                               "penalty_alpha")
+        if self.top_k <= 1:
+            raise RequestError(f"penalty_alpha (contrastive search) needs top_k > 1, the number of candidate "
+                               f"tokens compared each step (got top_k={self.top_k}).", "top_k")
+        for name, value in (("n", self.n), ("best_of", self.best_of or 1)):
+            if value > 1:
+                raise RequestError(f"{name} must be 1 with penalty_alpha: contrastive search is deterministic, "
+                                   f"so its choices would all be the same.", name)
+        self._refuse_truncations("penalty_alpha")
+
+    def _refuse_truncations(self, mode: str) -> None:
+        for name, neutral in (("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                raise RequestError(f"{name} cannot be used with {mode}.", name)
 
     @property
     def include_usage(self) -> bool:
@@ -219,7 +238,9 @@ class CompletionRequest(BaseModel):
         none), so a job retried after a worker crash replays the tokens it already streamed."""
         return protocol.CompletionJob(
             id=protocol.new_completion_id(), model=spec.id, prompts=prompts, max_tokens=self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            # contrastive search is deterministic; with penalty_alpha 0 it is greedy search (transformers)
+            temperature=self.temperature if self.penalty_alpha is None else 0.0, top_p=self.top_p,
+            top_k=max(self.top_k, 0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias, seed=seed, n=self.n, best_of=self.best_of, stop=self.stop,
             logprobs=self.logprobs, echo=self.echo, stream=self.stream, include_usage=self.include_usage,
@@ -230,7 +251,7 @@ class CompletionRequest(BaseModel):
             allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size,
             prompt_logprobs=self.prompt_logprobs, return_tokens_as_token_ids=self.return_tokens_as_token_ids,
             use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
-            early_stopping=self.early_stopping)
+            early_stopping=self.early_stopping, penalty_alpha=self.penalty_alpha or 0.0)
 
 
 def _is_token_id(value: Any) -> bool:
