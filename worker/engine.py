@@ -3,9 +3,8 @@ and the thread that steps them.
 
 Each step reads like vLLM's, one module per stage:
   1. schedule (scheduler.py): take new requests and cancellations, admit waiting sequences into
-     free KV-cache slots, choose the prefill chunk (prefill_budget.py: as many prompt tokens as
-     cost at most `prefill_share` of a decode step while sequences decode, up to `prefill_chunk`,
-     so a long prompt slows the running sequences by a share of a step, never by its whole length);
+     free KV-cache slots, choose the prefill chunk (at most `prefill_chunk` prompt tokens, so a
+     long prompt delays running sequences by one chunk per step, never by its whole length);
   2. run (runner.py): one decode forward for every running sequence (T = 1) plus the prefill
      chunk; sequences whose prefill completed start (output.py: echo, a resumed history); every
      sequence with logits draws a token, all brought to the host with one `.tolist()`;
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
@@ -32,7 +30,6 @@ from worker import protocol
 from worker.beams import BeamGroup
 from worker.errors import EngineError, EngineFault
 from worker.output import OutputProcessor
-from worker.prefill_budget import PrefillBudget
 from worker.runner import Runner
 from worker.sampling import SamplingParams
 from worker.scheduler import Batch, Event, Request, Scheduler
@@ -77,13 +74,11 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
-                 prefill_chunk: int = 256, prefill_share: float = 0.5, eos_token_id=_DEFAULT,
-                 kv_memory_bytes: int | None = None, compile: bool = False, prepack: bool = True):
+                 prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
+                 compile: bool = False, prepack: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
-        prefill_chunk, prefill_share: a step feeds at most `prefill_chunk` prompt tokens, and while
-        sequences decode, only as many as cost `prefill_share` of their step (prefill_budget.py).
         prepack: on a CPU float32 or bfloat16 model, give each Linear the fastest matmul kernel this
         machine has for it (nanogpt/kernels.py, in place on the model; a prepacked kernel holds as
         much memory again as those weights).
@@ -100,7 +95,7 @@ class Engine:
         self.device = model.device
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
                              kv_memory_bytes=kv_memory_bytes, compile=compile, prepack=prepack)
-        self.scheduler = Scheduler(self.runner.slots, PrefillBudget(prefill_chunk, prefill_share))
+        self.scheduler = Scheduler(self.runner.slots, prefill_chunk)
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self._steps = 0
         self._cond = threading.Condition()
@@ -227,12 +222,9 @@ class Engine:
         raises for a request's sake."""
         events: list[Event] = []
         batch = self.scheduler.schedule(events)
-        started = time.perf_counter()
         try:
             with torch.no_grad():
                 self._run(batch)
-            self.scheduler.budget.observe(len(batch.decoding), sum(n for _, n in batch.chunks),
-                                          time.perf_counter() - started)
         except Exception:
             # A fault (not a bad request: those were refused at submit). The batch's jobs cannot
             # be trusted to continue, but the engine goes on with the next ones.

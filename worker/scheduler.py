@@ -17,7 +17,6 @@ from itertools import chain
 from worker import protocol
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.logprobs import TokenLogprob
-from worker.prefill_budget import PrefillBudget
 from worker.sampling import SamplingParams
 from worker.stops import StopMatcher
 
@@ -119,9 +118,9 @@ class Scheduler:
     are filled by other threads and drained by `schedule`; everything else belongs to the engine
     thread (other threads only read `stats`)."""
 
-    def __init__(self, slots: int, budget: PrefillBudget):
+    def __init__(self, slots: int, prefill_chunk: int):
         self.slots = slots
-        self.budget = budget
+        self.prefill_chunk = max(1, prefill_chunk)
         # a heap: sequences take the lowest free slot, so the running ones tend to fill slots
         # 0..n-1 and, taken in slot order, read the KV cache in place (see schedule)
         self.free_slots = list(range(slots))
@@ -253,10 +252,9 @@ class Scheduler:
         return admitted
 
     def _chunks(self) -> list[tuple[Prefill, int]]:
-        """Context tokens of the prefilling sequences, in arrival order, up to the step's budget
-        (worker/prefill_budget.py), so a long prompt delays the running sequences by a share of a
-        step, never by its whole length."""
-        budget, chunks = self.budget.tokens(len(self.decoding)), []
+        """Up to `prefill_chunk` context tokens of the prefilling sequences, in arrival order, so a
+        long prompt delays the running sequences by one chunk per step, never by its whole length."""
+        budget, chunks = self.prefill_chunk, []
         for unit in self.prefilling:
             if budget <= 0:
                 break
