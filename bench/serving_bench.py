@@ -75,7 +75,7 @@ def arrivals(requests: int, rate: float, seed: int = 0) -> list[float]:
     """When each request arrives (seconds from the first, which comes at 0): a Poisson process of
     `rate` requests per second, i.e. independent exponential gaps of mean 1 / rate, drawn from
     (seed, rate)."""
-    rng = random.Random(f"arrivals-{seed}-{rate}")
+    rng = random.Random(f"arrivals-{seed}-{float(rate)}")  # 1 and 1.0: one schedule
     times, t = [], 0.0
     for _ in range(requests):
         times.append(t)
