@@ -449,6 +449,8 @@ def test_job_submit_poll_result(client, redis_url, r):
     assert job["id"].startswith("cmpl-") and (job["object"], job["status"], job["model"]) == ("job", "queued", "tiny")
     assert submitted.headers["Location"] == f"/v1/jobs/{job['id']}"
     assert client.get(f"/v1/jobs/{job['id']}").get_json()["status"] == "queued"
+    for odd in ("cmpl-%00", "cmpl-%FF", "cmpl-x.y"):  # not even an rq job id: as unknown as any other
+        assert client.get(f"/v1/jobs/{odd}").status_code == 404
 
     with ScriptedWorker(redis_url, "tiny"):
         deadline = time.monotonic() + 10
@@ -552,3 +554,20 @@ def test_request_id_is_echoed_or_made(client):
     assert client.get("/health", headers={"X-Request-ID": "abc-123"}).headers["x-request-id"] == "abc-123"
     made = client.get("/v1/models").headers["x-request-id"]
     assert made and made != "abc-123"
+
+
+def test_a_character_the_vocabulary_lacks_is_a_400(redis_url, tmp_path):
+    """A character-level model's prompt (and bad word) with a character outside its vocabulary."""
+    import pickle
+
+    from test_registry import save_nanogpt_ckpt
+
+    save_nanogpt_ckpt(tmp_path / "chars" / "ckpt.pt")
+    (tmp_path / "chars" / "meta.pkl").write_bytes(pickle.dumps(
+        {"vocab_size": 2, "itos": {0: "a", 1: "b"}, "stoi": {"a": 0, "b": 1}}))
+    (tmp_path / "models.toml").write_text(f'[models.chars]\ncheckpoint = "{tmp_path / "chars" / "ckpt.pt"}"\n')
+    client = create_app({"redis_url": redis_url, "models_path": str(tmp_path / "models.toml"), **SETTINGS}).test_client()
+    for body, param in (({"prompt": "abz"}, "prompt"), ({"prompt": ["ab", "é"]}, "prompt"),
+                        ({"prompt": "ab", "bad_words": ["z"]}, "bad_words")):
+        err = error_of(client.post("/v1/completions", json={"model": "chars", "max_tokens": 2, **body}), 400)
+        assert err["param"] == param and "not in this model's vocabulary" in err["message"]

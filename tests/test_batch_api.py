@@ -123,6 +123,12 @@ def test_upload_list_retrieve_download_delete(alice):
     assert listed["object"] == "list" and [f["id"] for f in listed["data"]] == [obj["id"]]
     assert listed["first_id"] == listed["last_id"] == obj["id"] and listed["has_more"] is False
     assert alice.get("/v1/files?purpose=batch_output").json["data"] == []
+    assert download.headers["Content-Disposition"] == "attachment; filename*=UTF-8''prompts.jsonl"
+    odd = alice.upload(content, filename="数据\tx.jsonl").json  # control characters dropped, the rest encoded
+    assert odd["filename"] == "数据x.jsonl"
+    header = alice.get(f"/v1/files/{odd['id']}/content").headers["Content-Disposition"]
+    assert header == "attachment; filename*=UTF-8''%E6%95%B0%E6%8D%AEx.jsonl"
+    alice.delete(f"/v1/files/{odd['id']}")
     gone = alice.delete(f"/v1/files/{obj['id']}")
     assert gone.json == {"id": obj["id"], "object": "file", "deleted": True}
     error(alice.get(f"/v1/files/{obj['id']}"), 404, "file_id")
@@ -150,6 +156,11 @@ def test_upload_errors(alice):
     assert alice.upload(b"x" * (200 << 10)).status_code == 413  # far past it: refused while reading
     error(alice.get("/v1/files?order=sideways"), 400, "order")
     error(alice.get("/v1/files?limit=0"), 400, "limit")
+    for odd in ("--5", "%C2%B2", "1e3"):  # not whole numbers, however int() would read them
+        error(alice.get(f"/v1/files?limit={odd}"), 400, "limit")
+        error(alice.get(f"/v1/batches?limit={odd}"), 400, "limit")
+    error(alice.upload(b"x", **{"expires_after[anchor]": "created_at", "expires_after[seconds]": "\u00b2"}),
+          400, "expires_after.seconds")
     assert alice.http.post("/v1/files", data={"purpose": "batch"}).status_code == 401
 
 

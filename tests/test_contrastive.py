@@ -181,3 +181,13 @@ def test_more_candidates_than_slots_is_refused(model, tok):
     with pytest.raises(EngineError) as err:
         Engine(model, tok, max_batch=3).generate(job(tok, [PROMPTS[0]], penalty_alpha=0.5, top_k=4))
     assert err.value.param == "top_k"
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"best_of": 2}, {"use_beam_search": True, "n": 2}])
+def test_several_sequences_per_prompt_are_refused_by_the_engine_too(model, tok, extra):
+    """The web tier refuses these; a job that reaches the engine anyway fails alone, not its batch."""
+    engine = Engine(model, tok, max_batch=8)
+    with pytest.raises(EngineError) as err:
+        engine.generate(job(tok, [PROMPTS[0]], penalty_alpha=0.5, top_k=3, **extra))
+    assert err.value.param == "penalty_alpha"
+    assert engine.generate(job(tok, [PROMPTS[0]], max_tokens=3))["choices"][0]["finish_reason"] == "length"

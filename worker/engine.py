@@ -192,6 +192,9 @@ class Engine:
         if job.use_beam_search and width > self.runner.slots:
             raise EngineError(f"Beam search of width {width} needs as many KV-cache slots; this worker has "
                               f"{self.runner.slots}.", param="best_of" if job.best_of else "n")
+        if job.penalty_alpha > 0 and (job.use_beam_search or width > 1):  # the web tier refuses these too
+            raise EngineError("Contrastive search runs one sequence per prompt: n, best_of and use_beam_search "
+                              "do not combine with it.", param="penalty_alpha")
         if job.penalty_alpha > 0 and job.top_k > self.runner.slots:
             raise EngineError(f"Contrastive search among top_k={job.top_k} candidates needs as many KV-cache "
                               f"slots; this worker has {self.runner.slots}.", param="top_k")

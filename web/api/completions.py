@@ -122,12 +122,12 @@ def check_completion(body: Any) -> Checked:
     check_logit_bias(req.logit_bias, tokenizer.vocab_size)
     for name in ("stop_token_ids", "allowed_token_ids"):
         check_token_ids(getattr(req, name) or [], tokenizer.vocab_size, name)
-    bad_words = bad_words_token_ids(req.bad_words, tokenizer.encode_ordinary)
+    bad_words = bad_words_token_ids(req.bad_words, lambda word: encode_text(word, tokenizer.encode_ordinary, "bad_words"))
     completion_tokens = check_context(prompts, req.max_tokens, spec.context_length)
     per_prompt = req.best_of or req.n  # sequences generated for each prompt
-    if len(prompts) * per_prompt > settings().max_choices:
+    if len(prompts) * per_prompt > s.max_choices:
         raise bad_request(f"This request asks for {len(prompts) * per_prompt} sequences ({len(prompts)} "
-                          f"prompts × {per_prompt}); the limit is {settings().max_choices}.",
+                          f"prompts × {per_prompt}); the limit is {s.max_choices}.",
                           "n" if per_prompt > 1 else "prompt")
     return Checked(req, spec, prompts, sum(map(len, prompts)) + completion_tokens * per_prompt, bad_words)
 
@@ -141,16 +141,22 @@ def read_json_body() -> Any:
                           "payload, but what was sent was not valid JSON.") from None
 
 
+def encode_text(text: str, encode, param: str) -> list[int]:
+    """A text's ids; a character the model's vocabulary lacks (a character-level model's) is a 400."""
+    try:
+        return encode(text)
+    except ValueError as err:
+        raise bad_request(f"{err}.", param) from None
+
+
 def tokenize_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
     """Every prompt form as a list of token-id lists (prompt-major: choice = prompt_index * n + j)."""
     if prompt is None:  # OpenAI's default prompt is the end-of-text token
         if tokenizer.eos_token_id is None:
             raise bad_request("This model has no end-of-text token; a prompt is required.", "prompt")
         return [[tokenizer.eos_token_id]]
-    if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
-    elif isinstance(prompt[0], str):
-        prompts = [tokenizer.encode(text) for text in prompt]
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        prompts = [encode_text(text, tokenizer.encode, "prompt") for text in ([prompt] if isinstance(prompt, str) else prompt)]
     elif isinstance(prompt[0], int):
         prompts = [list(prompt)]
     else:

@@ -10,6 +10,8 @@ any other caller gets the 404 of an unknown id.
 from __future__ import annotations
 
 import os
+import re
+from urllib.parse import quote
 
 import redis
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
@@ -57,7 +59,8 @@ def upload():
     if len(content) > cap:
         raise APIError(413, f"The file is larger than the {cap} bytes this server accepts.",
                        "invalid_request_error", "file", "file_too_large")
-    filename = os.path.basename(upload.filename or "") or "upload.jsonl"
+    # a name is shown back in listings and a download header: no control characters in it
+    filename = re.sub(r"[\x00-\x1f\x7f]", "", os.path.basename(upload.filename or "")) or "upload.jsonl"
     stored = file_store().create(owner_of(caller), filename, purpose, content, _expires_after(form))
     return jsonify(stored.to_object())
 
@@ -85,7 +88,7 @@ def content(file_id: str):
     stored = find_file(file_id, access.authenticate(request))
     return Response(file_store().chunks(stored.id, stored.bytes), mimetype="application/octet-stream",
                     headers={"Content-Length": str(stored.bytes),
-                             "Content-Disposition": f'attachment; filename="{stored.filename}"'})
+                             "Content-Disposition": f"attachment; filename*=UTF-8''{quote(stored.filename)}"})
 
 
 @bp.delete("/v1/files/<file_id>")
@@ -115,7 +118,7 @@ def int_arg(name: str, default: int, low: int, high: int) -> int:
     raw = request.args.get(name)
     if raw is None:
         return default
-    if not raw.strip().lstrip("-").isdigit() or not low <= int(raw) <= high:
+    if not re.fullmatch(r"\s*-?[0-9]+\s*", raw) or not low <= int(raw) <= high:
         raise bad_request(f"Invalid value for '{name}': {raw!r}; it must be a whole number from {low} to {high}.",
                           name)
     return int(raw)
@@ -128,7 +131,7 @@ def expiry_seconds(value, param: str) -> int:
     if value["anchor"] != "created_at":
         raise bad_request(f"Invalid value for '{param}.anchor': only 'created_at' is supported.", f"{param}.anchor")
     seconds = value["seconds"]
-    if isinstance(seconds, str) and seconds.strip().isdigit():
+    if isinstance(seconds, str) and re.fullmatch(r"\s*[0-9]+\s*", seconds):
         seconds = int(seconds)  # multipart fields are text
     if type(seconds) is not int or not MIN_EXPIRES_AFTER <= seconds <= MAX_EXPIRES_AFTER:
         raise bad_request(f"Invalid value for '{param}.seconds': it must be a whole number from "

@@ -96,7 +96,7 @@ class JobQueue:
     def fetch(self, job_id: str) -> Job | None:
         try:
             return Job.fetch(job_id, connection=self.redis)
-        except NoSuchJobError:
+        except (NoSuchJobError, ValueError):  # ValueError: not even a valid rq job id
             return None
 
     def status(self, job_id: str) -> JobStatus | None:

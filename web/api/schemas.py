@@ -71,10 +71,10 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, ge=0, le=1)  # 0, as at OpenAI: the most likely token only
     user: str | None = Field(None, max_length=256)  # it names Redis keys: keep it bounded
     # vLLM's extras (its SamplingParams and OpenAI protocol models: names, meanings, ranges)
-    top_k: int = Field(0, ge=-1)  # 0 or -1 (vLLM's): off
+    top_k: int = Field(0, ge=-1, le=1 << 20)  # 0 or -1 (vLLM's): off; above any vocabulary means all
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=1 << 20)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -85,10 +85,10 @@ class CompletionRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
     return_tokens_as_token_ids: bool = False
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-10, le=10)  # length ** penalty must stay a float
     early_stopping: bool | Literal["never"] = False
     # transformers' generate options
-    no_repeat_ngram_size: int = Field(0, ge=0)
+    no_repeat_ngram_size: int = Field(0, ge=0, le=1 << 20)
     penalty_alpha: float | None = Field(None, ge=0, le=1)  # contrastive search among top_k candidates
 
     @field_validator("echo", "frequency_penalty", "n", "presence_penalty", "stream", "temperature",
