@@ -262,6 +262,8 @@ class WorkerPool:
         self.threads: list[threading.Thread] = []
         self.stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="rq-heartbeat", daemon=True)
+        self.queue_names: list[str] = []  # every queue a thread here listens on
+        self._maintainer: EngineWorker | None = None
 
     def add(self, binding: Binding, device: str, concurrency: int, batch_concurrency: int | None = None) -> None:
         """Start `concurrency` worker threads feeding this engine; `batch_concurrency` of them (default:
@@ -273,6 +275,7 @@ class WorkerPool:
             self.workers.append(None)
             name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{slot}"
             queues = [interactive, protocol.batch_queue_name(binding.model_id)] if i < batch_threads else [interactive]
+            self.queue_names += [name for name in queues if name not in self.queue_names]
             thread = threading.Thread(target=self._serve, args=(slot, name, queues, binding),
                                       name=f"rq-{binding.model_id}-{device}-{i}", daemon=True)
             self.threads.append(thread)
@@ -325,6 +328,8 @@ class WorkerPool:
                         worker.beat()
                 except redis.RedisError as exc:
                     errors.append(str(exc))
+                except Exception:  # a bug: said, but the other workers' jobs must keep their beats
+                    log.exception("job heartbeat failed", extra={"worker": worker.name})
             if errors and not failing:
                 log.warning("job heartbeats failing", extra={"error": errors[0]})
             failing = bool(errors)
@@ -333,17 +338,17 @@ class WorkerPool:
                 self._maintain()
 
     def _maintain(self) -> None:
-        """Re-queue dead workers' jobs even when every thread here is busy with a long job."""
-        seen: set[str] = set()
-        for worker in list(self.workers):
-            names = {queue.name for queue in worker.queues} if worker is not None else set()
-            if names <= seen:
-                continue
-            seen |= names
-            try:
-                worker.clean_registries()
-            except redis.RedisError as exc:
-                log.warning("registry maintenance failed", extra={"error": repr(exc)})
+        """Re-queue dead workers' jobs even when every thread here is busy with a long job. On a
+        worker of its own that never runs a job: rq retries a job lost from a queue's intermediate
+        list through the cleaning worker's `handle_job_failure`, which also deletes that worker's
+        current execution, i.e. a busy worker's running job and its heartbeats."""
+        try:
+            if self._maintainer is None or self._maintainer.queue_names() != self.queue_names:
+                name = f"{socket.gethostname()}:{os.getpid()}:maintenance"
+                self._maintainer = self._new_worker(name, list(self.queue_names))
+            self._maintainer.clean_registries()
+        except redis.RedisError as exc:
+            log.warning("registry maintenance failed", extra={"error": repr(exc)})
 
     def running(self) -> int:
         """Jobs running on this pool's workers."""

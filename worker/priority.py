@@ -19,9 +19,15 @@ from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.job import Job
 
 SLICE_S = 0.25
+# rq keeps a queue's maintenance lock 15 minutes: a worker killed while cleaning would stop every
+# other worker from re-queueing dead workers' jobs that long. Cleaning takes milliseconds.
+MAINTENANCE_LOCK_S = 30
 
 
 class PriorityQueue(Queue):
+    def acquire_maintenance_lock(self) -> bool:
+        return bool(self.connection.set(self.registry_cleaning_key, 1, nx=True, ex=MAINTENANCE_LOCK_S))
+
     @classmethod
     def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None,
                     death_penalty_class=None) -> tuple[Job, Queue] | None:

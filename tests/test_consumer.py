@@ -1,0 +1,80 @@
+"""The rq worker threads' own bookkeeping (worker/consumer.py's WorkerPool) against a real
+redis-server, with plain functions as jobs: the heartbeats and registry maintenance that re-queue a
+dead worker's jobs, while every worker thread of the pool is busy."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from rq import Queue, Retry
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+
+from worker import protocol
+from worker.consumer import Binding, WorkerPool
+
+MODEL = "m"
+
+
+@pytest.fixture()
+def client(redis_url):
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture()
+def pool(redis_url):
+    """One busy-able rq worker thread with a heartbeat every half second and maintenance every second."""
+    workers = WorkerPool(redis_url, heartbeat_interval=0.5, maintenance_interval=1)
+    workers.add(Binding(MODEL, engine=None, writer=None), "cpu", concurrency=1)
+    yield workers
+    workers.stop()
+    workers.join(idle_timeout=5)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_is_busy(pool, client):
+    """A worker killed between taking a job off the queue and starting it leaves the job in the
+    queue's intermediate list, where registry maintenance finds it a minute later and retries it.
+    That maintenance comes while the pool's one worker runs a long job: the long job keeps its
+    heartbeats and its registry entry, ends once, and the lost job runs after it."""
+    queue = Queue(protocol.queue_name(MODEL), connection=client)
+    started = StartedJobRegistry(queue.name, connection=client)
+    busy = queue.enqueue_call("time.sleep", args=(6,), retry=Retry(max=2))
+    wait_until(lambda: busy.get_status() == JobStatus.STARTED, 10, "the long job never started")
+
+    lost = queue.create_job("time.sleep", args=(0,), retry=Retry(max=2))
+    lost.save()
+    client.set(queue.intermediate_queue.get_first_seen_key(lost.id), time.time() - 120)  # seen there long ago
+    client.rpush(queue.intermediate_queue.key, lost.id)
+    wait_until(lambda: not client.lrange(queue.intermediate_queue.key, 0, -1), 5, "the lost job was never retried")
+    assert lost.get_status() == JobStatus.QUEUED and busy.get_status() == JobStatus.STARTED
+
+    # Beats go on: the long job's entry stays unexpired past several heartbeat TTLs.
+    while busy.get_status() == JobStatus.STARTED:
+        assert busy.id in started.get_job_ids(cleanup=False)
+        assert busy.id not in started.get_expired_job_ids()
+        time.sleep(0.1)
+    wait_until(lambda: lost.get_status() == JobStatus.FINISHED, 10, "the lost job never ran")
+    assert busy.get_status() == JobStatus.FINISHED
+    assert [job.retries_left for job in Job.fetch_many([busy.id, lost.id], connection=client)] == [2, 1]
+    assert pool._heartbeat.is_alive()
+
+
+def test_the_maintenance_lock_of_a_worker_that_died_while_cleaning_expires_soon(client):
+    """rq holds a queue's maintenance lock for 15 minutes: a worker killed while it cleans would
+    stop every other worker from re-queueing dead workers' jobs for that long."""
+    from worker.priority import MAINTENANCE_LOCK_S, PriorityQueue
+
+    queue = PriorityQueue(protocol.queue_name(MODEL), connection=client)
+    assert queue.acquire_maintenance_lock()
+    assert not queue.acquire_maintenance_lock()
+    assert 0 < client.ttl(queue.registry_cleaning_key) <= MAINTENANCE_LOCK_S <= 60
