@@ -138,6 +138,37 @@ class CacheWindow(Window):
         return F.scaled_dot_product_attention(spread, k, v, attn_mask=mask, scale=scale)[self.pick]
 
 
+class PackedWindow(Window):
+    """Several ragged batches over the cache (`CacheWindow` parts: the decoding rows, a prefill
+    chunk) packed into one forward: their real tokens side by side in one row (1, N), part after
+    part and row-major within a part, so that every weight matmul reads its weights once for all of
+    them. Attention runs part by part, each on its own (B, T) layout."""
+
+    def __init__(self, parts: list[CacheWindow]):
+        self.parts = parts
+        self.query_positions = torch.cat([part.positions[part.write_from] for part in parts])[None]  # (1, N)
+        self.sizes = [len(part.write_from[0]) for part in parts]
+
+    def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
+        """q, k, v (1, nh, N, hs) of the packed tokens -> (1, nh, N, hs)."""
+        outputs = []
+        for part, (qp, kp, vp) in zip(self.parts, zip(*(t.split(self.sizes, dim=2) for t in (q, k, v)))):
+            y = part.attend(*(self._unpack(part, t) for t in (qp, kp, vp)), cache_k, cache_v, scale=scale, local=local)
+            outputs.append(y.transpose(1, 2)[part.write_from].transpose(0, 1)[None])  # (1, nh, n, hs)
+        return torch.cat(outputs, dim=2)
+
+    @staticmethod
+    def _unpack(part: CacheWindow, t: torch.Tensor) -> torch.Tensor:
+        """A part's packed tokens (1, nh, n, hs) laid out as its batch (B, nh, T, hs), padding zero."""
+        B, T = part.valid.shape
+        _, nh, n, hs = t.shape
+        if n == B * T:  # no padding: the packed order is the batch's row-major order
+            return t[0].view(nh, B, T, hs).transpose(0, 1)
+        full = t.new_zeros((B, T, nh, hs))
+        full[part.write_from] = t[0].transpose(0, 1)
+        return full.transpose(1, 2)
+
+
 class DecodeWindow(Window):
     """The decode step's window (one new token per row, T = 1), written for torch.compile: no host
     syncs, and every shape fixed but the span. Row b writes slot slots[b] at positions[b] (slots

@@ -1,8 +1,8 @@
 """The serving contract every family's model keeps, implemented once.
 
 worker/ relies on nothing else: `config` (block_size, vocab_size, n_layer, n_head, n_embd),
-`device`, `dtype` (of the activations and the KV cache), `forward_cached`, `forward_decode`, and
-nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subclasses
+`device`, `dtype` (of the activations and the KV cache), `forward_cached`, `forward_packed`,
+`forward_decode`, and nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subclasses
 `ServingModel` and defines:
 
     token_embedding        the nn.Embedding of the tokens (device and dtype are read from it)
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nanogpt.kv_cache import CacheWindow, DecodeWindow, FullWindow, KVCache
+from nanogpt.kv_cache import CacheWindow, DecodeWindow, FullWindow, KVCache, PackedWindow
 
 
 class ServingModel(nn.Module):
@@ -92,6 +92,26 @@ class ServingModel(nn.Module):
             h = self.final_hidden(x)  # (B, T, width)
             return self.unembed(h if all_logits else _last(h, lengths)).float(), h.float()
         return self.head(x if all_logits else _last(x, lengths)).float()
+
+    @torch.no_grad()
+    def forward_packed(self, batches: list[tuple], cache: KVCache) -> list[torch.Tensor]:
+        """Several ragged batches in one forward, each (tokens, lengths, slots, start_pos, span) as
+        forward_cached takes them (every length at least 1): their real tokens are packed into one
+        row, so each weight matmul runs once over all of them (PackedWindow). Returns each batch's
+        float32 logits of its rows' last real tokens (B, V), as forward_cached would."""
+        parts = [CacheWindow(slots, start_pos, lengths, tokens.shape[1], cache.max_len, span)
+                 for tokens, lengths, slots, start_pos, span in batches]
+        if max(part.span for part in parts) > self.config.block_size:
+            raise ValueError(f"batch reaches position {max(part.span for part in parts) - 1}, the model's "
+                             f"context is {self.config.block_size} positions")
+        window = PackedWindow(parts)
+        x = self.embed(torch.cat([tokens[part.write_from] for (tokens, *_), part in zip(batches, parts)])[None],
+                       window.query_positions)  # (1, N, n_embd)
+        for i, block in enumerate(self.blocks):
+            x = block(x, (cache.k[i], cache.v[i], window))
+        ends = torch.cat([lengths for _, lengths, *_ in batches]).cumsum(0) - 1  # each row's last token
+        logits = self.head(x[0, ends]).float()
+        return list(logits.split([len(lengths) for _, lengths, *_ in batches]))
 
     @torch.no_grad()
     def forward_decode(self, tokens, slots, positions, cache: KVCache, keys):

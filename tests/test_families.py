@@ -16,7 +16,7 @@ from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
 from nanogpt.kv_cache import KVCache
 from test_engine import PROMPTS, job, make_engine, run_all
-from test_model import cached_call, random_seq
+from test_model import cached_batch, cached_call, random_seq
 from worker.protocol import CompletionJob
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32
@@ -94,6 +94,35 @@ def test_ragged_batch_decoding_matches_transformers(family, slot_of):
     for _ in range(3):
         step([("a", 1), ("b", 1), ("c", 1)])
     step([("b", 4), ("a", 1), ("c", 1)])
+
+
+def test_decode_rows_and_prefill_chunks_packed_in_one_forward_match_transformers(family):
+    """forward_packed, as the engine runs a step in which some sequences decode while others
+    prefill (ragged, padded chunks): every row's logits equal transformers' at that position, past
+    GPT-Neo's local window and across rotary positions, and the cache then serves plain decode."""
+    cache = KVCache(family.ours.config, max_slots=6, max_len=CONTEXT)
+    slot_of = dict(a=4, b=0, c=2, d=5)
+    seqs = {name: random_seq(40, seed) for seed, name in enumerate("abcd", start=1)}
+    refs = {name: family.reference(seq) for name, seq in seqs.items()}
+    done = dict.fromkeys(seqs, 0)
+
+    def step(*parts):
+        batches = [cached_batch([(slot_of[name], seqs[name], done[name], n) for name, n in part], "cpu")
+                   for part in parts]
+        outs = family.ours.forward_packed(batches, cache)
+        for part, out in zip(parts, outs):
+            for i, (name, n) in enumerate(part):
+                assert_close(out[i], refs[name][done[name] + n - 1], **TOL)
+                done[name] += n
+
+    step([("a", 9), ("b", 4)])                    # one part: two prompts
+    step([("a", 1), ("b", 1)], [("c", 7)])        # decoding beside a prompt
+    for _ in range(2):
+        step([("b", 1), ("a", 1), ("c", 1)], [("d", 10)])
+    step([("a", 1), ("d", 1)], [("b", 18), ("c", 3)])  # a padded chunk
+    out = cached_call(family.ours, cache, [(slot_of[name], seqs[name], done[name], 1) for name in "abcd"])
+    for i, name in enumerate("abcd"):
+        assert_close(out[i], refs[name][done[name]], **TOL)
 
 
 def test_engine_greedy_and_logprobs_match_transformers(family):

@@ -56,17 +56,20 @@ def random_seq(n, seed):
 
 
 def cached_call(model, cache, rows, all_logits=False):
-    """One forward_cached call. rows: (slot, seq, start, n) = feed seq[start:start+n] into slot.
-    Padding is filled with random tokens, so that a leak of it into real results would show. The
-    inputs go to the cache's device."""
+    """One forward_cached call. rows: (slot, seq, start, n) = feed seq[start:start+n] into slot."""
+    tokens, lengths, slots, start, _ = cached_batch(rows, cache.k[0].device)
+    return model.forward_cached(tokens, lengths, slots, start, cache, all_logits=all_logits)
+
+
+def cached_batch(rows, device) -> tuple:
+    """forward_cached's (tokens, lengths, slots, start_pos, span=None) for rows (slot, seq, start, n).
+    Padding is filled with random tokens, so that a leak of it into real results would show."""
     T = max(n for _, _, _, n in rows)
     tokens = torch.randint(0, 50257, (len(rows), T))
     for b, (_, seq, start, n) in enumerate(rows):
         tokens[b, :n] = torch.tensor(seq[start:start + n], dtype=torch.long)
-    device = cache.k[0].device
     as_tensor = lambda i: torch.tensor([row[i] for row in rows], dtype=torch.long, device=device)  # noqa: E731
-    return model.forward_cached(tokens.to(device), as_tensor(3), as_tensor(0), as_tensor(2), cache,
-                                all_logits=all_logits)
+    return tokens.to(device), as_tensor(3), as_tensor(0), as_tensor(2), None
 
 
 def test_full_forward_matches_transformers(pair):

@@ -18,6 +18,7 @@ from rq.job import Job, JobStatus
 from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
+from tests.compare import assert_same_completion
 from tests.stack import registered_workers, start_processor, write_models_toml
 from web.dev.local_redis import free_port
 from worker import protocol
@@ -108,20 +109,6 @@ def stream_texts(evts) -> dict[int, str]:
         if kind == "delta":
             texts[data["index"]] = texts.get(data["index"], "") + data["text"]
     return texts
-
-
-def assert_same_completion(got: dict, want: dict) -> None:
-    """Identical but for float noise in logprobs (batch shapes differ between the two runs)."""
-    assert got["usage"] == want["usage"]
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in got["choices"]] == \
-           [(c["index"], c["text"], c["finish_reason"]) for c in want["choices"]]
-    for g, w in zip(got["choices"], want["choices"]):
-        if w["logprobs"] is None:
-            assert g["logprobs"] is None
-            continue
-        assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
-        assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-4)
-    assert {k: v for k, v in got.items() if k != "choices"} == {k: v for k, v in want.items() if k != "choices"}
 
 
 def test_stream_has_deltas_then_finish_usage_done_and_the_engines_result(worker, r, reference):

@@ -248,8 +248,8 @@ class Engine:
             self.output.start(unit)
         searching = [s for s in batch.decoding if s.search is not None]  # contrastive search: its own choice
         rows = [s for s in batch.decoding if s.search is None]
-        logits = [self.runner.decode(rows, searching)] if batch.decoding else []
-        prefilled = self.runner.prefill(batch.chunks)
+        decoded, prefilled = self.runner.forward(rows, searching, batch.chunks)
+        logits = [decoded] if decoded is not None else []
         new_searches = []  # their first candidates go out with the next step's decode
         for unit, last in prefilled:
             started = self.output.start(unit)  # those not finished by their echo or replay draw

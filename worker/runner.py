@@ -1,17 +1,18 @@
 """The model side of a step: the forward passes over the KV cache and the drawing of tokens.
 
-A step runs one decode forward for every decoding sequence (T = 1; compiled, when asked, with the
-batch padded to a bucket size), then its prefill chunk: plain prefills in one forward, prefills
-that score their context (echo with logprobs, or a resumed job's logprobs) in another, which keeps
-every position's logits. A completed prefill's keys and values are copied from its leader's slot
+A step runs one forward for its decoding sequences (T = 1) and its plain prefill chunks together,
+their tokens packed into one row so that the weights are read once for both; prefills that score
+their context (echo with logprobs, or a resumed job's logprobs) run in a forward of their own, which
+keeps every position's logits. Where nothing prefills, or the decode is compiled (with the batch
+padded to a bucket size) or carries contrastive candidates, the decode runs alone. A completed prefill's keys and values are copied from its leader's slot
 to those of the prompt's other copies (`n`/`best_of` share one prefill). Every row that has logits
 then draws its token (sampling.py) and is scored (logprobs.py), and all of it comes to the host in
 one `.tolist()`: the step's one sync. Contrastive searches (contrastive.py) put their candidates
 in the decode forward, which then also returns last hidden states (eagerly: the compiled decode
 has no hidden-state output), and choose among them after it, with a sync of their own.
 
-The model is used through its serving contract only: `config`, `device`, `dtype`,
-`forward_cached` (prefill, and eager decode) and `forward_decode` (the compiled decode).
+The model is used through its serving contract only: `config`, `device`, `dtype`, `forward_packed`
+(decode and prefill together), `forward_cached` (either alone) and `forward_decode` (the compiled decode).
 """
 from __future__ import annotations
 
@@ -90,6 +91,22 @@ class Runner:
                 s.search = contrastive.Search(s.request.job.penalty_alpha, [s.slot, *s.scratch],
                                               len(s.prompt) + s.max_new)
 
+    def forward(self, rows: list[Sequence], searching: list[Sequence],
+                chunks: list[tuple[Prefill, int]]) -> tuple[torch.Tensor | None, list[tuple[Prefill, torch.Tensor]]]:
+        """This step's forwards: the logits (B, V) of the decoding `rows` (None when nothing decodes;
+        the `searching` sequences' contrastive candidates go with them, see `contrast`), and the
+        prefills the chunks completed (see `prefill`). The decoding rows and the plain prefill
+        chunks share one forward where they can (nanogpt's `forward_packed`): its weight matmuls
+        read the weights once for both, so a prompt prefilling beside running sequences costs
+        them its own rows' work, not a second pass over the weights."""
+        plain = [(unit, n) for unit, n in chunks if unit.score_from is None and unit.seqs[0].search is None]
+        if not rows or searching or self.compiled or not plain:
+            return (self.decode(rows, searching) if rows or searching else None), self.prefill(chunks)
+        self.batch_sizes[len(rows)] += 1
+        decoded, last = self.model.forward_packed([self._decode_batch(rows), self._prefill_batch(plain)], self.cache)
+        done = self._fed(plain, last, all_logits=False)
+        return decoded, self._completed(done + self._prefill_groups([c for c in chunks if c not in plain]))
+
     def decode(self, seqs: list[Sequence], searching: list[Sequence] = ()) -> torch.Tensor:
         """Logits (B, V) of one step of the decoding sequences; the candidates of the `searching`
         sequences' contrastive searches go through the same forward (see `contrast`)."""
@@ -102,37 +119,61 @@ class Runner:
             pad = self._bucket(B) - B  # padding rows: token 0 at position 0 of the spare slot
             return self._run_compiled([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
                                       [s.position for s in seqs] + [0] * pad, span)[:B]
-        tokens, slots, start = torch.tensor([[s.tokens[-1] for s in seqs], [s.slot for s in seqs],
-                                             [s.position for s in seqs]], device=self.device)
-        return self.model.forward_cached(tokens[:, None], torch.ones_like(slots), slots, start, self.cache, span=span)
+        return self.model.forward_cached(*self._decode_batch(seqs)[:4], self.cache, span=span)
 
     def prefill(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
         """Feed each prefill its next n context tokens; return the prefills completed, each with its
         last position's logits (V,) and its keys/values copied to its other sequences' slots. A
         contrastive search remembers the hidden states of its context and starts from those logits."""
+        return self._completed(self._prefill_groups(chunks))
+
+    def _prefill_groups(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
+        """The chunks' forwards, plain prefills in one, those scoring their context in another."""
         done = []
-        for all_logits in (False, True):  # plain prefills, then those scoring their context
+        for all_logits in (False, True):
             group = [(unit, n) for unit, n in chunks if (unit.score_from is not None) == all_logits]
             if not group:
                 continue
-            T = max(n for _, n in group)
-            tokens = torch.tensor([u.context[u.fed:u.fed + n] + [0] * (T - n) for u, n in group], device=self.device)
-            meta = torch.tensor([[n for _, n in group], [u.seqs[0].slot for u, _ in group],
-                                 [u.fed for u, _ in group]], device=self.device)
+            tokens, lengths, slots, start, span = self._prefill_batch(group)
             searches = [u.seqs[0].search for u, _ in group]
             wants_hidden = any(search is not None for search in searches)
-            out = self.model.forward_cached(tokens, meta[0], meta[1], meta[2], self.cache, all_logits=all_logits,
-                                            hidden=wants_hidden)
+            out = self.model.forward_cached(tokens, lengths, slots, start, self.cache, all_logits=all_logits,
+                                            span=span, hidden=wants_hidden)
             out, hidden = out if wants_hidden else (out, None)
-            for b, (unit, n) in enumerate(group):
-                if all_logits:
-                    self._score_context(unit, out[b, :n, :self.vocab_size])
-                if searches[b] is not None:
-                    searches[b].remember(hidden[b, :n])
-                unit.fed += n
-                self.prompt_tokens += n
-                if unit.fed == len(unit.context):
-                    done.append((unit, out[b, n - 1] if all_logits else out[b]))
+            for b, search in enumerate(searches):
+                if search is not None:
+                    search.remember(hidden[b, :group[b][1]])
+            done += self._fed(group, out, all_logits)
+        return done
+
+    def _decode_batch(self, seqs: list[Sequence]) -> tuple:
+        """The decoding sequences as forward_cached's (tokens (B, 1), lengths, slots, start_pos, span)."""
+        tokens, slots, start = torch.tensor([[s.tokens[-1] for s in seqs], [s.slot for s in seqs],
+                                             [s.position for s in seqs]], device=self.device)
+        return tokens[:, None], torch.ones_like(slots), slots, start, max(s.position for s in seqs) + 1
+
+    def _prefill_batch(self, group: list[tuple[Prefill, int]]) -> tuple:
+        """The prefills' next chunks as forward_cached's (tokens (B, T), lengths, slots, start_pos, span)."""
+        T = max(n for _, n in group)
+        tokens = torch.tensor([u.context[u.fed:u.fed + n] + [0] * (T - n) for u, n in group], device=self.device)
+        lengths, slots, start = torch.tensor([[n for _, n in group], [u.seqs[0].slot for u, _ in group],
+                                              [u.fed for u, _ in group]], device=self.device)
+        return tokens, lengths, slots, start, max(u.fed + n for u, n in group)
+
+    def _fed(self, group: list[tuple[Prefill, int]], out: torch.Tensor, all_logits: bool) -> list[tuple[Prefill, torch.Tensor]]:
+        """Take in a group's forward: its logits (B, V), or (B, T, V) with all_logits (scored);
+        return the prefills it completed with their last position's logits."""
+        done = []
+        for b, (unit, n) in enumerate(group):
+            if all_logits:
+                self._score_context(unit, out[b, :n, :self.vocab_size])
+            unit.fed += n
+            self.prompt_tokens += n
+            if unit.fed == len(unit.context):
+                done.append((unit, out[b, n - 1] if all_logits else out[b]))
+        return done
+
+    def _completed(self, done: list[tuple[Prefill, torch.Tensor]]) -> list[tuple[Prefill, torch.Tensor]]:
         for unit, last in done:
             self._share_cache(unit)
             if unit.seqs[0].search is not None:
