@@ -232,6 +232,17 @@ def describe(model: nn.Module) -> str | None:
     return "; ".join(f"{str(dtype).removeprefix('torch.')}: {plan.describe()}" for dtype, plan in plans.items()) or None
 
 
+def row_costs(model: nn.Module) -> dict[int, float] | None:
+    """How the cost of the model's weight matmuls grows with the rows of a forward: {rows: seconds}
+    of the timed sample at TIMED_ROWS, each with the kernel its plan gives those rows (None where
+    no plan was timed: forced, GPU, int8)."""
+    plan = next((m._plan for m in model.modules() if type(m) is KernelLinear and m._plan is not None
+                 and m._plan.seconds), None)
+    if plan is None:
+        return None
+    return {rows: plan.seconds[plan.kernel_for(rows).name][rows] for rows in sorted(plan.seconds[PLAIN])}
+
+
 def _check(name: str, dtype: torch.dtype) -> str:
     if name not in available(dtype):
         raise ValueError(f"kernel {name!r} does not run {str(dtype).removeprefix('torch.')} here; "

@@ -421,3 +421,40 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
+
+
+def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
+    """chunk_beside: from matmul timings that are flat up to 8 rows, then grow with the rows, the
+    prompt tokens that keep a step within STEP_RATIO times its decode rows alone."""
+    from worker.scheduler import BESIDE_CHUNK, MIN_CHUNK, STEP_RATIO, chunk_beside
+
+    costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}  # rows -> seconds: flat to 8 rows, then linear
+    assert STEP_RATIO == 2.0
+    assert chunk_beside(1, costs) == 25  # 2 s reach 8 + (64 - 8) / 3 = 26.7 rows: 25 more than 1
+    assert chunk_beside(64, costs) == 64  # 8 s: 128 rows
+    assert chunk_beside(512, costs) == 512  # past the timings, in proportion
+    assert chunk_beside(8, {1: 1.0, 8: 0.9, 64: 100.0, 256: 400.0}) == MIN_CHUNK  # noisy, steep: the floor
+    assert chunk_beside(8, None) == BESIDE_CHUNK
+
+
+def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok):
+    """With sequences decoding, a prompt goes in chunks of chunk_beside tokens, each in the same
+    forward as their decode; alone, in chunks of prefill_chunk."""
+    from worker.scheduler import BESIDE_CHUNK
+
+    engine = Engine(model, tok, max_batch=4, prefill_chunk=64)
+    engine.scheduler.row_costs = None  # the fixed size, whatever this machine measured
+    fed = []
+    forward_packed = model.forward_packed
+    try:
+        model.forward_packed = lambda batches, cache: fed.append([int(b[1].sum()) for b in batches]) or \
+            forward_packed(batches, cache)
+        running = engine.submit(job(tok, ["Hello"], max_tokens=20))
+        engine.step()  # its prompt alone
+        long = engine.submit(job(tok, [[464] * 100], max_tokens=2))
+        while not (running.done and long.done):
+            engine.step()
+    finally:
+        del model.forward_packed
+    assert fed[:4] == [[1, BESIDE_CHUNK], [1, BESIDE_CHUNK], [1, BESIDE_CHUNK], [1, 100 - 3 * BESIDE_CHUNK]]
+    assert long.result()["usage"]["prompt_tokens"] == 100 and running.result()["usage"]["completion_tokens"] == 20

@@ -3,10 +3,11 @@ and the thread that steps them.
 
 Each step reads like vLLM's, one module per stage:
   1. schedule (scheduler.py): take new requests and cancellations, admit waiting sequences into
-     free KV-cache slots, choose the prefill chunk (at most `prefill_chunk` prompt tokens, so a
-     long prompt delays running sequences by one chunk per step, never by its whole length);
-  2. run (runner.py): one decode forward for every running sequence (T = 1) plus the prefill
-     chunk; sequences whose prefill completed start (output.py: echo, a resumed history); every
+     free KV-cache slots, choose the prefill chunk (at most `prefill_chunk` prompt tokens, and
+     beside running sequences as many as keep the step within twice their decode's measured cost,
+     so a long prompt slows them for a few steps, never stalls them for its whole length);
+  2. run (runner.py): one forward for every running sequence (T = 1) and the prefill chunk,
+     packed together; sequences whose prefill completed start (output.py: echo, a resumed history); every
      sequence with logits draws a token, all brought to the host with one `.tolist()`;
   3. output (output.py): decode text, match stops, finish sequences (the scheduler frees their
      slots); hand all of the step's events to `event_sink` at once, which answers with the job
@@ -26,6 +27,7 @@ import threading
 
 import torch
 
+from nanogpt.kernels import row_costs
 from worker import protocol
 from worker.beams import BeamGroup
 from worker.errors import EngineError, EngineFault
@@ -95,7 +97,7 @@ class Engine:
         self.device = model.device
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
                              kv_memory_bytes=kv_memory_bytes, compile=compile, prepack=prepack)
-        self.scheduler = Scheduler(self.runner.slots, prefill_chunk)
+        self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model))
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self._steps = 0
         self._cond = threading.Condition()

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
+
 from worker import protocol
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.logprobs import TokenLogprob
@@ -21,6 +23,12 @@ from worker.sampling import SamplingParams
 from worker.stops import StopMatcher
 
 SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds per step: their (T, V) logits are kept
+# Beside decoding sequences, a step's prompt tokens are held to what keeps it within STEP_RATIO times
+# the cost of their decode alone (decode and prefill share one forward, runner.py), and at least
+# MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
+STEP_RATIO = 2.0
+MIN_CHUNK = 16
+BESIDE_CHUNK = 32
 
 Event = tuple[str, str, dict]  # (job id, event type, data): see worker/protocol.py
 
@@ -118,9 +126,12 @@ class Scheduler:
     are filled by other threads and drained by `schedule`; everything else belongs to the engine
     thread (other threads only read `stats`)."""
 
-    def __init__(self, slots: int, prefill_chunk: int):
+    def __init__(self, slots: int, prefill_chunk: int, row_costs: dict[int, float] | None = None):
+        """prefill_chunk: the most prompt tokens a step feeds; row_costs: {rows: seconds} of a forward's
+        weight matmuls (nanogpt.kernels.row_costs), which size the chunks fed beside decoding sequences."""
         self.slots = slots
         self.prefill_chunk = max(1, prefill_chunk)
+        self.row_costs = row_costs
         # a heap: sequences take the lowest free slot, so the running ones tend to fill slots
         # 0..n-1 and, taken in slot order, read the KV cache in place (see schedule)
         self.free_slots = list(range(slots))
@@ -252,9 +263,13 @@ class Scheduler:
         return admitted
 
     def _chunks(self) -> list[tuple[Prefill, int]]:
-        """Up to `prefill_chunk` context tokens of the prefilling sequences, in arrival order, so a
-        long prompt delays the running sequences by one chunk per step, never by its whole length."""
+        """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and
+        beside decoding sequences up to what keeps the step within STEP_RATIO times their decode
+        (`chunk_beside`), so a long prompt slows the running sequences by a bounded factor for a
+        few steps, never stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
+        if self.decoding:
+            budget = min(budget, chunk_beside(len(self.decoding), self.row_costs))
         for unit in self.prefilling:
             if budget <= 0:
                 break
@@ -269,3 +284,18 @@ class Scheduler:
             for slot in [seq.slot, *seq.scratch]:
                 heapq.heappush(self.free_slots, slot)
             seq.slot, seq.scratch, seq.search = None, [], None
+
+
+def chunk_beside(decoding: int, row_costs: dict[int, float] | None) -> int:
+    """The prompt tokens to feed in one forward with `decoding` rows: the most whose rows cost, by
+    `row_costs` (linear between the measured row counts, proportional to the rows past the last),
+    at most STEP_RATIO times the decoding rows alone; at least MIN_CHUNK."""
+    if not row_costs:
+        return BESIDE_CHUNK
+    rows, costs = zip(*sorted(row_costs.items()))
+    costs = np.maximum.accumulate(costs)  # more rows never cost less (timings are noisy)
+    last_rows, last_cost = rows[-1], costs[-1]
+    cost = last_cost * decoding / last_rows if decoding > last_rows else np.interp(decoding, rows, costs)
+    limit = STEP_RATIO * cost
+    most = last_rows * limit / last_cost if limit > last_cost else np.interp(limit, costs, rows)
+    return max(MIN_CHUNK, int(most) - decoding)
