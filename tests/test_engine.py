@@ -438,8 +438,8 @@ def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
 
 
 def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok):
-    """With sequences decoding, a prompt goes in chunks of chunk_beside tokens, each in the same
-    forward as their decode; alone, in chunks of prefill_chunk."""
+    """With more sequences decoding than prompts waiting, a prompt goes in chunks of chunk_beside
+    tokens, each in the same forward as their decode; otherwise in chunks of prefill_chunk."""
     from worker.scheduler import BESIDE_CHUNK
 
     engine = Engine(model, tok, max_batch=4, prefill_chunk=64)
@@ -449,12 +449,16 @@ def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, to
     try:
         model.forward_packed = lambda batches, cache: fed.append([int(b[1].sum()) for b in batches]) or \
             forward_packed(batches, cache)
-        running = engine.submit(job(tok, ["Hello"], max_tokens=20))
+        running = engine.submit(job(tok, ["Hello"], max_tokens=20, n=2))
         engine.step()  # its prompt alone
         long = engine.submit(job(tok, [[464] * 100], max_tokens=2))
-        while not (running.done and long.done):
+        while not long.done:
+            engine.step()
+        burst = [engine.submit(job(tok, [[318] * 70], max_tokens=2)) for _ in range(2)]  # 2 prompts, 2 running
+        while not (running.done and all(h.done for h in burst)):
             engine.step()
     finally:
         del model.forward_packed
-    assert fed[:4] == [[1, BESIDE_CHUNK], [1, BESIDE_CHUNK], [1, BESIDE_CHUNK], [1, 100 - 3 * BESIDE_CHUNK]]
-    assert long.result()["usage"]["prompt_tokens"] == 100 and running.result()["usage"]["completion_tokens"] == 20
+    beside = [[2, BESIDE_CHUNK]] * 3 + [[2, 100 - 3 * BESIDE_CHUNK]]
+    assert fed[:5] == beside + [[2, 64]]  # the burst: whole chunks
+    assert long.result()["usage"]["prompt_tokens"] == 100 and running.result()["usage"]["completion_tokens"] == 40

@@ -264,11 +264,13 @@ class Scheduler:
 
     def _chunks(self) -> list[tuple[Prefill, int]]:
         """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and
-        beside decoding sequences up to what keeps the step within STEP_RATIO times their decode
-        (`chunk_beside`), so a long prompt slows the running sequences by a bounded factor for a
-        few steps, never stalls them for its whole length."""
+        beside more decoding sequences than prompts waiting up to what keeps the step within
+        STEP_RATIO times their decode (`chunk_beside`), so a long prompt slows the running sequences
+        by a bounded factor for a few steps, never stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
-        if self.decoding:
+        # Held back only while the prompts are outnumbered by the sequences they would slow: when
+        # as many wait to start as run (a burst), whole chunks start them sooner.
+        if len(self.decoding) > len(self.prefilling) + len(self.waiting):
             budget = min(budget, chunk_beside(len(self.decoding), self.row_costs))
         for unit in self.prefilling:
             if budget <= 0:
