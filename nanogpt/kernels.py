@@ -78,20 +78,15 @@ def _has_onednn(dtype: torch.dtype) -> bool:
 
 
 def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A dynamically quantized linear layer of the weight, as torch.ao's quantize_dynamic makes."""
-    import warnings
-
-    import torch.ao.nn.quantized.dynamic as nnqd
+    """A linear layer of the weight quantized as the engine's int8 mode quantizes (nanogpt/quantize.py)."""
+    from nanogpt.quantize import quantize_int8
 
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
             layer.bias.copy_(bias)
-    layer.qconfig = torch.ao.quantization.default_dynamic_qconfig
-    with warnings.catch_warnings():  # the deprecation notice points to torchao, not installed here
-        warnings.simplefilter("ignore")
-        return nnqd.Linear.from_float(layer)
+    return quantize_int8(nn.Sequential(layer))[0]
 
 
 KERNELS = {kernel.name: kernel for kernel in [

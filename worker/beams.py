@@ -19,14 +19,11 @@ from worker.beam_search import BeamSearch, Hypothesis
 class BeamGroup:
     """The beams of one prompt of a request."""
 
-    def __init__(self, seqs: list, eos_token_id: int | None):
-        job = seqs[0].request.job
-        stop_ids = list(job.stop_token_ids)
-        if eos_token_id is not None and not job.ignore_eos:
-            stop_ids.append(eos_token_id)
+    def __init__(self, seqs: list):
+        request = seqs[0].request
         self.seqs = seqs
-        self.search = BeamSearch(len(seqs), max(1, seqs[0].max_new), length_penalty=job.length_penalty,
-                                 early_stopping=job.early_stopping, stop_ids=tuple(dict.fromkeys(stop_ids)))
+        self.search = BeamSearch(len(seqs), max(1, seqs[0].max_new), length_penalty=request.job.length_penalty,
+                                 early_stopping=request.job.early_stopping, stop_ids=request.params.stop_ids)
         self.results: list[Hypothesis] | None = None  # the n best, once the search is over
 
     @property

@@ -201,6 +201,7 @@ class Engine:
             raise EngineError(f"Contrastive search among top_k={job.top_k} candidates needs as many KV-cache "
                               f"slots; this worker has {self.runner.slots}.", param="top_k")
         eos = self.output.eos_token_id
+        # the one set of tokens that end a sequence: sampling, beam search and output all read it
         stop_ids = [*job.stop_token_ids, *([eos] if eos is not None and not job.ignore_eos else [])]
         params = SamplingParams(
             temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, min_p=job.min_p,
@@ -262,10 +263,11 @@ class Engine:
             logits += [last[None]] * len(started)
             req = unit.seqs[0].request
             if req.beam and started:
-                req.beams[unit.seqs[0].prompt_index] = BeamGroup(unit.seqs, self.output.eos_token_id)
+                req.beams[unit.seqs[0].prompt_index] = BeamGroup(unit.seqs)
         x = torch.cat(logits) if logits else None
         sampled = [i for i, s in enumerate(rows) if not s.request.beam]
-        draws = self.runner.sample([rows[i] for i in sampled], [x[sampled]] if sampled else [])
+        picked = x if len(sampled) == len(rows) else x[sampled] if sampled else None  # no copy when all sample
+        draws = self.runner.sample([rows[i] for i in sampled], [picked] if sampled else [])
         self.output.accept([rows[i] for i in sampled], draws)
         self.runner.step_beams(self._beam_rows(rows, x), self.tokenizer)
         self.output.accept(searching, self.runner.contrast(searching))

@@ -109,7 +109,7 @@ class OutputProcessor:
             seq.entries.append(entry)
             seq.out_entries.append(entry)
         job = seq.request.job
-        stop_token = token in job.stop_token_ids or (token == self.eos_token_id and not job.ignore_eos)
+        stop_token = token in seq.request.params.stop_ids
         if stop_token and token != self.eos_token_id:
             seq.stop_reason = token
         if stop_token and not job.include_stop_str_in_output:

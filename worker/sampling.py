@@ -16,6 +16,7 @@ when the two best noisy scores lie within 1e-6 of each other: as rarely as a gre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -146,7 +147,7 @@ class SamplingParams:
     min_tokens: int = 0
     no_repeat_ngram_size: int = 0  # 0: off
 
-    @property
+    @cached_property  # read by every step's logits processors
     def banned_ids(self) -> frozenset[int] | None:
         """Tokens never drawn whatever came before (one-token bad words), or None."""
         single = frozenset(w[0] for w in self.bad_words if len(w) == 1)
