@@ -4,12 +4,13 @@ A step runs one forward for its decoding sequences (T = 1) and its plain prefill
 their tokens packed into one row so that the weights are read once for both; prefills that score
 their context (echo with logprobs, or a resumed job's logprobs) run in a forward of their own, which
 keeps every position's logits. Where nothing prefills, or the decode is compiled (with the batch
-padded to a bucket size) or carries contrastive candidates, the decode runs alone. A completed prefill's keys and values are copied from its leader's slot
-to those of the prompt's other copies (`n`/`best_of` share one prefill). Every row that has logits
-then draws its token (sampling.py) and is scored (logprobs.py), and all of it comes to the host in
-one `.tolist()`: the step's one sync. Contrastive searches (contrastive.py) put their candidates
-in the decode forward, which then also returns last hidden states (eagerly: the compiled decode
-has no hidden-state output), and choose among them after it, with a sync of their own.
+padded to a bucket size) or carries contrastive candidates, the decode runs alone. A completed
+prefill's keys and values are copied from its leader's slot to those of the prompt's other copies
+(`n`/`best_of` share one prefill). Every row that has logits then draws its token (sampling.py)
+and is scored (logprobs.py), and all of it comes to the host in one `.tolist()`: the step's one
+sync. Contrastive searches (contrastive.py) put their candidates in the decode forward, which then
+also returns last hidden states (eagerly: the compiled decode has no hidden-state output), and
+choose among them after it, with a sync of their own.
 
 The model is used through its serving contract only: `config`, `device`, `dtype`, `forward_packed`
 (decode and prefill together), `forward_cached` (either alone) and `forward_decode` (the compiled decode).
