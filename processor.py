@@ -99,7 +99,7 @@ def build_engine(spec, device: str, sink, compile: bool = False):
     """Load the model and tokenizer onto one device and wrap them in a started engine, in the
     precision nanogpt.precision chooses for the registry's dtype on this hardware (a CPU without
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
-    kernels (nanogpt.kernels)."""
+    kernels (nanogpt.kernels). The model is loaded on the engine's thread (Engine.launch)."""
     from models.tokenizer import load_tokenizer
     from nanogpt import kernels, precision
     from nanogpt.checkpoint import load_model
@@ -114,15 +114,19 @@ def build_engine(spec, device: str, sink, compile: bool = False):
     if chosen.note:
         log.warning(chosen.note, extra={"model": spec.id, "device": device})
     started = time.monotonic()
-    model = load_model(spec.checkpoint, device=device, dtype=chosen.dtype)
-    if chosen.int8:
-        quantize_int8(model)
-    faster = precision.faster_options(chosen, device, flags)
-    if faster:
-        log_faster_options(spec.id, model, faster)
-    engine = Engine(model, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
-                    event_sink=sink, compile=compile)
-    engine.start()
+
+    def load():  # on the engine's thread (Engine.launch)
+        model = load_model(spec.checkpoint, device=device, dtype=chosen.dtype)
+        if chosen.int8:
+            quantize_int8(model)
+        faster = precision.faster_options(chosen, device, flags)
+        if faster:
+            log_faster_options(spec.id, model, faster)
+        return model
+
+    engine = Engine.launch(load, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
+                           event_sink=sink, compile=compile)
+    model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "kernels": kernels.describe(model), "max_batch": spec.max_batch,
                                     "compiled": compile,

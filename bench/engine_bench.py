@@ -189,20 +189,31 @@ class HFGenerate:
 
 
 class EngineRun:
-    """nanoserve's engine; `max_batch=None` means one slot per request of the run."""
+    """nanoserve's engine; `max_batch=None` means one slot per request of the run. Each run
+    launches an engine as the worker does (Engine.launch): the model is loaded on the first run's
+    engine thread, so no other thread of this process holds an OpenMP team."""
 
     def __init__(self, checkpoint: Path, workload: Workload, *, max_batch: int | None = None,
                  prepare=None, options: dict | None = None, dtype: torch.dtype = torch.float32,
                  device: str = "cpu"):
         from models.tokenizer import load_tokenizer
-        from nanogpt.checkpoint import load_model
 
         self.workload, self.max_batch, self.options = workload, max_batch, options or {}
         self.threaded = True  # the engine's own thread steps it, as in the worker
-        self.model = load_model(checkpoint, device=device, dtype=dtype)
-        if prepare is not None:  # the engine packs what is left of Linear layers, as in the worker
-            self.model = prepare(self.model)
+        self._source = (checkpoint, device, dtype, prepare)
+        self.model = None
         self.tokenizer = load_tokenizer(checkpoint)
+
+    def _load(self):
+        """The model, loaded (and prepared: the engine packs what is left of Linear layers, as in
+        the worker) on the first call, on the calling thread."""
+        from nanogpt.checkpoint import load_model
+
+        if self.model is None:
+            checkpoint, device, dtype, prepare = self._source
+            model = load_model(checkpoint, device=device, dtype=dtype)
+            self.model = prepare(model) if prepare is not None else model
+        return self.model
 
     def run(self, count: int, new_tokens: int) -> dict:
         from worker.engine import Engine
@@ -220,13 +231,15 @@ class EngineRun:
                         tokens0.extend(data["token_ids"])
             return ()
 
-        engine = Engine(self.model, self.tokenizer, max_batch=self.max_batch or count,
-                        max_len=self.workload.prompt_tokens + new_tokens, event_sink=sink, **self.options)
+        options = dict(max_batch=self.max_batch or count, max_len=self.workload.prompt_tokens + new_tokens,
+                       event_sink=sink, **self.options)
+        if self.threaded:
+            engine = Engine.launch(self._load, self.tokenizer, **options)
+        else:
+            engine = Engine(self._load(), self.tokenizer, **options)
         jobs = [CompletionJob(id=f"r{i}", model="bench", prompts=[prompt], max_tokens=new_tokens,
                               temperature=0.0, logit_bias={self.workload.eos: -100.0}, seed=0)
                 for i, prompt in enumerate(self.workload.prompts(count))]
-        if self.threaded:
-            engine.start()
         try:
             start = time.perf_counter()
             handles = [engine.submit(job) for job in jobs]

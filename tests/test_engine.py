@@ -367,6 +367,38 @@ def test_engine_thread_runs_concurrent_jobs(model, tok):
     assert stats["tokens_generated"] == 25 and stats["kv_slots_used"] == 0 and sum(stats["batch_size_counts"].values()) > 0
 
 
+def test_launch_loads_the_model_on_the_thread_that_steps_it(hf_checkpoint, tok):
+    import threading
+
+    from nanogpt.checkpoint import CheckpointError
+
+    loaded_on, stepped_on = [], set()
+
+    def load():
+        loaded_on.append(threading.current_thread())
+        return load_model(str(hf_checkpoint))
+
+    def sink(events):
+        if events:  # `stop` hands over the events of jobs it ends (none here) on the caller's thread
+            stepped_on.add(threading.current_thread())
+
+    engine = Engine.launch(load, tok, max_batch=2, event_sink=sink)
+    try:
+        assert engine.is_alive()
+        text = engine.generate(job(tok, [PROMPTS[1]], max_tokens=5))["choices"][0]["text"]
+        assert text and engine.runner.model.device.type == "cpu"
+    finally:
+        engine.stop()
+    assert stepped_on == set(loaded_on) and loaded_on[0] is not threading.main_thread()
+
+    def missing():
+        raise CheckpointError("no checkpoint at /nowhere")
+    before = threading.active_count()
+    with pytest.raises(CheckpointError, match="/nowhere"):
+        Engine.launch(missing, tok, max_batch=2)
+    assert threading.active_count() == before  # the failed launch left no thread behind
+
+
 def test_a_fault_fails_the_batch_without_events_and_the_engine_goes_on(model, tok, monkeypatch):
     engine, sink = make_engine(model, tok)
     h = engine.submit(job(tok, max_tokens=10))

@@ -23,6 +23,7 @@ shapes cause in the model's logits matter only at a near-exact tie, as for greed
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 
 import torch
@@ -125,7 +126,35 @@ class Engine:
             self.step()
         return handle.result()
 
+    @classmethod
+    def launch(cls, load, tokenizer, **options) -> "Engine":
+        """Start a thread that builds an engine around the model `load()` returns and steps it:
+        the model's loading, packing, timing and compiling run on the thread that will run its
+        forwards. A CPU forward on a thread other than the one whose OpenMP team loaded the model
+        runs 12-20% slower (a second live team: docs/benchmarks.md), so a worker's main thread runs
+        no torch work. Returns once the engine is built; raises what building it raised."""
+        built: queue.Queue = queue.Queue(maxsize=1)
+
+        def serve():
+            try:
+                engine = cls(load(), tokenizer, **options)
+            except BaseException as err:
+                built.put(err)
+                return
+            engine._running = True
+            built.put(engine)
+            engine._loop()
+
+        thread = threading.Thread(target=serve, name="nanoserve-engine", daemon=True)
+        thread.start()
+        engine = built.get()
+        if isinstance(engine, BaseException):
+            raise engine
+        engine._thread = thread
+        return engine
+
     def start(self) -> None:
+        """Step this engine on a thread of its own (see `launch`, which a worker uses)."""
         if self._thread is None:
             self._running = True
             self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
