@@ -461,19 +461,22 @@ def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
     from worker.scheduler import BESIDE_CHUNK, MIN_CHUNK, STEP_RATIO, chunk_beside
 
     costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}  # rows -> seconds: flat to 8 rows, then linear
-    assert STEP_RATIO == 2.0
-    assert chunk_beside(1, costs) == 25  # 2 s reach 8 + (64 - 8) / 3 = 26.7 rows: 25 more than 1
-    assert chunk_beside(64, costs) == 64  # 8 s: 128 rows
-    assert chunk_beside(512, costs) == 512  # past the timings, in proportion
+    assert STEP_RATIO == 6.0
+    assert chunk_beside(1, costs) == 95  # 6 s reach 64 + (6 - 4) / 12 * 192 = 96 rows: 95 more than 1
+    assert chunk_beside(8, costs) == 95 - 7  # the same 6 s
+    assert chunk_beside(64, costs) == 320  # 24 s: past the timings, 384 rows
+    assert chunk_beside(512, costs) == 5 * 512  # past the timings, in proportion
     assert chunk_beside(8, {1: 1.0, 8: 0.9, 64: 100.0, 256: 400.0}) == MIN_CHUNK  # noisy, steep: the floor
     assert chunk_beside(8, None) == BESIDE_CHUNK
 
 
-def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok):
+def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok, monkeypatch):
     """With more sequences decoding than prompts waiting, a prompt goes in chunks of chunk_beside
     tokens, each in the same forward as their decode; otherwise in chunks of prefill_chunk."""
-    from worker.scheduler import BESIDE_CHUNK
+    from worker import scheduler
 
+    BESIDE_CHUNK = 32
+    monkeypatch.setattr(scheduler, "BESIDE_CHUNK", BESIDE_CHUNK)  # below prefill_chunk, to tell them apart
     engine = Engine(model, tok, max_batch=4, prefill_chunk=64)
     engine.scheduler.row_costs = None  # the fixed size, whatever this machine measured
     fed = []

@@ -4,8 +4,9 @@ and the thread that steps them.
 Each step reads like vLLM's, one module per stage:
   1. schedule (scheduler.py): take new requests and cancellations, admit waiting sequences into
      free KV-cache slots, choose the prefill chunk (at most `prefill_chunk` prompt tokens, and
-     beside running sequences as many as keep the step within twice their decode's measured cost,
-     so a long prompt slows them for a few steps, never stalls them for its whole length);
+     beside running sequences as many as keep the step's matmuls within STEP_RATIO times their
+     decode's measured cost, so a long prompt slows them for a few steps, never stalls them for
+     its whole length);
   2. run (runner.py): one forward for every running sequence (T = 1) and the prefill chunk,
      packed together; sequences whose prefill completed start (output.py: echo, a resumed history); every
      sequence with logits draws a token, all brought to the host with one `.tolist()`;

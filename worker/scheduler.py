@@ -23,12 +23,15 @@ from worker.sampling import SamplingParams
 from worker.stops import StopMatcher
 
 SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds per step: their (T, V) logits are kept
-# Beside decoding sequences, a step's prompt tokens are held to what keeps it within STEP_RATIO times
-# the cost of their decode alone (decode and prefill share one forward, runner.py), and at least
-# MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
-STEP_RATIO = 2.0
+# Beside decoding sequences, a step's prompt tokens are held to what keeps its weight matmuls within
+# STEP_RATIO times those of their decode alone (decode and prefill share one forward, runner.py), and
+# at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
+# 6 was measured under the serving benchmark (docs/benchmarks.md): against 2, TTFT p99 fell 2-5x and
+# TPOT p50 did not rise, since prompts that start sooner leave fewer mixed steps to share; likewise
+# 128 against 32 for BESIDE_CHUNK (int8, whose layers have no timed plan).
+STEP_RATIO = 6.0
 MIN_CHUNK = 16
-BESIDE_CHUNK = 32
+BESIDE_CHUNK = 128
 
 Event = tuple[str, str, dict]  # (job id, event type, data): see worker/protocol.py
 
