@@ -42,8 +42,8 @@ class Block(nn.Module):
         self.mlp = MLP(config.n_embd, config.n_inner or 4 * config.n_embd, config.activation)
 
     def forward(self, x, cache_layer):
-        x = x + self.attn(self.ln_1(x), cache_layer)
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn(self.ln_1(x), cache_layer, residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
 
 
 class GPTNeo(GPT2Layout):

@@ -46,11 +46,8 @@ class Block(nn.Module):
         self.mlp = MLP(config.n_embd, config.n_inner, config.activation)
 
     def forward(self, x, cache_layer):
-        a = self.attention(self.input_layernorm(x), cache_layer)
-        if self.parallel:
-            return x + a + self.mlp(self.post_attention_layernorm(x))
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.attention(self.input_layernorm(x), cache_layer, residual=x)  # x + attention
+        return self.mlp(self.post_attention_layernorm(x if self.parallel else h), residual=h)
 
 
 class GPTNeoX(ServingModel):

@@ -40,7 +40,7 @@ class Block(nn.Module):
 
     def forward(self, x, cache_layer):
         h = self.ln_1(x)
-        return x + self.attn(h, cache_layer) + self.mlp(h)
+        return self.mlp(h, residual=self.attn(h, cache_layer, residual=x))  # (x + attn) + mlp
 
 
 class GPTJ(GPT2Layout):

@@ -69,6 +69,11 @@ class Kernel:
     available: Callable[[torch.dtype], bool]
     pack: Callable
     linear: Callable
+    # the same product followed, in the kernel's own pass over the output, by an activation
+    # (`with_activation(x, packed, b, ONEDNN_ACTIVATIONS[...])`) or by `+ residual`
+    # (`with_residual(x, packed, b, residual)`); None where the kernel has no such epilogue
+    with_activation: Callable | None = None
+    with_residual: Callable | None = None
 
 
 def _has_onednn(dtype: torch.dtype) -> bool:
@@ -97,7 +102,9 @@ KERNELS = {kernel.name: kernel for kernel in [
            lambda x, packed, w, b: torch.ops.mkl._mkl_linear(x, packed, w, b, x.numel() // x.shape[-1])),
     Kernel("onednn", (torch.float32, torch.bfloat16), _has_onednn,
            lambda w, b: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS),
-           lambda x, packed, w, b: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")),
+           lambda x, packed, w, b: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
+           lambda x, packed, b, activation: torch.ops.mkldnn._linear_pointwise(x, packed, b, *activation),
+           lambda x, packed, b, residual: torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, b, "add")),
     # What the engine's int8 mode runs (fbgemm through the x86 quantized engine). Weight-only int8
     # (aten._weight_int8pack_mm) is left out: 6 tok/s for GPT-2 small's decode matmuls.
     Kernel("int8-dynamic", (torch.qint8,), lambda dtype: bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)),
@@ -168,15 +175,56 @@ class KernelLinear(nn.Linear):
     def is_current(self) -> bool:
         return self._plan is not None and self._packed_from == self._weight_state()
 
+    def kernel(self, x: torch.Tensor) -> Kernel | None:
+        """The kernel that multiplies x with the packed weight, or None where the layer computes as
+        a plain nn.Linear (no pack, a changed weight, autograd, another dtype). Read on every call
+        of every layer, so the parameters are read from _parameters (nn.Module's __getattr__ costs
+        microseconds, a forward calls this ~50 times)."""
+        w = self._parameters["weight"]
+        if self._plan is None or (w.requires_grad and torch.is_grad_enabled()) or x.dtype != w.dtype \
+                or self._packed_from != (w.data_ptr(), w._version, w.dtype):
+            return None
+        return self._plan.kernel_for(x.numel() // x.shape[-1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if self._plan is None or self._plan.packed == PLAIN:
                 return F.linear(x, self.weight, self.bias)
             return torch.ops.nanoserve.linear(x, self.weight, self.bias, self._handle)
-        if (torch.is_grad_enabled() and self.weight.requires_grad) or not self.is_current() \
-                or x.dtype != self.weight.dtype:
+        kernel = self.kernel(x)
+        if kernel is None:
             return F.linear(x, self.weight, self.bias)
-        return self._plan.kernel_for(x.numel() // x.shape[-1]).linear(x, self._packed, self.weight, self.bias)
+        return kernel.linear(x, self._packed, self._parameters["weight"], self._parameters["bias"])
+
+
+# The activations oneDNN applies in its matmul's pass over the output: (module class, its
+# `approximate`) -> (post-op, scalars, algorithm); each the same function as the module's
+ONEDNN_ACTIVATIONS = {("GELU", "tanh"): ("gelu", [], "tanh"), ("GELU", "none"): ("gelu", [], "none"),
+                      ("ReLU", None): ("relu", [], "")}
+
+
+def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """activation(layer(x)), or residual + layer(x): in the matmul's own pass over the output where
+    the layer's kernel has such an epilogue (oneDNN), which saves a pass over the output and an
+    operator call per layer; else as written. `layer` is any linear module (packed or not,
+    quantized); the activation an nn.GELU or nn.ReLU (others are applied after)."""
+    if activation is not None and residual is not None:
+        return residual + project(layer, x, activation)
+    if type(layer) is KernelLinear and not torch.compiler.is_compiling():
+        kernel = layer.kernel(x)
+        if kernel is not None and activation is not None and kernel.with_activation is not None:
+            post = ONEDNN_ACTIVATIONS.get((type(activation).__name__, getattr(activation, "approximate", None)))
+            if post is not None:
+                return kernel.with_activation(x, layer._packed, layer._parameters["bias"], post)
+        if kernel is not None and residual is not None and kernel.with_residual is not None \
+                and residual.dtype == x.dtype and residual.is_contiguous() \
+                and residual.shape == (*x.shape[:-1], layer.out_features):
+            return kernel.with_residual(x, layer._packed, layer._parameters["bias"], residual)
+    y = layer(x)
+    if activation is not None:
+        y = activation(y)
+    return y if residual is None else residual + y
 
 
 # Packed layers by handle: a compiled graph names a layer by its handle (a constant of the graph,

@@ -88,6 +88,9 @@ class CacheWindow(Window):
         rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
         self.write_at = (slots[rows], self.positions[rows, cols])  # (slot, position) of each real token
         self.write_from = (rows, cols)
+        # no padding (every decode): the real tokens in row-major order are the batch itself, a
+        # reshape (for T = 1 a view) rather than a gather in every layer
+        self.dense = len(rows) == self.valid.numel()
         self.keys = torch.arange(self.span, device=device)
         # Rows in consecutive slots read the cache in place (a view). Rows in ascending slots with
         # a few unused slots between them read the whole slot range in place too, the unused
@@ -119,18 +122,30 @@ class CacheWindow(Window):
             return self._spread((self.keys <= q) & recent)
         return self.remember(("local", local), make)
 
+    def real(self, t: torch.Tensor) -> torch.Tensor:
+        """The real tokens of a (B, T, ...) tensor, in row-major order: (N, ...)."""
+        return t.reshape(-1, *t.shape[2:]) if self.dense else t[self.write_from]
+
     def update(self, cache_layer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return the rows'
         slots (or their slot range) up to the batch's furthest position, (B or range, nh, span, hs)."""
         slot, pos = self.write_at
-        cache_layer[slot, :, pos] = new.transpose(1, 2)[self.write_from]  # (N, nh, hs)
+        cache_layer[slot, :, pos] = self.real(new.transpose(1, 2))  # (N, nh, hs)
         return cache_layer[self.rows, :, :self.span]
+
+    def _additive(self, dtype: torch.dtype, local: int | None) -> torch.Tensor:
+        """The mask as attention adds it (0 where allowed, -inf elsewhere, in the queries' dtype),
+        made once per forward: given a boolean mask, SDPA converts it in every layer."""
+        def make():
+            allowed = self.mask if local is None else self._local_mask(local)
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return self.remember(("additive", dtype, local), make)
 
     def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
         """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs).
         scale: of q·k (default 1/sqrt(hs)); local: attend only to the last `local` positions."""
         k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
-        mask = self.mask if local is None else self._local_mask(local)
+        mask = self._additive(q.dtype, local)
         if self.pick is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         spread = q.new_zeros((k.shape[0], *q.shape[1:]))
@@ -146,7 +161,7 @@ class PackedWindow(Window):
 
     def __init__(self, parts: list[CacheWindow]):
         self.parts = parts
-        self.query_positions = torch.cat([part.positions[part.write_from] for part in parts])[None]  # (1, N)
+        self.query_positions = torch.cat([part.real(part.positions) for part in parts])[None]  # (1, N)
         self.sizes = [len(part.write_from[0]) for part in parts]
 
     def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
@@ -154,7 +169,7 @@ class PackedWindow(Window):
         outputs = []
         for part, (qp, kp, vp) in zip(self.parts, zip(*(t.split(self.sizes, dim=2) for t in (q, k, v)))):
             y = part.attend(*(self._unpack(part, t) for t in (qp, kp, vp)), cache_k, cache_v, scale=scale, local=local)
-            outputs.append(y.transpose(1, 2)[part.write_from].transpose(0, 1)[None])  # (1, nh, n, hs)
+            outputs.append(part.real(y.transpose(1, 2)).transpose(0, 1)[None])  # (1, nh, n, hs)
         return torch.cat(outputs, dim=2)
 
     @staticmethod

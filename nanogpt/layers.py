@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from nanogpt.kernels import project
+
 # transformers' activation names -> the function each stands for
 ACTIVATIONS = {
     "gelu_new": lambda: nn.GELU(approximate="tanh"),  # GPT-2's tanh approximation
@@ -68,9 +70,11 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
         self.scale, self.local, self.rotary = scale, local, rotary
 
-    def forward(self, x, cache_layer=None):
+    def forward(self, x, cache_layer=None, residual=None):
         """cache_layer: None for the training forward (causal over x itself, with dropout), else
-        (keys, values, window): one layer of a KVCache (None, None for a FullWindow) and the window."""
+        (keys, values, window): one layer of a KVCache (None, None for a FullWindow) and the window.
+        residual: added to the output (residual + attention(x)), by the output projection's kernel
+        where it can (kernels.project)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -83,7 +87,10 @@ class CausalSelfAttention(nn.Module):
                 q, k = self.rotary(q, k, window)
             y = window.attend(q, k, v, cache_k, cache_v, scale=self.scale, local=self.local)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
-        return self.resid_dropout(self.c_proj(y))
+        if self.training:
+            y = self.resid_dropout(self.c_proj(y))
+            return y if residual is None else residual + y
+        return project(self.c_proj, y, residual=residual)
 
 
 class MLP(nn.Module):
@@ -96,5 +103,10 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(n_inner, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+    def forward(self, x, residual=None):
+        """c_proj(act(c_fc(x))), plus `residual` when given; at inference the activation and the
+        residual add run in the matmuls' own kernels where they can (kernels.project)."""
+        if self.training:
+            y = self.dropout(self.c_proj(self.act(self.c_fc(x))))
+            return y if residual is None else residual + y
+        return project(self.c_proj, project(self.c_fc, x, self.act), residual=residual)

@@ -53,9 +53,8 @@ class Block(nn.Module):
         self.mlp = MLP(config.n_embd, 4 * config.n_embd, "gelu_new", bias=config.bias, dropout=config.dropout)
 
     def forward(self, x, cache_layer=None):
-        x = x + self.attn(self.ln_1(x), cache_layer)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        x = self.attn(self.ln_1(x), cache_layer, residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
 
 
 class GPT(GPT2Layout):

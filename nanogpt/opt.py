@@ -46,10 +46,10 @@ class Block(nn.Module):
 
     def forward(self, x, cache_layer):
         if self.pre_ln:
-            x = x + self.attn(self.self_attn_layer_norm(x), cache_layer)
-            return x + self.mlp(self.final_layer_norm(x))
-        x = self.self_attn_layer_norm(x + self.attn(x, cache_layer))
-        return self.final_layer_norm(x + self.mlp(x))
+            x = self.attn(self.self_attn_layer_norm(x), cache_layer, residual=x)
+            return self.mlp(self.final_layer_norm(x), residual=x)
+        x = self.self_attn_layer_norm(self.attn(x, cache_layer, residual=x))
+        return self.final_layer_norm(self.mlp(x, residual=x))
 
 
 class OPT(ServingModel):

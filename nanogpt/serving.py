@@ -105,7 +105,7 @@ class ServingModel(nn.Module):
             raise ValueError(f"batch reaches position {max(part.span for part in parts) - 1}, the model's "
                              f"context is {self.config.block_size} positions")
         window = PackedWindow(parts)
-        x = self.embed(torch.cat([tokens[part.write_from] for (tokens, *_), part in zip(batches, parts)])[None],
+        x = self.embed(torch.cat([part.real(tokens) for (tokens, *_), part in zip(batches, parts)])[None],
                        window.query_positions)  # (1, N, n_embd)
         for i, block in enumerate(self.blocks):
             x = block(x, (cache.k[i], cache.v[i], window))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -56,6 +57,50 @@ def test_every_bfloat16_kernel_computes_what_linear_computes_in_bfloat16(name):
         assert got.dtype == torch.bfloat16
         # bf16 has an 8-bit mantissa: results may differ by its rounding of the float32 sum
         assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+
+
+EPILOGUES = [("gelu_tanh", torch.nn.GELU(approximate="tanh"), False), ("gelu_erf", torch.nn.GELU(), False),
+             ("relu", torch.nn.ReLU(), False), ("residual", None, True), ("both", torch.nn.GELU(approximate="tanh"), True)]
+
+
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
+@pytest.mark.parametrize("what, activation, with_residual", EPILOGUES, ids=[e[0] for e in EPILOGUES])
+def test_an_epilogue_in_the_kernel_computes_what_follows_the_linear(monkeypatch, name, what, activation, with_residual):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 192).eval()
+    kernels.pack_linears(layer, kernel=name)
+    calls = []  # which epilogues the kernel ran itself
+    kernel = kernels.KERNELS[name]
+    counted = {field: (lambda f, field: lambda *a: calls.append(field) or f(*a))(getattr(kernel, field), field)
+               for field in ("with_activation", "with_residual") if getattr(kernel, field) is not None}
+    monkeypatch.setitem(kernels.KERNELS, name, replace(kernel, **counted))
+    for shape in ((1, 64), (5, 1, 64), (3, 100, 64)):
+        x = torch.randn(*shape)
+        residual = torch.randn(*shape[:-1], 192) if with_residual else None
+        want = F.linear(x, layer.weight, layer.bias)
+        want = activation(want) if activation is not None else want
+        want = residual + want if with_residual else want
+        with torch.no_grad():
+            assert_close(kernels.project(layer, x, activation, residual), want, rtol=1e-5, atol=1e-5)
+    # oneDNN runs the activation (or the add) in its own pass: what the serving forward relies on
+    if name == "onednn":
+        assert set(calls) == {"with_activation" if activation is not None else "with_residual"}
+    else:
+        assert calls == []
+
+
+def test_an_epilogue_of_a_layer_that_cannot_take_it_is_applied_after():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 192).eval()
+    kernels.pack_linears(layer, kernel="onednn")
+    x, sigmoid = torch.randn(4, 64), torch.nn.Sigmoid()  # no oneDNN post-op for it here
+    with torch.no_grad():
+        assert_close(kernels.project(layer, x, sigmoid), torch.sigmoid(F.linear(x, layer.weight, layer.bias)))
+        residual = torch.randn(192, 4).t()  # not contiguous: added after the kernel
+        assert_close(kernels.project(layer, x, residual=residual), residual + F.linear(x, layer.weight, layer.bias),
+                     rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(2)  # a stale pack: the plain layer, then the epilogue
+        assert_close(kernels.project(layer, x, torch.nn.ReLU()), F.linear(x, layer.weight, layer.bias).relu())
 
 
 @pytest.mark.parametrize("name", FLOAT_KERNELS)

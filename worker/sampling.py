@@ -75,6 +75,16 @@ def apply_penalties(logits, counts, presence, frequency):
     return logits - counts * frequency[:, None] - (counts > 0).to(logits.dtype) * presence[:, None]
 
 
+def apply_logit_bias(logits, biases: list[dict[int, float]]):
+    """logits (B, V) plus each row's {token: bias}: added at the biased entries alone (the same
+    sums as adding a dense row of mostly zeros, without reading and adding B x V of them)."""
+    rows = [b for b, bias in enumerate(biases) for _ in bias]
+    ids = [t for bias in biases for t in bias]
+    values = torch.tensor([v for bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device)
+    index = torch.tensor([rows, ids], device=logits.device)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
 def truncate_sorted(probs_sorted, top_k, top_p):
     """Zero the tail of each row of descending probabilities (R, K), the K best of a distribution
     over the whole vocabulary (K = V or fewer): keep the top_k first (0 = all), then, renormalised
@@ -178,7 +188,7 @@ class SamplingParams:
 
 class Sampler:
     """Sampling state of every KV-cache slot: parameters (tensors (max_slots,)), per-token counts of
-    generated tokens for penalties, a dense logit_bias row, the tokens seen (prompt and output, for
+    generated tokens for penalties, the tokens seen (prompt and output, for
     repetition_penalty), the banned and stop tokens (max_slots, V); on the host the choice index and
     draw counter that seed the slot's draws, and the n-gram bans of slots that ask for them."""
 
@@ -198,7 +208,6 @@ class Sampler:
         self.choice = [0] * max_slots
         self.step = [0] * max_slots  # tokens drawn so far = index of the next draw
         self.counts = torch.zeros(max_slots, vocab_size, **f32)
-        self.bias = torch.zeros(max_slots, vocab_size, **f32)
         self.seen = torch.zeros(max_slots, vocab_size, **flags)
         self.banned = torch.zeros(max_slots, vocab_size, **flags)
         self.stops = torch.zeros(max_slots, vocab_size, **flags)
@@ -222,10 +231,6 @@ class Sampler:
         if history:
             ids = torch.tensor(list(history), device=self.counts.device)
             self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-        self.bias[slot].zero_()
-        if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), device=self.bias.device)
-            self.bias[slot, ids] = torch.tensor(list(params.logit_bias.values()), device=self.bias.device)
         device = self.seen.device
         self.seen[slot] = token_mask([*prompt, *history], self.vocab_size, device)
         banned = token_mask(params.banned_ids or (), self.vocab_size, device)
@@ -263,7 +268,7 @@ class Sampler:
         if any(early):
             logits = apply_token_mask(logits, self.stops[idx], torch.tensor(early, device=logits.device))
         if any(p.logit_bias for p in params):
-            logits = logits + self.bias[idx]
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         if any(p.repetition_penalty != 1 for p in params):
             logits = apply_repetition_penalty(logits, self.seen[idx], self.repetition[idx])
         if any(p.penalized for p in params):
