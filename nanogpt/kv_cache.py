@@ -2,7 +2,7 @@
 
 Memory: 2 (keys and values) * n_layer * max_slots * max_len * n_embd * bytes per element.
 GPT-2 small (12 layers, 768 wide) in float32 holds 2 * 12 * 768 * 4 B = 72 KiB per token, so
-32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16).
+32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16, on a GPU: see cache_dtype).
 """
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ import math
 
 import torch
 from torch.nn import functional as F
+
+
+def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype a model's keys and values are cached and attended in: the model's own, except
+    bfloat16 on a CPU, where PyTorch's attention runs 2-3x slower in bfloat16 than in float32
+    (its CPU kernels widen every element; docs/benchmarks.md has the measurements): there the
+    cache is float32, which holds the bfloat16 keys and values exactly, at twice the memory."""
+    if model_dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        return torch.float32
+    return model_dtype
 
 
 class KVCache:
@@ -130,11 +140,11 @@ class CacheWindow(Window):
         """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return the rows'
         slots (or their slot range) up to the batch's furthest position, (B or range, nh, span, hs)."""
         slot, pos = self.write_at
-        cache_layer[slot, :, pos] = self.real(new.transpose(1, 2))  # (N, nh, hs)
+        cache_layer[slot, :, pos] = self.real(new.transpose(1, 2)).to(cache_layer.dtype)  # (N, nh, hs)
         return cache_layer[self.rows, :, :self.span]
 
     def _additive(self, dtype: torch.dtype, local: int | None) -> torch.Tensor:
-        """The mask as attention adds it (0 where allowed, -inf elsewhere, in the queries' dtype),
+        """The mask as attention adds it (0 where allowed, -inf elsewhere, in the cache's dtype),
         made once per forward: given a boolean mask, SDPA converts it in every layer."""
         def make():
             allowed = self.mask if local is None else self._local_mask(local)
@@ -142,15 +152,17 @@ class CacheWindow(Window):
         return self.remember(("additive", dtype, local), make)
 
     def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
-        """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs).
-        scale: of q·k (default 1/sqrt(hs)); local: attend only to the last `local` positions."""
+        """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs)
+        in q's dtype, computed in the cache's (cache_dtype). scale: of q·k (default 1/sqrt(hs));
+        local: attend only to the last `local` positions."""
         k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
+        dtype, q = q.dtype, q.to(cache_k.dtype)
         mask = self._additive(q.dtype, local)
         if self.pick is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).to(dtype)
         spread = q.new_zeros((k.shape[0], *q.shape[1:]))
         spread[self.pick] = q
-        return F.scaled_dot_product_attention(spread, k, v, attn_mask=mask, scale=scale)[self.pick]
+        return F.scaled_dot_product_attention(spread, k, v, attn_mask=mask, scale=scale)[self.pick].to(dtype)
 
 
 class PackedWindow(Window):
@@ -202,11 +214,12 @@ class DecodeWindow(Window):
 
     def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
         B, nh, _, hs = q.shape
-        cache_k[self.slots, :, self.positions] = k[:, :, 0]  # (B, nh, hs)
-        cache_v[self.slots, :, self.positions] = v[:, :, 0]
+        dtype, q = q.dtype, q.to(cache_k.dtype)  # attended in the cache's dtype, as CacheWindow does
+        cache_k[self.slots, :, self.positions] = k[:, :, 0].to(cache_k.dtype)  # (B, nh, hs)
+        cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         span = self.keys.shape[0]
         keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
         scores = (q * keys).sum(-1) * (1.0 / math.sqrt(hs) if scale is None else scale)  # (B, nh, span)
         mask = self.mask if local is None else self.mask & (self.keys > self.positions[:, None, None] - local)
         p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-        return (p[..., None] * values).sum(-2)[:, :, None]  # (B, nh, 1, hs)
+        return (p[..., None] * values).sum(-2)[:, :, None].to(dtype)  # (B, nh, 1, hs)

@@ -321,3 +321,28 @@ def test_compiled_packed_layers_call_their_kernel(checkpoint):
         got = torch.compile(layer, backend=backend)(x)
     assert "torch.ops.nanoserve.linear" in graphs[0] and "torch._C._nn.linear" not in graphs[0]
     assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_model_on_a_cpu_caches_and_attends_in_float32(checkpoint):
+    from nanogpt.kv_cache import cache_dtype
+
+    assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert cache_dtype(torch.float32, "cpu") == torch.float32
+    assert cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16  # GPU attention kernels run bf16 natively
+    model = load_model(str(checkpoint), dtype=torch.bfloat16)
+    reference = load_model(str(checkpoint), dtype=torch.bfloat16)
+    tokens = torch.randint(0, 1000, (2, 9))
+    ones, slots = torch.ones(2, dtype=torch.long), torch.arange(2)
+    # the same forwards over a float32 cache and over a bfloat16 one: the keys and values are the
+    # same bfloat16 numbers either way, only the attention's arithmetic is wider
+    wide, narrow = KVCache(model.config, 2, 16, dtype=torch.float32), KVCache(model.config, 2, 16, dtype=torch.bfloat16)
+    for cache, m in ((wide, model), (narrow, reference)):
+        m.forward_cached(tokens[:, :8], torch.full((2,), 8), slots, torch.zeros(2, dtype=torch.long), cache)
+    assert torch.equal(wide.k[0][:, :, :8], narrow.k[0][:, :, :8].float())  # the first layer: same inputs
+    got = model.forward_cached(tokens[:, 8:], ones, slots, torch.full((2,), 8), wide)
+    want = reference.forward_cached(tokens[:, 8:], ones, slots, torch.full((2,), 8), narrow)
+    assert got.dtype == torch.float32
+    assert_close(got, want, rtol=0.05, atol=0.05)  # bfloat16 rounding of the attention output
+    with torch.no_grad():
+        full, _ = model(tokens)  # the training forward, no cache: logits of the last position (2, 1, V)
+    assert_close(got, full[:, -1].float(), rtol=0.05, atol=0.05)
