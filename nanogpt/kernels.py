@@ -232,18 +232,23 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
 _LAYERS: list[weakref.ref] = []
 
 
-@torch.library.custom_op("nanoserve::linear", mutates_args=())
+# The packed layers' op inside compiled graphs, defined through torch.library.Library rather than
+# torch.library.custom_op: a compiled step calls it once per layer, and its dispatch costs ~7 µs a
+# call against custom_op's ~20 (measured on 49 calls of a compiled function).
+_LIBRARY = torch.library.Library("nanoserve", "DEF")
+_LIBRARY.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle) -> Tensor")
+
+
 def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int) -> torch.Tensor:
     layer = _LAYERS[handle]()
-    if layer is None or layer.weight.data_ptr() != weight.data_ptr() or not layer.is_current() \
-            or x.dtype != weight.dtype:
+    kernel = None if layer is None or layer._parameters["weight"].data_ptr() != weight.data_ptr() else layer.kernel(x)
+    if kernel is None:
         return F.linear(x, weight, bias)
-    return layer._plan.kernel_for(x.numel() // x.shape[-1]).linear(x, layer._packed, weight, bias)
+    return kernel.linear(x, layer._packed, weight, bias)
 
 
-@_compiled_linear.register_fake
-def _(x, weight, bias, handle):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_LIBRARY.impl("linear", _compiled_linear, "CPU")
+_LIBRARY.impl("linear", lambda x, weight, bias, handle: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
 
 
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
