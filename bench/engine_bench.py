@@ -32,7 +32,8 @@ resident memory of the system's process during the run (VmHWM, reset before each
 GFLOP/s and weight bytes read per second, as fractions of this machine's limits (bench/machine.py),
 and the fraction of the ceiling of the system's precision: the tokens/s of the workload's weight
 matmuls alone with the fastest kernel of that precision (prefill rows + one row per request per
-step; `machine.workload_ceiling`). The summary takes the median over repeats, and ratios against
+step; `machine.workload_ceiling`), measured again before each round of runs at a concurrency
+(`round_ceilings`), since the host's speed drifts. The summary takes the median over repeats, and ratios against
 transformers within the same run. The CPU's model and flags are in `limits`.
 """
 from __future__ import annotations
@@ -383,7 +384,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
     per core).
     gate: a bench.machine.Gate that times each run in a quiet moment of the (shared) machine and
     records how much CPU other processes took meanwhile (default: no waiting)."""
-    from bench.machine import Gate, measure, wait_until_quiet
+    from bench.machine import Gate, measure, wait_until_quiet, workload_ceiling
 
     gate = gate or Gate()
 
@@ -412,12 +413,17 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
                              rows=sorted(set(concurrency)), device=device)
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
+        shape = (config["n_layer"], config["n_embd"], config["vocab_size"])
         for r in range(repeats):
             for c in concurrency:
+                ceilings = round_ceilings(limits, {PRECISION[name] for name in names}, c, shape, device)
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
                     if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
                         continue
                     result = gate.measure(lambda: procs[name].run(c, workload.new_tokens))
+                    if PRECISION[name] in ceilings:
+                        result["ceiling_tokens_per_s"] = workload_ceiling(
+                            ceilings[PRECISION[name]], c, workload.prompt_tokens, workload.new_tokens)
                     runs[name][c].append(result)
                     log(f"repeat {r + 1}/{repeats}  C={c:<3} {name:<15} "
                         f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
@@ -441,6 +447,22 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
     }
 
 
+def round_ceilings(limits: dict, precisions: set[str], rows: int, shape, device: str) -> dict:
+    """Each precision's ceiling at `rows` rows measured again, just before a round of runs at that
+    concurrency, with the kernels the limits found fastest: this host's speed drifts by up to 1.3x
+    within minutes (its matmul peak measured 105 and 182 GFLOP/s half an hour apart), so a run is
+    held against a ceiling measured beside it rather than at the start of the benchmark."""
+    from bench.machine import PREFILL_ROWS, ceiling, fastest_kernels
+
+    out = {}
+    for precision in sorted(precisions):
+        known = limits.get("ceilings", {}).get(precision)
+        if known:
+            out[precision] = ceiling(precision, shape, (rows,), PREFILL_ROWS, repeats=3, device=device,
+                                     only=fastest_kernels(known, rows))
+    return out
+
+
 def code_version() -> dict:
     """The commit measured, and which files of the engine's code differed from it."""
     import subprocess
@@ -456,8 +478,6 @@ def code_version() -> dict:
 def summarize(runs, ready, config, workload: Workload, limits: dict, device: str = "cpu") -> dict:
     """Median over repeats per (system, concurrency), with ratios and fractions of the limits (of
     the matmul and copy limits only on the CPU, the only device bench/machine.py measures them on)."""
-    from bench.machine import workload_ceiling
-
     flops = flops_per_request(config, workload)
     summary: dict[str, dict[int, dict]] = {}
     for name, by_c in runs.items():
@@ -475,10 +495,10 @@ def summarize(runs, ready, config, workload: Workload, limits: dict, device: str
                    "gflops": tok_s / workload.new_tokens * flops / 1e9}
             if device == "cpu":
                 row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
-            ceiling = limits.get("ceilings", {}).get(PRECISION[name])
-            if ceiling:  # the workload's weight matmuls alone, fastest kernel of the precision
-                row["ceiling_tokens_per_s"] = workload_ceiling(ceiling, c, workload.prompt_tokens, workload.new_tokens)
-                row["ceiling_fraction"] = tok_s / row["ceiling_tokens_per_s"]
+            if all("ceiling_tokens_per_s" in r for r in rs):  # each run against the ceiling of its round
+                row["ceiling_tokens_per_s"] = statistics.median(r["ceiling_tokens_per_s"] for r in rs)
+                row["ceiling_fraction"] = statistics.median(
+                    r["completion_tokens"] / r["seconds"] / r["ceiling_tokens_per_s"] for r in rs)
             if c == 1:  # one decode step per token: every weight is read once per token
                 row["weight_gbps"] = tok_s * ready[name]["weight_bytes"] / 1e9
                 if device == "cpu":

@@ -176,15 +176,17 @@ def decode_weights(shape=GPT2_SMALL, dtype=torch.float32, device: str = "cpu", s
 
 
 def ceiling(precision: str, shape=GPT2_SMALL, rows=DECODE_ROWS, prefill_rows: int | None = PREFILL_ROWS,
-            repeats: int = 5, device: str = "cpu") -> dict:
+            repeats: int = 5, device: str = "cpu", only: list[str] | None = None) -> dict:
     """One precision's ceiling: seconds of the blocks' matmuls and of the LM head's, per kernel and
     rows (the blocks also at `prefill_rows`, a prefill chunk), and per rows the fastest: its decode
-    step (`step_seconds` = blocks + head) and tokens/s (rows / step)."""
+    step (`step_seconds` = blocks + head) and tokens/s (rows / step). `only`: time these of the
+    available kernels alone (the ones known to be fastest)."""
     from nanogpt import kernels
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}[precision]
     names = (kernels.available(torch.qint8) if precision == "int8" else
              [kernels.PLAIN] if device.startswith("cuda") else kernels.available(dtype))
+    names = [name for name in names if only is None or name in only]
     blocks, head = decode_weights(shape, dtype, device)
     block_rows = sorted({*rows, *([prefill_rows] if prefill_rows else [])})
     timings = {"blocks": kernels.time_kernels(blocks, names, block_rows, repeats, budget=math.inf)}
@@ -196,6 +198,15 @@ def ceiling(precision: str, shape=GPT2_SMALL, rows=DECODE_ROWS, prefill_rows: in
     step = {r: best["blocks"][r] + best["head"][r] for r in rows}
     return {"kernels": timings, "blocks_seconds": best["blocks"], "head_seconds": best["head"],
             "step_seconds": step, "tokens_per_s": {r: r / s for r, s in step.items()}, "fastest_kernel": fastest}
+
+
+def fastest_kernels(ceiling: dict, rows: int) -> list[str]:
+    """The kernels a measured ceiling found fastest for a decode step of `rows` rows and for the
+    blocks at a prefill chunk: all a later measurement of that ceiling needs to time."""
+    step = {int(r): name for r, name in ceiling["fastest_kernel"].items()}
+    blocks = ceiling["kernels"]["blocks"]
+    prefill = min(blocks, key=lambda name: _at(blocks[name], PREFILL_ROWS))
+    return sorted({step.get(rows) or step[min(step, key=lambda r: abs(r - rows))], prefill})
 
 
 def workload_ceiling(ceiling: dict, concurrency: int, prompt_tokens: int, new_tokens: int) -> float:
