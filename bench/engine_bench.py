@@ -416,7 +416,9 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         shape = (config["n_layer"], config["n_embd"], config["vocab_size"])
         for r in range(repeats):
             for c in concurrency:
-                ceilings = round_ceilings(limits, {PRECISION[name] for name in names}, c, shape, device)
+                # timed as the runs are: once other processes (the last run's system winding down) are quiet
+                ceilings = gate.measure(lambda: {"ceilings": round_ceilings(
+                    limits, {PRECISION[name] for name in names}, c, shape, device)})["ceilings"]
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
                     if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
                         continue
