@@ -446,13 +446,35 @@ def test_int8_model_serves_close_to_float32(model, tok, hf_checkpoint):
 def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     import torch._inductor.config as inductor
 
-    small = load_model(str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False)))
+    checkpoint = str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False))
+    small = load_model(checkpoint)
     jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows: padded to 4
     eager = run_all(make_engine(small, tok)[0], jobs())
     engine = make_engine(small, tok, compile=True)[0]
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
+
+    # a prompt that arrives while others decode is fed beside them in one eager packed forward;
+    # the decode-only steps around it run the compiled graph
+    def staggered(engine):
+        first = [engine.submit(j) for j in [job(tok, [p], max_tokens=10) for p in PROMPTS[:2]]]
+        for _ in range(3):
+            engine.step()
+        late = engine.submit(job(tok, [PROMPTS[3]], max_tokens=4))
+        while not all(h.done for h in first + [late]):
+            engine.step()
+        return [h.result()["choices"][0]["text"] for h in first + [late]]
+
+    expected = staggered(make_engine(load_model(checkpoint), tok)[0])
+    calls = {"forward_packed": 0, "_decode_compiled": 0}
+    for target, name in ((small, "forward_packed"), (engine.runner, "_decode_compiled")):
+        def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _run(*args, **kwargs)
+        setattr(target, name, counted)
+    assert staggered(engine) == expected
+    assert calls["forward_packed"] >= 1 and calls["_decode_compiled"] >= 3
 
 
 def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():

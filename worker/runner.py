@@ -3,8 +3,9 @@
 A step runs one forward for its decoding sequences (T = 1) and its plain prefill chunks together,
 their tokens packed into one row so that the weights are read once for both; prefills that score
 their context (echo with logprobs, or a resumed job's logprobs) run in a forward of their own, which
-keeps every position's logits. Where nothing prefills, or the decode is compiled (with the batch
-padded to a bucket size) or carries contrastive candidates, the decode runs alone. A completed
+keeps every position's logits. Where nothing prefills, or the decode carries contrastive candidates,
+the decode runs alone: compiled, when the engine compiles it (the batch padded to a bucket size);
+a step that feeds prompt chunks runs the packed forward eagerly, compiled or not. A completed
 prefill's keys and values are copied from its leader's slot to those of the prompt's other copies
 (`n`/`best_of` share one prefill). Every row that has logits then draws its token (sampling.py)
 and is scored (logprobs.py), and all of it comes to the host in one `.tolist()`: the step's one
@@ -99,9 +100,10 @@ class Runner:
         prefills the chunks completed (see `prefill`). The decoding rows and the plain prefill
         chunks share one forward where they can (nanogpt's `forward_packed`): its weight matmuls
         read the weights once for both, so a prompt prefilling beside running sequences costs
-        them its own rows' work, not a second pass over the weights."""
+        them its own rows' work, not a second pass over the weights (measured under a serving load:
+        better than a compiled decode beside a prefill forward of its own, docs/benchmarks.md)."""
         plain = [(unit, n) for unit, n in chunks if unit.score_from is None and unit.seqs[0].search is None]
-        if not rows or searching or self.compiled or not plain:
+        if not rows or searching or not plain:
             return (self.decode(rows, searching) if rows or searching else None), self.prefill(chunks)
         self.batch_sizes[len(rows)] += 1
         decoded, last = self.model.forward_packed([self._decode_batch(rows), self._prefill_batch(plain)], self.cache)
