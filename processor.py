@@ -87,22 +87,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the decode step (slower start, faster steps)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the decode step (a slower first start, faster steps); default: "
+                             "where it pays, float32 on a CPU with a C++ compiler (nanogpt/compile.py)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics of the engines on this port")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
 
-def build_engine(spec, device: str, sink, compile: bool = False):
+def build_engine(spec, device: str, sink, compile: bool | None = False):
     """Load the model and tokenizer onto one device and wrap them in a started engine, in the
     precision nanogpt.precision chooses for the registry's dtype on this hardware (a CPU without
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
-    kernels (nanogpt.kernels). The model is loaded on the engine's thread (Engine.launch)."""
+    kernels (nanogpt.kernels). `compile`: compile the decode step, or None: where it pays
+    (nanogpt.compile.compiles_by_default). The model is loaded on the engine's thread (Engine.launch)."""
     from models.tokenizer import load_tokenizer
     from nanogpt import kernels, precision
     from nanogpt.checkpoint import load_model
+    from nanogpt.compile import compiles_by_default
     from nanogpt.quantize import quantize_int8
     from worker.engine import Engine
 
@@ -113,6 +116,8 @@ def build_engine(spec, device: str, sink, compile: bool = False):
         raise SystemExit(f"model `{spec.id}`: {err}")
     if chosen.note:
         log.warning(chosen.note, extra={"model": spec.id, "device": device})
+    if compile is None:
+        compile = compiles_by_default(device, chosen.dtype, chosen.int8)
     started = time.monotonic()
 
     def load():  # on the engine's thread (Engine.launch)
@@ -129,7 +134,7 @@ def build_engine(spec, device: str, sink, compile: bool = False):
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "kernels": kernels.describe(model), "max_batch": spec.max_batch,
-                                    "compiled": compile,
+                                    "compiled": engine.runner.compiled,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
 

@@ -60,11 +60,11 @@ def engine_sender(engine, model_id: str):
 
 
 @contextmanager
-def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, processor_args: list[str] = ()) -> Iterator[Service]:
+def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: bool | None = None) -> Iterator[Service]:
     """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
-    private redis-server, `processor.py` with `concurrency` rq workers per model (and
-    `processor_args`), gunicorn (2 workers × 64 threads, auth disabled); logs in `workdir`. Yields
-    the gunicorn service (its `.url`)."""
+    private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
+    compiled or not by `compile`, None: where the worker compiles it by default), gunicorn (2
+    workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
     from web.dev.local_redis import start_redis
@@ -74,7 +74,7 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, processor_
     try:
         # a compiling worker compiles one graph per batch size on its first start (about a minute)
         with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir,
-                             extra_args=list(processor_args), timeout=600.0), \
+                             compile=compile, timeout=600.0), \
                 start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
                                log_dir=workdir) as web:
             yield web

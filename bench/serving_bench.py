@@ -28,8 +28,9 @@ Per rate (the definitions of vLLM's benchmark_serving):
 
 Servers: `nanoserve:DTYPE` starts nanoserve's whole stack (a private Redis, `processor.py`, gunicorn:
 bench.gateway_bench.stack) on the random-weight checkpoint of `--model` with `dtype = DTYPE`
-(float32, bfloat16 or int8) and `max_batch` = `--max-concurrency` (`nanoserve:DTYPE+compile`: its
-worker started with `--compile`, the decode step compiled); `llama.cpp:PRECISION` starts
+(float32, bfloat16 or int8) and `max_batch` = `--max-concurrency`, its worker compiling the decode
+step where it does by default (`nanoserve:DTYPE+compile` or `+eager`: started with `--compile` or
+`--no-compile`); `llama.cpp:PRECISION` starts
 llama.cpp's `llama-server` (bench/llama_cpp.py: built once from source) on the same checkpoint
 converted to GGUF (f32, f16 or q8_0) with `--parallel` = `--max-concurrency` slots; a URL is a
 server already running (ask it for `--model-name`). Several servers run one after another in the same invocation, each through every rate, with the same
@@ -163,15 +164,15 @@ def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int 
 
 @contextmanager
 def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
-              workdir: Path, compile: bool = False) -> Iterator[str]:
+              workdir: Path, compile: bool | None = None) -> Iterator[str]:
     """nanoserve's whole stack serving `model_dir` as `model` in `dtype` (with the decode step
-    compiled: `compile`); yields its base URL."""
+    compiled or not by `compile`, None: the worker's default); yields its base URL."""
     from bench.gateway_bench import stack
     from tests.stack import write_models_toml
 
     models_file = write_models_toml(workdir / "models.toml", {model: model_dir}, device="cpu", dtype=dtype,
                                     max_batch=max_concurrency, context_length=context_length)
-    with stack(models_file, workdir, concurrency=max_concurrency, processor_args=["--compile"] if compile else []) as web:
+    with stack(models_file, workdir, concurrency=max_concurrency, compile=compile) as web:
         yield web.url + "/v1"
 
 
@@ -188,10 +189,11 @@ def server(spec: str, model: str, max_concurrency: int, context_length: int, wor
     model_dir = model_dir or checkpoint(model)
     if kind == "nanoserve":
         dtype, _, option = precision.partition("+")
-        if option not in ("", "compile"):
-            raise ValueError(f"unknown nanoserve option {option!r} in {spec!r}: only +compile")
+        modes = {"": None, "compile": True, "eager": False}
+        if option not in modes:
+            raise ValueError(f"unknown nanoserve option {option!r} in {spec!r}: +compile or +eager")
         with nanoserve(model_dir, model, dtype or "float32", max_concurrency, context_length, workdir,
-                       compile=option == "compile") as url:
+                       compile=modes[option]) as url:
             yield url
     elif kind == "llama.cpp":
         from bench import llama_cpp
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", default="nanoserve:float32",
-                        help="comma-separated, run in turn: nanoserve:float32|bfloat16|int8[+compile], "
+                        help="comma-separated, run in turn: nanoserve:float32|bfloat16|int8[+compile|+eager], "
                              "llama.cpp:f32|f16|q8_0, or the base URL of a server already running")
     parser.add_argument("--model-name", default=None, help="the model to ask the servers for (default: --model)")
     parser.add_argument("--model", default="gpt2-small", help="the random-weight checkpoint's shape (bench.SHAPES)")

@@ -154,10 +154,12 @@ def registered_workers(redis_url: str, model_id: str) -> set[str]:
 
 def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | None = None,
                     concurrency: int | None = None, device: str | None = None, heartbeat: float | None = None,
-                    extra_args: list[str] = (), env: dict[str, str] | None = None,
+                    compile: bool | None = False, extra_args: list[str] = (), env: dict[str, str] | None = None,
                     log_dir: Path | None = None, timeout: float = 120.0, wait: bool = True) -> Service:
     """Start `processor.py` and wait until all its rq workers are registered on every model's queue
-    (with `wait=False`, return at once; `service.wait_ready()` waits later)."""
+    (with `wait=False`, return at once; `service.wait_ready()` waits later). `compile`: the
+    worker's --compile / --no-compile, None for its default (uncompiled unless asked: most tests
+    start workers on tiny models, where compiling would only cost time)."""
     args = [sys.executable, "processor.py", "--redis-url", redis_url]
     for model in models or []:
         args += ["--model", model]
@@ -167,6 +169,8 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
         args += ["--device", device]
     if heartbeat is not None:
         args += ["--heartbeat", str(heartbeat)]
+    if compile is not None:
+        args.append("--compile" if compile else "--no-compile")
     args += list(extra_args)
     service = _spawn("processor", args, {"REDIS_URL": redis_url, "NANOSERVE_MODELS": str(models_file),
                                          **(env or {})}, log_dir)

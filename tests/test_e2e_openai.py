@@ -13,6 +13,7 @@ import openai
 import pytest
 import redis
 import requests
+import torch
 from rq import Queue, Worker
 
 from models.tokenizer import load_tokenizer
@@ -28,7 +29,8 @@ QUEUE_DEPTH = 6
 
 @pytest.fixture(scope="module")
 def stack(hf_checkpoint, tmp_path_factory):
-    """redis-server + processor.py (model `tiny`, 4 worker threads) + gunicorn."""
+    """redis-server + processor.py (model `tiny`, 4 worker threads, its decode step compiled or not
+    as the worker decides by default) + gunicorn."""
     tmp = tmp_path_factory.mktemp("e2e-openai")
     models = tmp / "models.toml"
     write_models_toml(models, {"tiny": hf_checkpoint}, device="cpu", max_batch=8)
@@ -38,7 +40,8 @@ def stack(hf_checkpoint, tmp_path_factory):
     env = {"NANOSERVE_MAX_BODY_BYTES": str(MAX_BODY), "NANOSERVE_MAX_QUEUE_DEPTH": str(QUEUE_DEPTH),
            "NANOSERVE_KEEPALIVE": "1", "NANOSERVE_AUTH": "disabled"}
     try:
-        with start_processor(server.url, models, models=["tiny"], concurrency=4, log_dir=tmp) as worker, \
+        with start_processor(server.url, models, models=["tiny"], concurrency=4, compile=None, log_dir=tmp,
+                             timeout=300.0) as worker, \
                 start_gunicorn(server.url, models, env=env, workers=2, threads=8, log_dir=tmp) as web:
             yield {"url": web.url, "redis_url": server.url, "worker": worker, "web": web}
     finally:
@@ -53,6 +56,16 @@ def client(stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(hf_checkpoint):
     return load_tokenizer(hf_checkpoint)
+
+
+def test_the_worker_compiles_its_float32_cpu_decode_step_by_default(stack):
+    """Where it was measured to pay (nanogpt.compile.compiles_by_default), the worker every other
+    test here talks to runs the compiled decode step unless told otherwise."""
+    from nanogpt.compile import compiles_by_default
+
+    ready = next(line for line in stack["worker"].logs().splitlines() if "engine ready" in line)
+    assert compiles_by_default("cpu", torch.float32)  # this machine has the C++ compiler inductor needs
+    assert '"compiled": true' in ready, ready
 
 
 def greedy(client, prompt=PROMPT, **kw):

@@ -219,8 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "registry, else every model in NANOSERVE_MODELS")
     parser.add_argument("--device", default=None, help="worker device, e.g. cpu, cuda:0, all")
     parser.add_argument("--concurrency", type=int, default=None, help="worker job threads")
-    parser.add_argument("--compile", action="store_true",
-                        help="the worker compiles its decode step (minutes at start; faster from ~8 concurrent)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="whether the worker compiles its decode step (default: the worker's, where it pays; "
+                             "a first start compiles for a minute, later ones load the graphs)")
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help="serve the worker's Prometheus metrics on this port")
     parser.add_argument("--host", default=os.environ.get("NANOSERVE_HOST", "127.0.0.1"))
@@ -283,8 +284,8 @@ def run(stack: Stack, args: argparse.Namespace, env: dict[str, str], models: lis
         worker_cmd += ["--device", args.device]
     if args.concurrency:
         worker_cmd += ["--concurrency", str(args.concurrency)]
-    if args.compile:
-        worker_cmd.append("--compile")
+    if args.compile is not None:
+        worker_cmd.append("--compile" if args.compile else "--no-compile")
     if args.worker_metrics_port:
         worker_cmd += ["--metrics-port", str(args.worker_metrics_port)]
     stack.children.append(spawn("worker (processor.py)", worker_cmd, env, stop_timeout=60))
