@@ -21,6 +21,8 @@ all of them alike:
 - `engine-int8`, `engine-compile`: the engine's int8 and torch.compile modes (`engine_mode`).
 - `engine-bf16`: the engine on the model in bfloat16, where the CPU multiplies bf16 natively
   (nanogpt/precision.py), else "not available".
+- `engine-bf16-compile`, `engine-int8-compile` (only when named in `--systems`): those two with
+  the decode step compiled.
 
 `--device cuda` (or `cuda:N`) puts transformers and the engine on that GPU: bfloat16 runs there,
 int8 is "not available" (a CPU mode), the ceilings are F.linear's on the GPU (bench/machine.py),
@@ -57,9 +59,12 @@ import torch
 from bench import EOS, SHAPES, model_shape, prompt_ids
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
+# also known, not run by default: the other precisions with the decode step compiled
+MORE_SYSTEMS = ("engine-bf16-compile", "engine-int8-compile")
 # the precision whose ceiling each system is held against
 PRECISION = {"transformers": "float32", "engine": "float32", "serial": "float32", "engine-compile": "float32",
-             "engine-int8": "int8", "engine-bf16": "bfloat16"}
+             "engine-int8": "int8", "engine-bf16": "bfloat16", "engine-bf16-compile": "bfloat16",
+             "engine-int8-compile": "int8"}
 # `serial` runs its requests one after another: once per benchmark from 16 up (one run already
 # holds C requests), and not above 32 (64 would take minutes and say nothing new: its tokens/s
 # does not depend on the concurrency)
@@ -75,7 +80,7 @@ TARGETS = [("engine", "transformers", 32, 1.5), ("engine", "transformers", 8, 2.
 # bench/stack_bench.py holds nanoserve's whole stack to the same
 CEILING_TARGETS = {"float32": (0.9, 0.76), "bfloat16": (0.57, 0.66), "int8": (0.57, 0.66)}
 TARGETS += [(system, "ceiling", c, CEILING_TARGETS[PRECISION[system]][c > 1])
-            for system in ("engine", "engine-compile", "engine-bf16", "engine-int8") for c in (1, 8, 32)]
+            for system in ("engine", "engine-compile", "engine-bf16", "engine-int8", *MORE_SYSTEMS) for c in (1, 8, 32)]
 
 
 @dataclass(frozen=True)
@@ -291,17 +296,20 @@ def build_system(name: str, checkpoint: Path, workload: Workload, device: str = 
         return EngineRun(checkpoint, workload, device=device)
     if name == "serial":
         return EngineRun(checkpoint, workload, max_batch=1, device=device)
-    if name in ("engine-int8", "engine-compile"):
-        if name == "engine-int8":
-            chosen_precision("int8", device)
-        prepare, options = engine_mode(name.removeprefix("engine-"))
-        return EngineRun(checkpoint, workload, prepare=prepare, options=options, device=device)
-    if name == "engine-bf16":
+    if name not in PRECISION:
+        raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS + MORE_SYSTEMS)}")
+    prepare, options, dtype = None, {}, torch.float32
+    if name.endswith("-compile"):
+        options = engine_mode("compile")[1]
+    if PRECISION[name] == "int8":
+        chosen_precision("int8", device)
+        prepare = engine_mode("int8")[0]
+    if PRECISION[name] == "bfloat16":
         chosen = chosen_precision("bfloat16", device)
         if chosen.dtype != torch.bfloat16:
             raise NotAvailable(chosen.note)
-        return EngineRun(checkpoint, workload, dtype=torch.bfloat16, device=device)
-    raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+        dtype = torch.bfloat16
+    return EngineRun(checkpoint, workload, prepare=prepare, options=options, dtype=dtype, device=device)
 
 
 def serve_system(conn, name: str, checkpoint: str, workload: dict, warmup: list[tuple[int, int]],
@@ -648,7 +656,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="1 repeat, concurrency 1,8,32, 16 new tokens (minutes, not a measurement)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of the default")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of these and {', '.join(MORE_SYSTEMS)}")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default="gpt2-small", choices=[s for s in SHAPES if s != "tiny"],

@@ -164,8 +164,7 @@ class KernelLinear(nn.Linear):
             self._packed = KERNELS[plan.packed].pack(self.weight.detach(), None)
         self._packed_from = self._weight_state()
         if getattr(self, "_handle", None) is None:
-            self._handle = len(_LAYERS)
-            _LAYERS.append(weakref.ref(self))
+            self._handle = register(self)
 
     def _weight_state(self) -> tuple:
         # what identifies the weight packed: in-place changes bump _version; model.to() and
@@ -232,6 +231,12 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
 _LAYERS: list[weakref.ref] = []
 
 
+def register(layer: nn.Module) -> int:
+    """A handle by which compiled graphs call `layer` (`nanoserve::linear`, `nanoserve::layer`)."""
+    _LAYERS.append(weakref.ref(layer))
+    return len(_LAYERS) - 1
+
+
 # The packed layers' op inside compiled graphs, defined through torch.library.Library rather than
 # torch.library.custom_op: a compiled step calls it once per layer, and its dispatch costs ~7 µs a
 # call against custom_op's ~20 (measured on 49 calls of a compiled function).
@@ -249,6 +254,13 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 _LIBRARY.impl("linear", _compiled_linear, "CPU")
 _LIBRARY.impl("linear", lambda x, weight, bias, handle: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+
+# A registered layer's own eager forward as one op of a compiled graph, for layers whose parameters
+# dynamo cannot trace (int8's quantized linears hold a TorchScript object): `out_features` gives
+# the output's shape without running it.
+_LIBRARY.define("layer(Tensor x, int handle, int out_features) -> Tensor")
+_LIBRARY.impl("layer", lambda x, handle, out_features: _LAYERS[handle]()(x), "CPU")
+_LIBRARY.impl("layer", lambda x, handle, out_features: x.new_empty(*x.shape[:-1], out_features), "Meta")
 
 
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:

@@ -323,6 +323,29 @@ def test_compiled_packed_layers_call_their_kernel(checkpoint):
     assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_an_int8_decode_step_compiles_into_one_graph_of_its_quantized_kernels(checkpoint):
+    """Every quantized linear is one opaque call of its own kernel inside the graph (dynamo cannot
+    trace their packed weights), and the graph is the whole step: no breaks, the eager logits."""
+    from nanogpt.quantize import Int8Linear, quantize_int8
+
+    model = quantize_int8(load_model(str(checkpoint)))
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 4 * model.config.n_layer + 1 and all(m._handle is not None for m in layers)
+    graphs = []
+
+    def backend(gm, inputs):  # what dynamo hands a compiler
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    cache, again = KVCache(model.config, max_slots=4, max_len=32), KVCache(model.config, max_slots=4, max_len=32)
+    args = torch.tensor([5, 7]), torch.tensor([0, 2]), torch.tensor([0, 0])
+    with torch.no_grad():
+        got = torch.compile(model.forward_decode, backend=backend, fullgraph=True)(*args, cache, torch.arange(2))
+        want = model.forward_decode(*args, again, torch.arange(2))
+    assert len(graphs) == 1 and graphs[0].count("torch.ops.nanoserve.layer") == len(layers)
+    assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_bfloat16_model_on_a_cpu_caches_and_attends_in_float32(checkpoint):
     from nanogpt.kv_cache import cache_dtype
 
