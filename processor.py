@@ -117,7 +117,7 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
     if chosen.note:
         log.warning(chosen.note, extra={"model": spec.id, "device": device})
     if compile is None:
-        compile = compiles_by_default(device, chosen.dtype, chosen.int8)
+        compile = compiles_by_default(device, chosen.name)
     started = time.monotonic()
 
     def load():  # on the engine's thread (Engine.launch)

@@ -20,12 +20,14 @@ def compile_decode(model):
     compile_cache.enable()
     return torch.compile(model.forward_decode)
 
+# The precisions (nanogpt.precision's names) whose compiled decode step, prompt chunks still packed
+# beside it eagerly, was measured ahead of the eager step on a CPU, under the serving benchmark's
+# load and on whole batches (docs/benchmarks.md). The GPU's compiled step has not been measured.
+COMPILED_ON_CPU = ("float32", "bfloat16")
 
-def compiles_by_default(device, dtype: torch.dtype, int8: bool = False) -> bool:
-    """Whether a worker compiles its decode step unless told otherwise: float32 on a CPU, where the
-    compiled step (prompt chunks still packed beside the decode, eagerly) was measured ahead of the
-    eager one under a serving load and on whole batches (docs/benchmarks.md), and only where
-    inductor finds the C++ compiler it builds its kernels with. Not measured to pay elsewhere:
-    bfloat16 and the GPU; int8's quantized layers are not the packed op a graph calls."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and not int8
+
+def compiles_by_default(device, precision: str) -> bool:
+    """Whether a worker compiles its decode step unless told otherwise: for COMPILED_ON_CPU on a
+    CPU, and only where inductor finds the C++ compiler it builds its kernels with."""
+    return (torch.device(device).type == "cpu" and precision in COMPILED_ON_CPU
             and shutil.which(os.environ.get("CXX", "g++")) is not None)

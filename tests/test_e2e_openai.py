@@ -13,7 +13,6 @@ import openai
 import pytest
 import redis
 import requests
-import torch
 from rq import Queue, Worker
 
 from models.tokenizer import load_tokenizer
@@ -64,7 +63,7 @@ def test_the_worker_compiles_its_float32_cpu_decode_step_by_default(stack):
     from nanogpt.compile import compiles_by_default
 
     ready = next(line for line in stack["worker"].logs().splitlines() if "engine ready" in line)
-    assert compiles_by_default("cpu", torch.float32)  # this machine has the C++ compiler inductor needs
+    assert compiles_by_default("cpu", "float32")  # this machine has the C++ compiler inductor needs
     assert '"compiled": true' in ready, ready
 
 

@@ -140,3 +140,15 @@ def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypa
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
     assert not [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
+
+
+def test_the_decode_step_is_compiled_by_default_where_it_was_measured_to_pay(monkeypatch):
+    from nanogpt.compile import COMPILED_ON_CPU, compiles_by_default
+
+    assert COMPILED_ON_CPU == ("float32", "bfloat16")
+    monkeypatch.setenv("CXX", "sh")  # a program every machine has, standing for the C++ compiler
+    assert compiles_by_default("cpu", "float32") and compiles_by_default("cpu", "bfloat16")
+    assert not compiles_by_default("cpu", "int8")
+    assert not compiles_by_default("cuda:0", "float32") and not compiles_by_default("cuda", "bfloat16")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")  # inductor could build no kernel: run eagerly
+    assert not compiles_by_default("cpu", "float32")
