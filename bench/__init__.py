@@ -82,3 +82,35 @@ def prompt_ids(index: int, length: int = 32) -> list[int]:
     every system and every run."""
     rng = random.Random(1000 + index)
     return [rng.randrange(EOS) for _ in range(length)]
+
+
+def output_arguments(parser, name: str) -> None:
+    """A benchmark's --json (default: the bench cache's NAME.json), --markdown and --plot, which
+    `write_results` writes."""
+    parser.add_argument("--json", default=str(CACHE / f"{name}.json"))
+    parser.add_argument("--markdown", default=None, help="also write the tables here")
+    parser.add_argument("--plot", default=None, help="write the plot here (a .png)")
+
+
+def write_results(results: dict, table: str, json_path: str | Path, markdown_path: str | Path | None = None,
+                  plot=None, plot_path: str | Path | None = None) -> None:
+    """A benchmark's outputs: `results` as JSON, its markdown `table` on stdout (and in
+    `markdown_path`), and `plot(results, path)` drawn to `plot_path`."""
+    out = Path(json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
+    if plot_path:
+        plot(results, Path(plot_path))
+    print(table)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
+    """Lay out a matplotlib figure, write it to `path` (its folder made) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from bench import EOS, SHAPES, model_shape, prompt_ids
+from bench import EOS, SHAPES, model_shape, prompt_ids, save_figure
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
 # also known, not run by default: the other precisions with the decode step compiled
@@ -624,10 +624,7 @@ def plot(results: dict, path: Path) -> None:
                  f"{w['new_tokens']} new tokens", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def profile(checkpoint: Path, system: str, count: int, workload: Workload, rows: int = 25,

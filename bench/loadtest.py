@@ -23,6 +23,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from bench import save_figure
 from bench.loadgen import openai_sender, sweep
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,9 +68,7 @@ def plot(result: dict, path: Path) -> None:
             ax.legend()
     fig.suptitle(f"nanoserve load test: {result['model']}, {result['prompt_tokens']}-token prompts, "
                  f"{result['max_tokens']} new tokens, streaming ({result['machine']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def markdown(result: dict) -> str:

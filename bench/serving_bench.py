@@ -39,7 +39,6 @@ client and requests. Results go to JSON, a markdown table (stdout) and a plot.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -51,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from bench import CACHE, checkpoint
+from bench import checkpoint, output_arguments, save_figure, write_results
 from bench.loadgen import Sample, Send, completion_body, openai_sender, percentile
 
 PROMPT_TOKENS = (16, 384)
@@ -295,10 +294,7 @@ def plot(results: dict, path: Path) -> None:
     fig.suptitle(f"{results['model']}, {w['requests']} requests, prompts {min(w['prompt_tokens'])}–"
                  f"{max(w['prompt_tokens'])} tokens, {min(w['max_tokens'])}–{max(w['max_tokens'])} new tokens, "
                  f"Poisson arrivals; {results['cpu']}, {results['cores']} cores", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -317,9 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="nanoserve's max_batch and rq workers, llama-server's --parallel slots")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each rate, wait up to this many seconds for other processes to go quiet")
-    parser.add_argument("--json", default=str(CACHE / "serving_bench.json"))
-    parser.add_argument("--markdown", default=None, help="also write the table here")
-    parser.add_argument("--plot", default=None, help="write the plot here (a .png)")
+    output_arguments(parser, "serving_bench")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -328,15 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     gate = Gate(args.quiet_wait, args.quiet_wait * len(rates) * 4)
     results = run_benchmark(args.server.split(","), args.model, requests, rates, model_name=args.model_name,
                             seed=args.seed, max_concurrency=args.max_concurrency, gate=gate, log=log)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
-    if args.plot:
-        plot(results, Path(args.plot))
-    print(table)
+    write_results(results, markdown(results), args.json, args.markdown, plot, args.plot)
     return results
 
 

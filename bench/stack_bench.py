@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench import CACHE, checkpoint, model_shape
+from bench import checkpoint, model_shape, output_arguments, save_figure, write_results
 from bench.loadgen import completion_body, openai_sender, run
 
 PEERS = {"float32": "f32", "bfloat16": "f16", "int8": "q8_0"}  # llama.cpp's precision matched to each
@@ -202,10 +201,7 @@ def plot(results: dict, path: Path) -> None:
     w = results["workload"]
     fig.suptitle(f"{results['model']} through each whole server, {w['prompt_tokens']}-token prompts, "
                  f"{w['max_tokens']} new tokens; {results['cpu']}, {results['cores']} cores", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -221,9 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each run, wait up to this many seconds for other processes to go quiet")
-    parser.add_argument("--json", default=str(CACHE / "stack_bench.json"))
-    parser.add_argument("--markdown", default=None, help="also write the tables here")
-    parser.add_argument("--plot", default=None, help="write the plot here (a .png)")
+    output_arguments(parser, "stack_bench")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     available = native("cpu")
@@ -236,15 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     gate = Gate(args.quiet_wait, args.quiet_wait * len(chosen) * len(concurrency) * args.repeats * 3)
     results = run_benchmark(chosen, args.model, concurrency, args.repeats, prompt_tokens=args.prompt_tokens,
                             max_tokens=args.max_tokens, gate=gate, log=log)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
-    if args.plot:
-        plot(results, Path(args.plot))
-    print(table)
+    write_results(results, markdown(results), args.json, args.markdown, plot, args.plot)
     return results
 
 

@@ -167,6 +167,13 @@ def test_int8_and_compile_modes_are_the_engines(hf_checkpoint):
     assert inspect.signature(Engine.__init__).parameters["compile"].default is False
     with pytest.raises(engine_bench.NotAvailable, match="fp8"):
         engine_bench.engine_mode("fp8")
+    # the systems that combine them: a precision and the compiled step
+    run = engine_bench.build_system("engine-int8-compile", hf_checkpoint, engine_bench.Workload())
+    assert run.options == {"compile": True} and run._source[3] is quantize_int8
+    assert engine_bench.PRECISION["engine-int8-compile"] == "int8"
+    assert engine_bench.PRECISION["engine-bf16-compile"] == "bfloat16"
+    with pytest.raises(ValueError, match="engine-bf16-compile"):
+        engine_bench.build_system("engine-fp8", hf_checkpoint, engine_bench.Workload())
 
 
 def test_int8_weights_read_are_a_quarter_of_float32(hf_checkpoint):
