@@ -350,9 +350,10 @@ def test_int8_serves_close_to_float32(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt_neo", "gpt_neox"])
+@pytest.mark.parametrize("name", ["gpt_neo", "gptj", "opt", "gpt_neox"])
 def test_compiled_decode_gives_the_eager_tokens(family_checkpoints, name):
-    """The compiled decode step with GPT-Neo's local mask and GPT-NeoX's rotary angles (~20 s each)."""
+    """The compiled decode step, which a CPU worker runs by default, in every family: GPT-Neo's
+    local mask, GPT-J's and GPT-NeoX's rotary angles, OPT's offset positions (~20 s each)."""
 
     directory = family_checkpoints[name]
     tok = load_tokenizer(directory)
