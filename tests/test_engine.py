@@ -477,6 +477,31 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert calls["forward_packed"] >= 1 and calls["_decode_compiled"] >= 3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bfloat16", "int8"])
+def test_compiled_decode_in_the_other_precisions_stays_close_to_eager(tok, tmp_path, mode):
+    """bfloat16 (a CPU worker's default where bf16 is native, and emulated elsewhere) and int8
+    (with --compile) through the compiled decode: the same first tokens as their eager engine,
+    logprobs within their rounding."""
+    checkpoint = str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False))
+
+    def load():
+        if mode == "int8":
+            return quantize_int8(load_model(checkpoint))
+        return load_model(checkpoint, dtype=torch.bfloat16)
+
+    jobs = lambda: [job(tok, [p], max_tokens=6, logprobs=0) for p in PROMPTS[:3]]  # noqa: E731
+    eager = run_all(make_engine(load(), tok)[0], jobs())
+    engine = make_engine(load(), tok, compile=True)[0]
+    assert engine.runner.compiled
+    compiled = run_all(engine, jobs())
+    for a, b in zip(eager, compiled):
+        a, b = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+        agree = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        assert agree >= 3
+        assert_close(b["token_logprobs"][:agree], a["token_logprobs"][:agree], atol=0.05, rtol=0)
+
+
 def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
     """chunk_beside: from matmul timings that are flat up to 8 rows, then grow with the rows, the
     prompt tokens that keep a step within STEP_RATIO times its decode rows alone."""
