@@ -149,7 +149,8 @@ def run_benchmark(*, latency_requests: int, clients: int, requests_per_client: i
     models_file = write_models_toml(workdir / "models.toml", checkpoints, device="cpu", max_batch=32,
                                     context_length=128)
     registry = Registry.from_file(models_file)
-    engines = {name: build_engine(registry.get(name), "cpu", None) for name in checkpoints}
+    # built as the stack's worker builds them, compiled where it compiles by default
+    engines = {name: build_engine(registry.get(name), "cpu", None, compile=None) for name in checkpoints}
     load_before = os.getloadavg()
     try:
         with stack(models_file, workdir, concurrency=32) as web:

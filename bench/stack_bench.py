@@ -42,8 +42,8 @@ def run_benchmark(precisions: list[str], model: str, concurrency: list[int], rep
     """Each precision's pair of servers through `repeats` rounds of every concurrency. `peer`: the
     spec of the server nanoserve is held against, `{}` standing for the matched precision
     (bench.serving_bench.server: `llama.cpp:{}`, or any spec it takes)."""
-    from bench.engine_bench import code_version
-    from bench.machine import Gate, ceiling, cpu_flags
+    from bench.engine_bench import code_version, round_ceilings
+    from bench.machine import Gate, ceiling, cpu_flags, workload_ceiling
     from bench.serving_bench import server
     from nanogpt.precision import cpu_name
 
@@ -74,8 +74,9 @@ def run_benchmark(precisions: list[str], model: str, concurrency: list[int], rep
             runs = {spec: {c: [] for c in concurrency} for spec in specs}
             for r in range(repeats):
                 for c in concurrency:
-                    rounds = _round(first, precision, c, shape, gate)
-                    ceiling_tok_s = _workload_ceiling(rounds, c, prompt_tokens, max_tokens)
+                    timed = gate.measure(lambda: {"ceiling": round_ceilings(  # in a quiet moment, as the runs
+                        {"ceilings": {precision: first}}, {precision}, c, shape, "cpu")[precision]})["ceiling"]
+                    ceiling_tok_s = workload_ceiling(timed, c, prompt_tokens, max_tokens)
                     for spec in (specs if r % 2 == 0 else specs[::-1]):
                         bodies = [completion_body(next(prompts), prompt_tokens, max_tokens) for _ in range(c)]
                         report = gate.measure(lambda: run(sends[spec], bodies, c))
@@ -91,19 +92,6 @@ def run_benchmark(precisions: list[str], model: str, concurrency: list[int], rep
     results["load_average_after"] = os.getloadavg()
     results["targets"] = check_targets(results)
     return results
-
-
-def _round(first: dict, precision: str, c: int, shape, gate) -> dict:
-    from bench.engine_bench import round_ceilings
-
-    return gate.measure(lambda: {"ceiling": round_ceilings({"ceilings": {precision: first}}, {precision}, c, shape,
-                                                           "cpu")[precision]})["ceiling"]
-
-
-def _workload_ceiling(ceiling: dict, c: int, prompt_tokens: int, max_tokens: int) -> float:
-    from bench.machine import workload_ceiling
-
-    return workload_ceiling(ceiling, c, prompt_tokens, max_tokens)
 
 
 def summarize(runs: dict[str, dict[int, list[dict]]], specs: list[str]) -> dict:

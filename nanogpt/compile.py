@@ -20,6 +20,7 @@ def compile_decode(model):
     compile_cache.enable()
     return torch.compile(model.forward_decode)
 
+
 # The precisions (nanogpt.precision's names) whose compiled decode step, prompt chunks still packed
 # beside it eagerly, was measured ahead of the eager step on a CPU, under the serving benchmark's
 # load and on whole batches (docs/benchmarks.md). The GPU's compiled step has not been measured.
