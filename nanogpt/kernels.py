@@ -210,12 +210,15 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     quantized); the activation an nn.GELU or nn.ReLU (others are applied after)."""
     if activation is not None and residual is not None:
         return residual + project(layer, x, activation)
-    if type(layer) is KernelLinear and not torch.compiler.is_compiling():
+    post = None if activation is None else \
+        ONEDNN_ACTIVATIONS.get((type(activation).__name__, getattr(activation, "approximate", None)))
+    if type(layer) is KernelLinear and torch.compiler.is_compiling():
+        if post is not None and layer._plan is not None and layer._plan.packed != PLAIN:
+            return torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle, post[0], post[2])
+    elif type(layer) is KernelLinear:
         kernel = layer.kernel(x)
-        if kernel is not None and activation is not None and kernel.with_activation is not None:
-            post = ONEDNN_ACTIVATIONS.get((type(activation).__name__, getattr(activation, "approximate", None)))
-            if post is not None:
-                return kernel.with_activation(x, layer._packed, layer._parameters["bias"], post)
+        if kernel is not None and post is not None and kernel.with_activation is not None:
+            return kernel.with_activation(x, layer._packed, layer._parameters["bias"], post)
         if kernel is not None and residual is not None and kernel.with_residual is not None \
                 and residual.dtype == x.dtype and residual.is_contiguous() \
                 and residual.shape == (*x.shape[:-1], layer.out_features):
@@ -241,19 +244,28 @@ def register(layer: nn.Module) -> int:
 # torch.library.custom_op: a compiled step calls it once per layer, and its dispatch costs ~7 µs a
 # call against custom_op's ~20 (measured on 49 calls of a compiled function).
 _LIBRARY = torch.library.Library("nanoserve", "DEF")
-_LIBRARY.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle) -> Tensor")
+# `activation`, `algorithm`: an ONEDNN_ACTIVATIONS post-op applied to the output ("none": none), in
+# the kernel's own pass over the output where it has one (about 1 ms a step at 32 rows for GPT-2
+# small's GELUs as a pass of their own).
+_LIBRARY.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle, str activation='none', "
+                "str algorithm='') -> Tensor")
+# the post-ops as functions, for the kernels without that epilogue
+_POST_OPS = {"gelu": lambda y, algorithm: F.gelu(y, approximate=algorithm), "relu": lambda y, algorithm: F.relu(y)}
 
 
-def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int) -> torch.Tensor:
+def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+                     activation: str = "none", algorithm: str = "") -> torch.Tensor:
     layer = _LAYERS[handle]()
     kernel = None if layer is None or layer._parameters["weight"].data_ptr() != weight.data_ptr() else layer.kernel(x)
-    if kernel is None:
-        return F.linear(x, weight, bias)
-    return kernel.linear(x, layer._packed, weight, bias)
+    if activation != "none" and kernel is not None and kernel.with_activation is not None:
+        return kernel.with_activation(x, layer._packed, bias, (activation, [], algorithm))
+    y = F.linear(x, weight, bias) if kernel is None else kernel.linear(x, layer._packed, weight, bias)
+    return y if activation == "none" else _POST_OPS[activation](y, algorithm)
 
 
 _LIBRARY.impl("linear", _compiled_linear, "CPU")
-_LIBRARY.impl("linear", lambda x, weight, bias, handle: x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+_LIBRARY.impl("linear", lambda x, weight, bias, handle, activation="none", algorithm="":
+              x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
 
 # A registered layer's own eager forward as one op of a compiled graph, for layers whose parameters
 # dynamo cannot trace (int8's quantized linears hold a TorchScript object): `out_features` gives

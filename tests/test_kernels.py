@@ -323,6 +323,44 @@ def test_compiled_packed_layers_call_their_kernel(checkpoint):
     assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+ACTIVATIONS = [e for e in EPILOGUES if e[1] is not None and not e[2]]
+
+
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
+@pytest.mark.parametrize("what, activation, _", ACTIVATIONS, ids=[e[0] for e in ACTIVATIONS])
+def test_a_compiled_activation_runs_in_the_layers_op(monkeypatch, name, what, activation, _):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 192).eval()
+    kernels.pack_linears(layer, kernel=name)
+    calls = []
+    kernel = kernels.KERNELS[name]
+    if kernel.with_activation is not None:
+        monkeypatch.setitem(kernels.KERNELS, name, replace(
+            kernel, with_activation=lambda *a: calls.append(a[-1]) or kernel.with_activation(*a)))
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append([node for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")])
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        got = torch.compile(lambda x: kernels.project(layer, x, activation), backend=backend)(x)
+        assert_close(got, activation(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(2)  # a stale pack: the plain product, then the activation, in the same op
+        stale = torch.compile(lambda x: kernels.project(layer, x, activation), backend="eager")(x)
+        assert_close(stale, activation(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+    ops = graphs[0]
+    if name == kernels.PLAIN:  # nothing packed: the plain layer and the activation, as written
+        assert len(ops) == 2 and torch.ops.nanoserve.linear not in [op.target for op in ops]
+        return
+    # the graph's one op: the packed layer's, the activation its argument
+    post = kernels.ONEDNN_ACTIVATIONS[(type(activation).__name__, getattr(activation, "approximate", None))]
+    assert [(op.target, op.args[4:]) for op in ops] == [(torch.ops.nanoserve.linear, (post[0], post[2]))]
+    assert len(calls) == (1 if kernel.with_activation is not None else 0)  # oneDNN's own pass over the output
+
+
 def test_an_int8_decode_step_compiles_into_one_graph_of_its_quantized_kernels(checkpoint):
     """Every quantized linear is one opaque call of its own kernel inside the graph (dynamo cannot
     trace their packed weights), and the graph is the whole step: no breaks, the eager logits."""

@@ -294,7 +294,7 @@ class Engine:
             req = unit.seqs[0].request
             if req.beam and started:
                 req.beams[unit.seqs[0].prompt_index] = BeamGroup(unit.seqs)
-        x = torch.cat(logits) if logits else None
+        x = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits else None  # cat copies even one
         sampled = [i for i, s in enumerate(rows) if not s.request.beam]
         picked = x if len(sampled) == len(rows) else x[sampled] if sampled else None  # no copy when all sample
         draws = self.runner.sample([rows[i] for i in sampled], [picked] if sampled else [])
