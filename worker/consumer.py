@@ -13,7 +13,11 @@ runs at once. rq's own bookkeeping (registries, results, `Retry`) is kept as is;
 - most threads also take jobs of the model's batch queue, but only when no interactive job waits
   (worker/priority.py); the others take interactive jobs only, so a running batch never holds every
   thread of an engine;
-- when rq gives up on a job (no retries left), its stream gets an `error` event so readers stop.
+- when rq gives up on a job (no retries left), its stream gets an `error` event so readers stop;
+- of an engine's idle threads, only `LISTENERS` of each kind (those that take batch jobs, those
+  that do not) wait on Redis at a time; the others wait their turn on a semaphore, their rq keys
+  kept alive by the heartbeat thread. Every wake of a thread polling Redis holds the GIL the
+  engine's thread needs for its step.
 """
 from __future__ import annotations
 
@@ -38,6 +42,12 @@ from worker.priority import PriorityQueue
 from worker.events import StreamWriter, append_event, read_history
 
 log = logging.getLogger(__name__)
+
+# Idle threads of each kind listening on an engine's queues at once. A job wakes a listener at once;
+# the thread that takes the next turn starts listening a rq poll cycle (a few Redis calls) later.
+# With every idle thread listening, 32 threads per engine served 8 concurrent requests 13-30%
+# slower than 8 threads did (docs/benchmarks.md).
+LISTENERS = 2
 
 
 @dataclass
@@ -160,7 +170,8 @@ class EngineWorker(SimpleWorker):
 
     - Job timeouts use a timer thread (SIGALRM only reaches the main thread).
     - Signals belong to the main thread; it stops the workers through `request_stop`.
-    - Dequeue blocks at most `poll_interval` at a time, so a stop request is seen promptly.
+    - Dequeue blocks at most `poll_interval` at a time, so a stop request is seen promptly, and
+      only while the worker holds a turn of `listeners` (a semaphore its kind of thread shares).
     - Running jobs' registry entries live `heartbeat_ttl` seconds; `beat()` refreshes them.
     """
 
@@ -168,9 +179,12 @@ class EngineWorker(SimpleWorker):
     queue_class = PriorityQueue
     max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
-    def __init__(self, *args, heartbeat_ttl: int, poll_interval: int, **kwargs):
+    def __init__(self, *args, heartbeat_ttl: int, poll_interval: int,
+                 listeners: threading.Semaphore | None = None, **kwargs):
         self.heartbeat_ttl = heartbeat_ttl
         self.poll_interval = poll_interval
+        self.listeners = listeners
+        self._waiting = False  # for a turn to listen: rq's dequeue loop is not beating our key
         self._running: Job | None = None
         self._running_lock = threading.Lock()
         super().__init__(*args, **kwargs)
@@ -197,7 +211,14 @@ class EngineWorker(SimpleWorker):
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
         while not self._stop_requested:
-            result = super().dequeue_job_and_maintain_ttl(self.poll_interval, max_idle_time=self.poll_interval)
+            if not self._take_turn():
+                continue
+            try:  # a turn taken as the stop came: the thread leaves without listening
+                result = None if self._stop_requested else \
+                    super().dequeue_job_and_maintain_ttl(self.poll_interval, max_idle_time=self.poll_interval)
+            finally:
+                if self.listeners is not None:
+                    self.listeners.release()
             if result is None:
                 continue
             if self._stop_requested:  # the stop came while we were blocked on the queue
@@ -205,6 +226,16 @@ class EngineWorker(SimpleWorker):
                 return None
             return result
         return None
+
+    def _take_turn(self) -> bool:
+        """Wait up to `poll_interval` for a turn to listen on the queues (always one without `listeners`)."""
+        if self.listeners is None:
+            return True
+        self._waiting = True
+        try:
+            return self.listeners.acquire(timeout=self.poll_interval)
+        finally:
+            self._waiting = False
 
     def _put_back(self, job: Job, queue: Queue) -> None:
         """Return a just-dequeued job to the front of its queue for another worker."""
@@ -242,10 +273,13 @@ class EngineWorker(SimpleWorker):
         return self._running is not None
 
     def beat(self) -> None:
-        """Refresh the running job's registry entry, execution and this worker's key."""
+        """Refresh the running job's registry entry, execution and this worker's key; or, waiting
+        for a turn to listen, the key alone."""
         with self._running_lock:
             if self._running is not None:
                 self.maintain_heartbeats(self._running)
+            elif self._waiting:
+                self.heartbeat()
 
 
 class WorkerPool:
@@ -270,40 +304,43 @@ class WorkerPool:
         all) also take the model's batch jobs when no interactive job waits."""
         interactive = protocol.queue_name(binding.model_id)
         batch_threads = concurrency if batch_concurrency is None else batch_concurrency
+        turns = {kind: threading.Semaphore(LISTENERS) for kind in ("batch", "interactive")}
         for i in range(concurrency):
             slot = len(self.workers)
             self.workers.append(None)
             name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{slot}"
             queues = [interactive, protocol.batch_queue_name(binding.model_id)] if i < batch_threads else [interactive]
             self.queue_names += [name for name in queues if name not in self.queue_names]
-            thread = threading.Thread(target=self._serve, args=(slot, name, queues, binding),
+            listeners = turns["batch" if i < batch_threads else "interactive"]
+            thread = threading.Thread(target=self._serve, args=(slot, name, queues, binding, listeners),
                                       name=f"rq-{binding.model_id}-{device}-{i}", daemon=True)
             self.threads.append(thread)
             thread.start()
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
 
-    def _new_worker(self, name: str, queues: list[str]) -> EngineWorker:
+    def _new_worker(self, name: str, queues: list[str], listeners: threading.Semaphore | None = None) -> EngineWorker:
         connection = redis.Redis.from_url(self.redis_url)
         return EngineWorker(queues, name=name, connection=connection, worker_ttl=self.worker_ttl,
                             job_monitoring_interval=int(self.heartbeat_interval) or 1,
                             maintenance_interval=self.maintenance_interval,
                             exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
-                            poll_interval=self.poll_interval)
+                            poll_interval=self.poll_interval, listeners=listeners)
 
     @property
     def heartbeat_ttl(self) -> int:
         # Three missed beats before a job counts as abandoned.
         return max(3, int(3 * self.heartbeat_interval))
 
-    def _serve(self, slot: int, name: str, queues: list[str], binding: Binding) -> None:
+    def _serve(self, slot: int, name: str, queues: list[str], binding: Binding,
+               listeners: threading.Semaphore) -> None:
         """One worker thread: rq's work loop, restarted if it ends before we stop (rq leaves its
         loop on some Redis errors, e.g. when Redis restarts in the middle of a job)."""
         bind(binding)
         generation, failing = 0, False
         while not self.stopping.is_set():
             try:
-                worker = self._new_worker(f"{name}.{generation}", queues)
+                worker = self._new_worker(f"{name}.{generation}", queues, listeners)
                 failing = False
                 self.workers[slot] = worker
                 if self.stopping.is_set():
