@@ -18,11 +18,10 @@ from rq import Queue
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.job import Job
 
-# An idle thread's every wake holds the GIL that the engine's thread needs for its step: 32 idle
-# threads (24 of them watching a batch queue) took 0.12 cores in slices of 0.25 s and 0.07 in
-# slices of 1 s, and a worker with 32 threads served 8 concurrent requests 13% slower than one
-# with 8 (docs/benchmarks.md). A batch job waits up to a slice longer to start.
-SLICE_S = 1.0
+# Short, so that a batch line enqueued while the queues were empty starts at once (the batch's lines
+# are fed a few at a time, each as another ends); cheap, since only a few threads of an engine listen
+# at a time (worker/consumer.py LISTENERS: 32 idle threads took 0.014 cores).
+SLICE_S = 0.1
 # rq keeps a queue's maintenance lock 15 minutes: a worker killed while cleaning would stop every
 # other worker from re-queueing dead workers' jobs that long. Cleaning takes milliseconds.
 MAINTENANCE_LOCK_S = 30
