@@ -78,3 +78,31 @@ def test_the_maintenance_lock_of_a_worker_that_died_while_cleaning_expires_soon(
     assert queue.acquire_maintenance_lock()
     assert not queue.acquire_maintenance_lock()
     assert 0 < client.ttl(queue.registry_cleaning_key) <= MAINTENANCE_LOCK_S <= 60
+
+
+def test_idle_threads_take_turns_to_listen_and_stay_registered(redis_url, client):
+    """Of eight idle threads only LISTENERS of each kind wait on Redis; the others wait their turn,
+    and the heartbeat thread keeps their rq keys alive past several TTLs. A burst of eight jobs
+    still runs on all eight threads at once."""
+    from worker.consumer import LISTENERS
+
+    pool = WorkerPool(redis_url, heartbeat_interval=0.5, maintenance_interval=1)
+    pool.add(Binding(MODEL, engine=None, writer=None), "cpu", concurrency=8, batch_concurrency=6)
+    try:
+        wait_until(lambda: all(w is not None for w in pool.workers), 5, "the threads never started")
+        listening = []
+        deadline = time.monotonic() + 2 * pool.heartbeat_ttl  # past the TTL of keys nobody beats
+        while time.monotonic() < deadline:
+            listening.append(sum(1 for w in pool.workers if not w._waiting and not w.busy))
+            time.sleep(0.02)
+        assert sorted(listening)[len(listening) // 2] <= 2 * LISTENERS < 8
+        assert all(client.exists(w.key) for w in pool.workers)  # every thread still a live worker
+
+        queue = Queue(protocol.queue_name(MODEL), connection=client)
+        jobs = [queue.enqueue_call("time.sleep", args=(2,)) for _ in range(8)]
+        wait_until(lambda: all(job.get_status() == JobStatus.STARTED for job in jobs), 2,
+                   "the burst did not start on every thread")
+        wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10, "the burst never ended")
+    finally:
+        pool.stop()
+        pool.join(idle_timeout=5)
