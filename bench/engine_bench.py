@@ -59,12 +59,13 @@ import torch
 from bench import EOS, SHAPES, model_shape, prompt_ids, save_figure
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
-# also known, not run by default: the other precisions with the decode step compiled
-MORE_SYSTEMS = ("engine-bf16-compile", "engine-int8-compile")
+# also known, not run by default: the other precisions with the decode step compiled, and on a GPU
+# the engine with every kernel launched from Python (no CUDA graphs)
+MORE_SYSTEMS = ("engine-bf16-compile", "engine-int8-compile", "engine-no-graphs")
 # the precision whose ceiling each system is held against
 PRECISION = {"transformers": "float32", "engine": "float32", "serial": "float32", "engine-compile": "float32",
              "engine-int8": "int8", "engine-bf16": "bfloat16", "engine-bf16-compile": "bfloat16",
-             "engine-int8-compile": "int8"}
+             "engine-int8-compile": "int8", "engine-no-graphs": "float32"}
 # `serial` runs its requests one after another: once per benchmark from 16 up (one run already
 # holds C requests), and not above 32 (64 would take minutes and say nothing new: its tokens/s
 # does not depend on the concurrency)
@@ -296,6 +297,8 @@ def build_system(name: str, checkpoint: Path, workload: Workload, device: str = 
         return EngineRun(checkpoint, workload, device=device)
     if name == "serial":
         return EngineRun(checkpoint, workload, max_batch=1, device=device)
+    if name == "engine-no-graphs":
+        return EngineRun(checkpoint, workload, options={"cuda_graphs": False}, device=device)
     if name not in PRECISION:
         raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS + MORE_SYSTEMS)}")
     prepare, options, dtype = None, {}, torch.float32

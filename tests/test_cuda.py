@@ -2,7 +2,8 @@
 transformers' on the same GPU (float32 to 1e-4, bfloat16 within its rounding of the float32
 logits), the full forward and ragged-batch decoding through the KV cache, for GPT-2 and GPT-NeoX;
 the engine's greedy tokens and logprobs equal to transformers' generate; seeded sampling that does
-not depend on its batch; the compiled decode step; two replicas with `processor.py --device all`;
+not depend on its batch; the decode step replayed from CUDA graphs, eager and compiled; the bfloat16
+engine; two replicas with `processor.py --device all`;
 and `bench.engine_bench --device cuda`.
 
 Every test is marked `cuda` and skipped, with the reason, where torch sees no GPU
@@ -162,25 +163,51 @@ def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
     test_engine.test_seeded_request_is_independent_of_its_batch(model, tok, top_p)
 
 
-def test_compiled_decode_gives_the_eager_tokens(model, tok, tmp_path, monkeypatch):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_graphed_decode_gives_the_launched_tokens(model, tok, tmp_path, monkeypatch, compile):
+    """The decode step replayed from CUDA graphs (the default on a GPU), eager or compiled, gives
+    the tokens and logprobs of the step launched kernel by kernel: 3 rows padded to the graphs of 4,
+    through two span buckets (nanogpt/cuda_graphs.py)."""
     from nanogpt import compile_cache
+    from nanogpt.cuda_graphs import SPAN_QUANTUM
 
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "compile-cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    # 3 rows, padded to the graph of 4; EOS banned, so that all 3 run every step
-    jobs = lambda: [job(tok, [p], max_tokens=12, logprobs=0, logit_bias={tok.eos_token_id: -100.0})  # noqa: E731
+    new = SPAN_QUANTUM + 8  # every row crosses a span bucket
+    # EOS banned, so that all 3 run every step
+    jobs = lambda: [job(tok, [p], max_tokens=new, logprobs=0, logit_bias={tok.eos_token_id: -100.0})  # noqa: E731
                     for p in PROMPTS[:3]]
-    eager = run_all(make_engine(model, tok)[0], jobs())
-    engine, _ = make_engine(model, tok, compile=True)
+    launched, _ = make_engine(model, tok, cuda_graphs=False)
+    assert launched.runner.graphs is None
+    reference = run_all(launched, jobs())
+    engine, _ = make_engine(model, tok, compile=compile)
     # a decode step that fails to compile is served eagerly (worker/runner.py), which would prove nothing here
-    assert engine.runner.compiled
-    compiled = run_all(engine, jobs())
+    assert engine.runner.compiled == compile
+    graphed = run_all(engine, jobs())
     assert engine.runner.batch_sizes[3] > 0  # decode steps of 3 rows ran
-    for a, b in zip(eager, compiled):
+    graphs = engine.runner.graphs
+    # recorded before serving: every batch bucket up to the 8 slots, every span bucket of 128 positions
+    assert set(graphs.graphs) == {(b, s) for b in (1, 2, 4, 8) for s in (SPAN_QUANTUM, 2 * SPAN_QUANTUM)}
+    assert graphs.replays[4, SPAN_QUANTUM] > 0 and graphs.replays[4, 2 * SPAN_QUANTUM] > 0, graphs.replays
+    for a, b in zip(reference, graphed):
         a, b = a["choices"][0], b["choices"][0]
+        assert len(b["logprobs"]["tokens"]) == new
         assert b["text"] == a["text"] and b["logprobs"]["tokens"] == a["logprobs"]["tokens"]
         assert_close(torch.tensor(b["logprobs"]["token_logprobs"]), torch.tensor(a["logprobs"]["token_logprobs"]),
                      atol=1e-4, rtol=0)
+
+
+def test_bfloat16_engine_on_the_gpu(hf_checkpoint, tok):
+    """The bfloat16 engine, graphed and launched, gives the same greedy text, with cuDNN's attention
+    off (it plans every new shape, milliseconds of host time a layer: worker/runner.py)."""
+    bf16 = load_model(str(hf_checkpoint), device=CUDA, dtype=torch.bfloat16)
+    jobs = lambda: [job(tok, [p], max_tokens=24) for p in PROMPTS[:3]]  # noqa: E731
+    texts = []
+    for graphs in (False, True):
+        engine, _ = make_engine(bf16, tok, cuda_graphs=graphs)
+        texts.append([r["choices"][0]["text"] for r in run_all(engine, jobs())])
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert texts[0] == texts[1] and all(texts[0])
 
 
 # ---- two replicas, one per GPU ----

@@ -467,14 +467,14 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
         return [h.result()["choices"][0]["text"] for h in first + [late]]
 
     expected = staggered(make_engine(load_model(checkpoint), tok)[0])
-    calls = {"forward_packed": 0, "_decode_compiled": 0}
-    for target, name in ((small, "forward_packed"), (engine.runner, "_decode_compiled")):
+    calls = {"forward_packed": 0, "_decode_step": 0}
+    for target, name in ((small, "forward_packed"), (engine.runner, "_decode_step")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
             calls[_name] += 1
             return _run(*args, **kwargs)
         setattr(target, name, counted)
     assert staggered(engine) == expected
-    assert calls["forward_packed"] >= 1 and calls["_decode_compiled"] >= 3
+    assert calls["forward_packed"] >= 1 and calls["_decode_step"] >= 3
 
 
 @pytest.mark.slow

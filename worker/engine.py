@@ -79,7 +79,7 @@ class RequestHandle:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
-                 compile: bool = False, prepack: bool = True):
+                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
@@ -88,7 +88,9 @@ class Engine:
         much memory again as those weights).
         compile: torch.compile the decode step (GPT.forward_decode), one graph per batch size of
         runner.BATCH_BUCKETS (the batch is padded up to one), all compiled here before the engine
-        runs (nanogpt/compile.py)."""
+        runs (nanogpt/compile.py).
+        cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
+        batch and span bucket, recorded as they are first needed (nanogpt/cuda_graphs.py)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)
@@ -98,7 +100,8 @@ class Engine:
         self.event_sink = event_sink
         self.device = model.device
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
-                             kv_memory_bytes=kv_memory_bytes, compile=compile, prepack=prepack)
+                             kv_memory_bytes=kv_memory_bytes, compile=compile, prepack=prepack,
+                             cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model))
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self._steps = 0

@@ -4,8 +4,8 @@ A step runs one forward for its decoding sequences (T = 1) and its plain prefill
 their tokens packed into one row so that the weights are read once for both; prefills that score
 their context (echo with logprobs, or a resumed job's logprobs) run in a forward of their own, which
 keeps every position's logits. Where nothing prefills, or the decode carries contrastive candidates,
-the decode runs alone: compiled, when the engine compiles it (the batch padded to a bucket size);
-a step that feeds prompt chunks runs the packed forward eagerly, compiled or not. A completed
+the decode runs alone: compiled, when the engine compiles it, and on a GPU replayed from CUDA
+graphs (nanogpt/cuda_graphs.py), the batch padded to a bucket size in both; a step that feeds prompt chunks runs the packed forward eagerly, compiled or not. A completed
 prefill's keys and values are copied from its leader's slot to those of the prompt's other copies
 (`n`/`best_of` share one prefill). Every row that has logits then draws its token (sampling.py)
 and is scored (logprobs.py), and all of it comes to the host in one `.tolist()`: the step's one
@@ -14,7 +14,7 @@ also returns last hidden states (eagerly: the compiled decode has no hidden-stat
 choose among them after it, with a sync of their own.
 
 The model is used through its serving contract only: `config`, `device`, `dtype`, `forward_packed`
-(decode and prefill together), `forward_cached` (either alone) and `forward_decode` (the compiled decode).
+(decode and prefill together), `forward_cached` (either alone) and `forward_decode` (the padded decode).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from nanogpt.compile import compile_decode
+from nanogpt.cuda_graphs import GraphedDecode
 from nanogpt.kv_cache import KVCache, cache_dtype
 from nanogpt.kernels import pack_linears
 from worker import contrastive
@@ -50,9 +51,9 @@ class Draw(NamedTuple):
 
 class Runner:
     def __init__(self, model, vocab_size: int, *, max_batch: int, max_len: int, kv_memory_bytes: int | None = None,
-                 compile: bool = False, prepack: bool = True):
+                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True):
         """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
-        cannot hold that many (`slots`). See Engine for `compile` and `prepack`."""
+        cannot hold that many (`slots`). See Engine for `compile`, `prepack` and `cuda_graphs`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
         config, dtype = model.config, cache_dtype(model.dtype, model.device)
         slots = max_batch
@@ -61,16 +62,25 @@ class Runner:
         if slots < 1:
             raise ValueError(f"KV-cache budget of {kv_memory_bytes} bytes holds no slot of {max_len} positions")
         self.slots = slots
-        # one more slot than sequences when compiled: padding rows write their garbage there
-        self.cache = KVCache(config, slots + compile, max_len, self.device, dtype)
+        graphed = cuda_graphs and self.device.type == "cuda"
+        self.padded = compile or graphed  # the decode batch padded to a bucket
+        # when padded, one more slot than sequences: padding rows write their garbage there; and one
+        # more position than they reach: no span is then the whole cache, whose slice would
+        # specialize the compiled graph (a second compile of every bucket, for the last span)
+        self.cache = KVCache(config, slots + self.padded, max_len + self.padded, self.device, dtype)
         self.sampler = Sampler(slots, vocab_size, self.device)
         self.prompt_tokens = self.tokens_generated = 0
         self.batch_sizes = Counter()  # decode forwards by batch size
         if prepack and self.device.type == "cpu":
             pack_linears(model)
-        self.compiled = compile
+        if self.device.type == "cuda":
+            # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
+            # new shape, milliseconds of host time, and the eager steps' spans change every step
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.compiled, self.graphs = compile, None
+        self._decode_step = model.forward_decode
         if compile:
-            self._decode_compiled = compile_decode(model)
+            self._decode_step = compile_decode(model)
             for i in range(len(self.cache.k)):  # one graph serves every engine's slot count
                 torch._dynamo.mark_dynamic(self.cache.k[i], 0)
                 torch._dynamo.mark_dynamic(self.cache.v[i], 0)
@@ -78,7 +88,9 @@ class Runner:
                 self._warm_up()
             except Exception:  # e.g. no C++ compiler for inductor's CPU kernels: serve uncompiled
                 log.exception("compiling the decode step failed; the engine runs it uncompiled")
-                self.compiled = False
+                self.compiled, self._decode_step = False, model.forward_decode
+        if graphed:
+            self._record_graphs(max_len)
 
     def stats(self) -> dict:
         return {"tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
@@ -118,9 +130,9 @@ class Runner:
         self.batch_sizes[len(seqs)] += 1
         B = len(seqs)
         span = max(s.position for s in seqs) + 1
-        if self.compiled:
+        if self.padded:
             pad = self._bucket(B) - B  # padding rows: token 0 at position 0 of the spare slot
-            return self._run_compiled([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
+            return self._run_padded([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
                                       [s.position for s in seqs] + [0] * pad, span)[:B]
         return self.model.forward_cached(*self._decode_batch(seqs)[:4], self.cache, span=span)
 
@@ -245,23 +257,45 @@ class Runner:
         contrastive.take(searches, logits[B:, :self.vocab_size], hidden[B:])
         return logits[:B]
 
-    # ---- the compiled decode ----
+    # ---- the padded decode: compiled, or replayed from CUDA graphs, or both ----
 
-    def _run_compiled(self, tokens: list[int], slots: list[int], positions: list[int], span: int) -> torch.Tensor:
+    def _run_padded(self, tokens: list[int], slots: list[int], positions: list[int], span: int) -> torch.Tensor:
         rows = torch.tensor([tokens, slots, positions], device=self.device)
-        keys = torch.arange(max(span, 2), device=self.device)  # the span is the graph's one dynamic size (never 1,
-        torch._dynamo.mark_dynamic(keys, 0)                    # which would specialize; a longer span is masked)
-        for row in rows:
-            torch._dynamo.mark_static(row, 0)
+        if self.graphs is not None:
+            return self.graphs(rows, span)
         with torch.no_grad():
-            return self._decode_compiled(rows[0], rows[1], rows[2], self.cache, keys)
+            return self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(max(span, 2), device=self.device))
+
+    def _decode(self, tokens, slots, positions, cache, keys) -> torch.Tensor:
+        """The decode step, compiled or not; the span (keys) is the compiled graph's one dynamic
+        size (never 1, which would specialize; a longer span is masked). A span of the whole cache
+        specializes too (its slice is the whole tensor): a graph of its own, compiled when first met."""
+        if self.compiled:
+            torch._dynamo.maybe_mark_dynamic(keys, 0)
+            for row in (tokens, slots, positions):
+                torch._dynamo.mark_static(row, 0)
+        return self._decode_step(tokens, slots, positions, cache, keys)
 
     def _warm_up(self) -> None:
         """Compile the decode step for every batch bucket this engine can run, on padding rows only."""
-        for bucket in BATCH_BUCKETS:
-            if bucket > self._bucket(self.slots):
-                break
-            self._run_compiled([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
+        for bucket in self._buckets():
+            self._run_padded([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
+
+    def _record_graphs(self, max_len: int) -> None:
+        """The decode step's CUDA graphs, every batch and span bucket, recorded before serving:
+        where recording fails, the engine serves without them."""
+        graphs = GraphedDecode(self._decode, self.cache, spare_slot=self.slots, max_batch=self._bucket(self.slots),
+                               max_span=max_len)
+        try:
+            graphs.record(self._buckets())
+        except Exception:
+            log.exception("recording the decode step's CUDA graphs failed; the engine launches its kernels one by one")
+            return
+        self.graphs = graphs
+
+    def _buckets(self) -> list[int]:
+        """The batch buckets up to this engine's slots."""
+        return [b for b in BATCH_BUCKETS if b <= self._bucket(self.slots)]
 
     @staticmethod
     def _bucket(B: int) -> int:

@@ -1,0 +1,87 @@
+"""The decode step replayed from CUDA graphs on a GPU.
+
+A decode step of a small model is a few hundred small kernels: launched one by one from Python, the
+GPU waits on the host for most of the step. A CUDA graph records the step's kernels once and
+launches them all with one call. A graph fixes every shape and address, so there is one per batch
+bucket (the runner pads the batch) and per span bucket (the keys attended, rounded up to a multiple
+of SPAN_QUANTUM: the keys past a row's position are masked, so a longer span gives the same
+logits), all recorded before serving, in one memory pool. The step (eager or compiled
+`forward_decode`) must not sync with the host, as DecodeWindow does not.
+
+Every tensor a graph reads outside its pool stays alive, at its address, as long as the graph:
+the cache and weights (the runner's), the rows and keys (each graph's own) and the logits buffer
+that every graph writes its output to (so that a graph's pool memory is only its intermediates,
+which the graphs share: one replays at a time).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+# Longer spans cost each step a little attention over masked keys; shorter ones more graphs
+# (one per bucket: 16 span buckets for a context of 1024).
+SPAN_QUANTUM = 64
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    rows: torch.Tensor  # (3, B) long: tokens, slots, positions, copied in before each replay
+    keys: torch.Tensor  # arange(span)
+
+
+class GraphedDecode:
+    def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int):
+        """step(tokens, slots, positions, cache, keys) -> logits (B, V): the decode step, B at most
+        `max_batch`; keys = arange(span), span at most `max_span`. Graphs are recorded on padding
+        rows (position 0 of `spare_slot`, a slot no sequence holds), since recording runs the step
+        once first."""
+        self.step, self.cache, self.spare_slot = step, cache, spare_slot
+        self.max_batch, self.max_span = max_batch, max_span
+        self.device = cache.k[0].device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.logits: torch.Tensor | None = None  # (max_batch, V), allocated by the first recording
+        self.replays = Counter()  # by (batch, span)
+
+    def spans(self) -> list[int]:
+        return sorted({self.span_bucket(span) for span in range(2, self.max_span + 1)})
+
+    def span_bucket(self, span: int) -> int:
+        return min(-(-max(span, 2) // SPAN_QUANTUM) * SPAN_QUANTUM, self.max_span)
+
+    def record(self, batches: list[int]) -> None:
+        """A graph for every batch of `batches` and every span bucket."""
+        for batch in batches:
+            for span in self.spans():
+                self._record(batch, span)
+
+    def __call__(self, rows: torch.Tensor, span: int) -> torch.Tensor:
+        """Logits (B, V) of the rows (3, B) on the device, attending to keys 0 .. span-1; a copy,
+        since the next replay overwrites the buffer."""
+        key = (rows.shape[1], self.span_bucket(span))
+        entry = self.graphs.get(key) or self._record(*key)  # a batch the runner did not record
+        entry.rows.copy_(rows)
+        entry.graph.replay()
+        self.replays[key] += 1
+        return self.logits[:key[0]].clone()
+
+    def _record(self, batch: int, span: int) -> _Graph:
+        rows = torch.zeros(3, batch, dtype=torch.long, device=self.device)
+        rows[1] = self.spare_slot
+        keys = torch.arange(span, device=self.device)
+        # a first run off the graph: torch.compile compiles, cuBLAS and the allocator warm up
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            out = self.step(rows[0], rows[1], rows[2], self.cache, keys)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.logits is None:
+            self.logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            self.logits[:batch].copy_(self.step(rows[0], rows[1], rows[2], self.cache, keys))
+        self.graphs[batch, span] = entry = _Graph(graph, rows, keys)
+        return entry
