@@ -25,8 +25,8 @@ all of them alike:
   the decode step compiled.
 
 `--device cuda` (or `cuda:N`) puts transformers and the engine on that GPU: bfloat16 runs there,
-int8 is "not available" (a CPU mode), the ceilings are F.linear's on the GPU (bench/machine.py),
-and the matmul and copy columns, which bench/machine.py measures on the host CPU, are left empty.
+int8 is "not available" (a CPU mode), the ceilings are F.linear's on the GPU replayed from a CUDA
+graph (bench/machine.py: the GPU's time, not the host's launches), and the matmul and copy columns, which bench/machine.py measures on the host CPU, are left empty.
 
 Per run: aggregate completion tokens/s (C × 64 over the time from submission to the last token),
 time to first token (submission to the first generated token, median over the C requests), peak
@@ -587,7 +587,8 @@ def markdown(results: dict) -> str:
     device = results.get("device", "cpu")
     if device != "cpu":
         lines += ["", f"GPU: {limits.get('device', '?')} ({device}), where transformers and the engine ran, in "
-                  "float32 except engine-bf16; the ceilings are F.linear's on the GPU (bench/machine.py). "
+                  "float32 except engine-bf16; the ceilings are F.linear's on the GPU, replayed from a CUDA graph "
+                  "(bench/machine.py). "
                   "The matmul and copy limits below are the host CPU's (bench/machine.py measures them there "
                   "only), so the GPU rows have no % matmul peak or % of copy bandwidth."]
     lines += ["", f"CPU: {limits.get('cpu', '?')} (flags: {' '.join(limits.get('cpu_flags', []))}). "

@@ -25,6 +25,16 @@ import torch
 SPAN_QUANTUM = 64
 
 
+def span_bucket(span: int, max_span: int) -> int:
+    """The keys a graph attends to for a step whose longest row reaches `span` (>= span, <= max_span)."""
+    return min(-(-max(span, 2) // SPAN_QUANTUM) * SPAN_QUANTUM, max_span)
+
+
+def span_buckets(max_span: int) -> list[int]:
+    """Every span bucket of spans up to `max_span`: one graph each (per batch bucket)."""
+    return sorted({span_bucket(span, max_span) for span in range(2, max_span + 1)})
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -46,22 +56,16 @@ class GraphedDecode:
         self.logits: torch.Tensor | None = None  # (max_batch, V), allocated by the first recording
         self.replays = Counter()  # by (batch, span)
 
-    def spans(self) -> list[int]:
-        return sorted({self.span_bucket(span) for span in range(2, self.max_span + 1)})
-
-    def span_bucket(self, span: int) -> int:
-        return min(-(-max(span, 2) // SPAN_QUANTUM) * SPAN_QUANTUM, self.max_span)
-
     def record(self, batches: list[int]) -> None:
         """A graph for every batch of `batches` and every span bucket."""
         for batch in batches:
-            for span in self.spans():
+            for span in span_buckets(self.max_span):
                 self._record(batch, span)
 
     def __call__(self, rows: torch.Tensor, span: int) -> torch.Tensor:
         """Logits (B, V) of the rows (3, B) on the device, attending to keys 0 .. span-1; a copy,
         since the next replay overwrites the buffer."""
-        key = (rows.shape[1], self.span_bucket(span))
+        key = (rows.shape[1], span_bucket(span, self.max_span))
         entry = self.graphs.get(key) or self._record(*key)  # a batch the runner did not record
         entry.rows.copy_(rows)
         entry.graph.replay()

@@ -443,15 +443,35 @@ def test_int8_model_serves_close_to_float32(model, tok, hf_checkpoint):
 
 
 @pytest.mark.slow
+def test_span_buckets_cover_every_span_within_the_cache():
+    """A CUDA graph attends to a span bucket's keys (nanogpt/cuda_graphs.py): never fewer than the
+    step's span, never more than the cache holds, and few graphs for a long context."""
+    from nanogpt.cuda_graphs import SPAN_QUANTUM, span_bucket, span_buckets
+
+    for max_span in (2, 40, 128, 129, 1024, 2048):
+        buckets = span_buckets(max_span)
+        assert buckets[-1] == max_span and len(buckets) == -(-max_span // SPAN_QUANTUM)
+        for span in range(2, max_span + 1):
+            bucket = span_bucket(span, max_span)
+            assert bucket in buckets and span <= bucket <= min(max_span, span + SPAN_QUANTUM - 1)
+    assert span_buckets(1024) == [64 * k for k in range(1, 17)]
+
+
 def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     import torch._inductor.config as inductor
 
     checkpoint = str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False))
     small = load_model(checkpoint)
     jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows: padded to 4
-    eager = run_all(make_engine(small, tok)[0], jobs())
+    eager_engine = make_engine(small, tok)[0]
+    eager = run_all(eager_engine, jobs())
     engine = make_engine(small, tok, compile=True)[0]
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
+    # the padded decode's spare slot, and a position past the context (so that no span is the whole
+    # cache); neither where the decode is not padded (CUDA graphs pad it on a GPU only)
+    assert eager_engine.runner.graphs is None and engine.runner.graphs is None
+    assert (eager_engine.runner.cache.max_slots, eager_engine.runner.cache.max_len) == (8, 128)
+    assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (9, 129)
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
 
