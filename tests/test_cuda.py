@@ -253,7 +253,8 @@ def test_two_replicas_with_device_all(hf_checkpoint, tok, hf, tmp_path):
                     assert worker.alive() and time.monotonic() < deadline, worker.logs()[-4000:]
                     time.sleep(0.5)
             records = [json.loads(line) for line in worker.logs().splitlines() if line.startswith("{")]
-            assert sorted(r["device"] for r in records if r["msg"] == "engine ready") == devices
+            ready = [r for r in records if r["msg"] == "engine ready"]
+            assert sorted(r["device"] for r in ready) == devices and all(r["cuda_graphs"] > 0 for r in ready), ready
 
             client = openai.OpenAI(base_url=web.url + "/v1", api_key="unused", max_retries=0)
             with ThreadPoolExecutor(4 * len(devices)) as pool:  # more requests at once than one GPU's workers take

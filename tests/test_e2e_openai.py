@@ -65,6 +65,7 @@ def test_the_worker_compiles_its_float32_cpu_decode_step_by_default(stack):
     ready = next(line for line in stack["worker"].logs().splitlines() if "engine ready" in line)
     assert compiles_by_default("cpu", "float32")  # this machine has the C++ compiler inductor needs
     assert '"compiled": true' in ready, ready
+    assert '"cuda_graphs": 0' in ready, ready  # CUDA graphs: a GPU's only
 
 
 def greedy(client, prompt=PROMPT, **kw):
