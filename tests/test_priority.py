@@ -61,3 +61,26 @@ def test_a_vanished_job_is_skipped(queues):
     enqueue(interactive, "here")
     job, _ = PriorityQueue.dequeue_any([interactive, batch], 1, connection=client)
     assert job.id == "here"
+
+
+def test_the_last_slice_of_a_wait_never_blocks_for_ever(redis_url, monkeypatch):
+    """Redis reads a blocking timeout in whole milliseconds and 0 as "for ever": a wait whose last
+    slice is under a millisecond must still end (it held a listening worker until its socket timed
+    out, and its rq key expired meanwhile)."""
+    import worker.priority as priority
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2)  # the wrong wait ends in a TimeoutError
+    interactive, batch = (Queue(name, connection=client) for name in
+                          (protocol.queue_name("m"), protocol.batch_queue_name("m")))
+    # the clock: 0 when the wait starts (deadline 1 s), 0.4 ms before the deadline until the wait
+    # blocks, then long past it
+    blocked = []
+    ticks = iter([0.0])
+    monkeypatch.setattr(priority.time, "monotonic", lambda: next(ticks, 5.0 if blocked else 0.9996))
+    blmove = client.blmove
+    monkeypatch.setattr(client, "blmove", lambda *args: blocked.append(args) or blmove(*args))
+    started = time.perf_counter()
+    with pytest.raises(DequeueTimeout):
+        PriorityQueue.dequeue_any([interactive, batch], 1, connection=client)
+    assert time.perf_counter() - started < 0.5 and len(blocked) == 1
+    client.close()

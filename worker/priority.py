@@ -22,6 +22,9 @@ from rq.job import Job
 # are fed a few at a time, each as another ends); cheap, since only a few threads of an engine listen
 # at a time (worker/consumer.py LISTENERS: 32 idle threads took 0.014 cores).
 SLICE_S = 0.1
+# Redis reads a blocking command's timeout in whole milliseconds, and 0 as "block forever": the last
+# slice before the deadline blocks at least this long.
+MIN_SLICE_S = 0.01
 # rq keeps a queue's maintenance lock 15 minutes: a worker killed while cleaning would stop every
 # other worker from re-queueing dead workers' jobs that long. Cleaning takes milliseconds.
 MAINTENANCE_LOCK_S = 30
@@ -51,7 +54,7 @@ class PriorityQueue(Queue):
             if left <= 0:
                 raise DequeueTimeout(timeout, [q.key for q in queues])
             first = queues[0]
-            job_id = connection.blmove(first.key, first.intermediate_queue_key, min(SLICE_S, left))
+            job_id = connection.blmove(first.key, first.intermediate_queue_key, max(min(SLICE_S, left), MIN_SLICE_S))
             found = _fetch(job_id, first, job_class, connection, serializer)
             if found:
                 return found
