@@ -26,7 +26,8 @@ all of them alike:
 
 `--device cuda` (or `cuda:N`) puts transformers and the engine on that GPU: bfloat16 runs there,
 int8 is "not available" (a CPU mode), the ceilings are F.linear's on the GPU replayed from a CUDA
-graph (bench/machine.py: the GPU's time, not the host's launches), and the matmul and copy columns, which bench/machine.py measures on the host CPU, are left empty.
+graph (bench/machine.py: the GPU's time, not the host's launches), and the matmul and copy
+columns, which bench/machine.py measures on the host CPU, are left empty.
 
 Per run: aggregate completion tokens/s (C × 64 over the time from submission to the last token),
 time to first token (submission to the first generated token, median over the C requests), peak

@@ -208,6 +208,7 @@ def graphed_pass_seconds(weights, rows, repeats: int) -> dict[str, dict[int, flo
     from a CUDA graph and timed by CUDA events, so that the pass costs the GPU's time, not the
     host's launches (the engine replays its decode step from CUDA graphs too)."""
     from nanogpt import kernels
+    from nanogpt.cuda_graphs import record
 
     device = weights[0][0].device
     best = {}
@@ -218,14 +219,8 @@ def graphed_pass_seconds(weights, rows, repeats: int) -> dict[str, dict[int, flo
             for w, b in weights:
                 F.linear(xs[w.shape[1]], w, b)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
-            run()  # cuBLAS picks and warms its kernels off the graph
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            run()
+        with torch.cuda.device(device):
+            graph = record(run)
         times = []
         for _ in range(repeats + 1):  # the first replay warms up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -35,6 +35,22 @@ def span_buckets(max_span: int) -> list[int]:
     return sorted({span_bucket(span, max_span) for span in range(2, max_span + 1)})
 
 
+def record(run, pool=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `run()`, after a first run off the graph on a side stream (torch.compile
+    compiles, cuBLAS picks its kernels, the allocator warms up). Returns the graph; what `run`
+    writes at recording lies in the graph's pool (`pool`: shared with other graphs)."""
+    device = torch.cuda.current_device()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.no_grad():
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        run()
+    return graph
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -43,17 +59,17 @@ class _Graph:
 
 
 class GraphedDecode:
-    def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int):
-        """step(tokens, slots, positions, cache, keys) -> logits (B, V): the decode step, B at most
-        `max_batch`; keys = arange(span), span at most `max_span`. Graphs are recorded on padding
-        rows (position 0 of `spare_slot`, a slot no sequence holds), since recording runs the step
-        once first."""
+    def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int, vocab: int):
+        """step(tokens, slots, positions, cache, keys) -> float32 logits (B, vocab): the decode
+        step, B at most `max_batch`; keys = arange(span), span at most `max_span`. Graphs are
+        recorded on padding rows (position 0 of `spare_slot`, a slot no sequence holds), since
+        recording runs the step once first."""
         self.step, self.cache, self.spare_slot = step, cache, spare_slot
         self.max_batch, self.max_span = max_batch, max_span
         self.device = cache.k[0].device
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.logits: torch.Tensor | None = None  # (max_batch, V), allocated by the first recording
+        self.logits = torch.empty(max_batch, vocab, device=self.device)  # every graph's output
         self.replays = Counter()  # by (batch, span)
 
     def record(self, batches: list[int]) -> None:
@@ -63,8 +79,8 @@ class GraphedDecode:
                 self._record(batch, span)
 
     def __call__(self, rows: torch.Tensor, span: int) -> torch.Tensor:
-        """Logits (B, V) of the rows (3, B) on the device, attending to keys 0 .. span-1; a copy,
-        since the next replay overwrites the buffer."""
+        """Logits (B, V) of the rows (3, B; on the host: one copy to the graph's rows), attending
+        to keys 0 .. span-1; a copy, since the next replay overwrites the buffer."""
         key = (rows.shape[1], span_bucket(span, self.max_span))
         entry = self.graphs.get(key) or self._record(*key)  # a batch the runner did not record
         entry.rows.copy_(rows)
@@ -76,16 +92,10 @@ class GraphedDecode:
         rows = torch.zeros(3, batch, dtype=torch.long, device=self.device)
         rows[1] = self.spare_slot
         keys = torch.arange(span, device=self.device)
-        # a first run off the graph: torch.compile compiles, cuBLAS and the allocator warm up
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            out = self.step(rows[0], rows[1], rows[2], self.cache, keys)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if self.logits is None:
-            self.logits = torch.empty(self.max_batch, out.shape[1], dtype=out.dtype, device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+
+        def run():
             self.logits[:batch].copy_(self.step(rows[0], rows[1], rows[2], self.cache, keys))
-        self.graphs[batch, span] = entry = _Graph(graph, rows, keys)
+
+        with torch.cuda.device(self.device):
+            self.graphs[batch, span] = entry = _Graph(record(run, self.pool), rows, keys)
         return entry

@@ -90,7 +90,7 @@ class Engine:
         runner.BATCH_BUCKETS (the batch is padded up to one), all compiled here before the engine
         runs (nanogpt/compile.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
-        batch and span bucket, recorded as they are first needed (nanogpt/cuda_graphs.py)."""
+        batch and span bucket, all recorded here before the engine runs (nanogpt/cuda_graphs.py)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)

@@ -260,16 +260,17 @@ class Runner:
     # ---- the padded decode: compiled, or replayed from CUDA graphs, or both ----
 
     def _run_padded(self, tokens: list[int], slots: list[int], positions: list[int], span: int) -> torch.Tensor:
-        rows = torch.tensor([tokens, slots, positions], device=self.device)
         if self.graphs is not None:
-            return self.graphs(rows, span)
+            return self.graphs(torch.tensor([tokens, slots, positions]), span)
+        rows = torch.tensor([tokens, slots, positions], device=self.device)
         with torch.no_grad():
             return self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(max(span, 2), device=self.device))
 
     def _decode(self, tokens, slots, positions, cache, keys) -> torch.Tensor:
         """The decode step, compiled or not; the span (keys) is the compiled graph's one dynamic
-        size (never 1, which would specialize; a longer span is masked). A span of the whole cache
-        specializes too (its slice is the whole tensor): a graph of its own, compiled when first met."""
+        size (never 1, which would specialize; a longer span is masked). Marked `maybe`: a size
+        that specializes anyway compiles a graph of its own rather than failing the step (the
+        cache's spare position keeps the span from ever being the whole cache, which did)."""
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(keys, 0)
             for row in (tokens, slots, positions):
@@ -285,7 +286,7 @@ class Runner:
         """The decode step's CUDA graphs, every batch and span bucket, recorded before serving:
         where recording fails, the engine serves without them."""
         graphs = GraphedDecode(self._decode, self.cache, spare_slot=self.slots, max_batch=self._bucket(self.slots),
-                               max_span=max_len)
+                               max_span=max_len, vocab=self.model.config.vocab_size)
         try:
             graphs.record(self._buckets())
         except Exception:
