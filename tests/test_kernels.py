@@ -32,6 +32,49 @@ def test_this_torch_build_offers_the_packed_kernels():
     assert kernels.available(torch.qint8) == ["int8-dynamic"]
 
 
+def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
+    # every machine this project runs its tests on has g++ and AVX2 at least: a failed build
+    # would silently leave the one-row matmul to PyTorch's slower kernels
+    import shutil
+
+    from nanogpt import gemv
+
+    expected = torch.backends.cpu.get_cpu_capability() in gemv.FLAGS and shutil.which("c++") is not None
+    assert expected == ("gemv" in FLOAT_KERNELS) == ("gemv" in BF16_KERNELS)
+    assert kernels.OWN == ("gemv",)
+
+
+@pytest.mark.skipif("gemv" not in FLOAT_KERNELS, reason="the gemv kernel cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_at_every_row_count_and_ragged_shapes(dtype):
+    """Every row count the kernel keeps in registers (1-8) and blocks beyond, a reduction length
+    that is no multiple of the vector width, output rows that fill no whole tile or block, and
+    every epilogue, against F.linear in float32."""
+    from nanogpt import gemv
+
+    torch.manual_seed(0)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for out_features, in_features in ((37, 70), (50, 3), (16, 2048)):
+        w, b = (torch.randn(out_features, in_features) * 0.1).to(dtype), torch.randn(out_features).to(dtype)
+        for rows in (*range(1, 10), 17):
+            x = torch.randn(rows, in_features).to(dtype)
+            want = F.linear(x.float(), w.float(), b.float())
+            assert_close(gemv.linear(x, w, b).float(), want, **tolerance)
+            assert_close(gemv.linear(x, w, None).float(), F.linear(x.float(), w.float()), **tolerance)
+            residual = torch.randn(rows, out_features).to(dtype)
+            assert_close(gemv.linear(x, w, b, residual=residual).float(), want + residual.float(), **tolerance)
+            for activation, algorithm, f in (("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
+                                             ("gelu", "none", F.gelu), ("relu", "", F.relu)):
+                got = gemv.linear(x, w, b, activation, algorithm)
+                assert got.dtype == dtype and got.shape == (rows, out_features)
+                assert_close(got.float(), f(want), **tolerance)
+    x = torch.randn(2, 3, 64).to(dtype)  # leading dimensions kept; a weight that is a view
+    w = torch.randn(64, 32).to(dtype).t()
+    assert_close(gemv.linear(x, w).float(), F.linear(x.float(), w.float()), **tolerance)
+    with pytest.raises(RuntimeError, match="gemv"):
+        gemv.linear(x, w.float() if dtype == torch.bfloat16 else w.bfloat16())
+
+
 @pytest.mark.parametrize("name", FLOAT_KERNELS)
 def test_every_float32_kernel_computes_what_linear_computes(name):
     kernel = kernels.KERNELS[name]
@@ -39,7 +82,7 @@ def test_every_float32_kernel_computes_what_linear_computes(name):
     for out_features, in_features, bias in ((192, 64, True), (50257, 64, False)):
         w = torch.randn(out_features, in_features) * 0.1
         b = torch.randn(out_features) if bias else None
-        packed = kernel.pack(w, b)
+        packed = kernel.pack_of(w, b)
         for shape in ((1, 64), (2, 64), (5, 1, 64), (64, 64), (3, 100, 64), (300, 64)):
             x = torch.randn(*shape)
             assert_close(kernel.linear(x, packed, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -50,7 +93,7 @@ def test_every_bfloat16_kernel_computes_what_linear_computes_in_bfloat16(name):
     kernel = kernels.KERNELS[name]
     torch.manual_seed(0)
     w, b = (torch.randn(192, 64) * 0.1).bfloat16(), torch.randn(192).bfloat16()
-    packed = kernel.pack(w, b)
+    packed = kernel.pack_of(w, b)
     for rows in (1, 8, 300):
         x = torch.randn(rows, 64).bfloat16()
         got = kernel.linear(x, packed, w, b)
@@ -88,8 +131,8 @@ def test_an_epilogue_in_the_kernel_computes_what_follows_the_linear(monkeypatch,
         want = residual + want if with_residual else want
         with torch.no_grad():
             assert_close(kernels.project(layer, x, activation, residual), want, rtol=1e-5, atol=1e-5)
-    # oneDNN runs the activation (or the add) in its own pass: what the serving forward relies on
-    if name == "onednn":
+    # oneDNN and gemv run the activation (or the add) in their own pass: what the serving forward relies on
+    if kernels.KERNELS[name].with_activation is not None:
         assert set(calls) == {"with_activation" if activation is not None else "with_residual"}
     else:
         assert calls == []
@@ -148,7 +191,7 @@ def test_the_choice_takes_only_kernels_this_machine_runs(checkpoint):
     plan = model.lm_head._plan
     assert set(plan.seconds) == set(FLOAT_KERNELS)
     assert all(all(0 < s < math.inf for s in by_rows.values()) for by_rows in plan.seconds.values())
-    assert plan.packed in FLOAT_KERNELS and {name for _, name in plan.ranges} <= {plan.packed, "linear"}
+    assert plan.packed in FLOAT_KERNELS and {name for _, name in plan.ranges} <= {plan.packed, "linear", "gemv"}
     assert all(m._plan is plan for m in model.modules() if isinstance(m, torch.nn.Linear))
     with pytest.raises(ValueError, match="available: linear, onednn"):
         kernels.pack_linears(model.to(torch.bfloat16), kernel="mkl")  # float32 only
@@ -172,13 +215,31 @@ def test_the_plan_follows_the_timings():
     assert slow == kernels.Plan("linear", ((math.inf, "linear"),)) and slow.describe().startswith("linear at every")
 
 
+def test_the_gemv_serves_one_or_two_rows_unless_clearly_slower():
+    seconds = {"linear": {1: 2.0, 8: 2.0, 64: 8.0}, "onednn": {1: 1.1, 8: 1.0, 64: 4.0},
+               "gemv": {1: 1.0, 8: 0.9, 64: 9.0}}
+    plan = kernels.plan_from(seconds)
+    # the rule's at 1-2 rows; within the margin at 8 (0.9 against 1.0): oneDNN, the packed kernel
+    assert plan == kernels.Plan("onednn", ((2, "gemv"), (22, "onednn"), (math.inf, "onednn")))
+    assert plan.describe() == "gemv up to 2 rows, onednn above (measured)" and not plan.plain
+    seconds["onednn"][1] = 0.7  # clearly faster than gemv at one row: it serves it
+    assert kernels.plan_from(seconds).ranges[0] == (2, "onednn")
+    # the packed kernel's choice ignores gemv, which needs no pack
+    seconds["gemv"] = {1: 0.1, 8: 0.1, 64: 0.1}
+    plan = kernels.plan_from(seconds)
+    assert plan == kernels.Plan("linear", ((2, "gemv"), (22, "gemv"), (math.inf, "gemv")))  # nothing packed
+    assert kernels.plan_from({"linear": {1: 1.0}, "onednn": {1: 2.0}, "gemv": {1: 1.3}}).plain  # F.linear fastest
+
+
 def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
     model = load_model(str(checkpoint))
     monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
     monkeypatch.setattr(kernels, "_plans", {})
     kernels.pack_linears(model)
     plan = model.lm_head._plan
-    assert plan.ranges == ((math.inf, "onednn"),) and plan.source.startswith("rule: other processes used")
+    one_row = "gemv" if "gemv" in FLOAT_KERNELS else "onednn"
+    assert plan.ranges == ((2, one_row), (22, "onednn"), (128, "onednn"), (math.inf, "onednn"))
+    assert plan.source.startswith("rule: other processes used")
     assert set(plan.seconds) == set(FLOAT_KERNELS)  # measured all the same, for the record
 
 

@@ -1,0 +1,199 @@
+// y = epilogue(x @ w.T + bias) for a few rows of x, streaming each weight row once from memory:
+// the decode step's matmul, whose time is reading the weights. Built by nanogpt/gemv.py for the
+// vector width of the CPU it runs on (AVX-512: 16 floats, AVX2: 8) and run on PyTorch's own
+// thread pool (at::parallel_for), so it never competes with another pool for the cores.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <immintrin.h>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int L = 16;  // floats in a vector register
+constexpr int MB = 8;  // rows of x per pass over a tile of weights: MB accumulators in registers
+#else
+constexpr int L = 8;
+constexpr int MB = 4;
+#endif
+// Weight rows per tile: a tile stays in the core's cache while every block of MB rows of x
+// passes over it, so that the weights stream from memory once whatever the row count.
+constexpr int64_t NT = 16;
+
+typedef float vf __attribute__((vector_size(L * 4)));
+typedef uint16_t vh __attribute__((vector_size(L * 2)));
+typedef uint32_t vu __attribute__((vector_size(L * 4)));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+
+inline vf load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  vh h; std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v; std::memcpy(&v, &u, sizeof v); return v;
+}
+
+inline float scalar(float v) { return v; }
+inline float scalar(c10::BFloat16 v) { return static_cast<float>(v); }
+
+inline float hsum(vf v) {  // in a tree: a chain of L additions would take longer than the dot
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(v)),
+                        _mm256_extractf128_ps(reinterpret_cast<__m256>(v), 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#endif
+}
+
+// out[m * NT + (n - n0)] = dot(w[n], x[m]) for M rows of x and the weight rows [n0, n1), NB weight
+// rows at a time so that every load of x feeds NB multiply-adds (loads, not multiplies, bound a
+// vector unit fed from the cache), and with U accumulators per pair where few rows would leave the
+// additions' latency waiting.
+template <typename T, int M, int NB, int U>
+void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n0, int64_t n1,
+          float* __restrict out) {
+  const int64_t K_vec = K / (L * U) * (L * U);
+  for (int64_t n = n0; n < n1; n += NB) {
+    vf acc[U][NB][M] = {};
+    for (int64_t k = 0; k < K_vec; k += L * U) {
+      for (int u = 0; u < U; ++u) {
+        vf wv[NB];
+        for (int j = 0; j < NB; ++j) wv[j] = load(w + (n + j) * K + k + u * L);
+        for (int m = 0; m < M; ++m) {
+          const vf xv = load(x + m * K + k + u * L);
+          for (int j = 0; j < NB; ++j) acc[u][j][m] += wv[j] * xv;
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const T* wr = w + (n + j) * K;
+      for (int m = 0; m < M; ++m) {
+        vf a = acc[0][j][m];
+        for (int u = 1; u < U; ++u) a += acc[u][j][m];
+        float s = hsum(a);
+        for (int64_t k = K_vec; k < K; ++k) s += scalar(wr[k]) * x[m * K + k];
+        out[m * NT + (n + j - n0)] = s;
+      }
+    }
+  }
+}
+
+// As many accumulators as the registers hold: NB * M * U of them, beside NB + 1 loaded vectors.
+// One or two rows read a weight row at a time (NB = 1): measured faster there than NB > 1, which
+// is faster from three rows on.
+template <typename T, int M>
+void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* out) {
+#if defined(__AVX512F__)
+  constexpr int NB = M <= 2 ? 1 : M <= 4 ? 4 : 2;
+#else
+  constexpr int NB = M <= 2 ? 1 : 2;
+#endif
+  constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+  const int64_t n_blocked = n0 + (n1 - n0) / NB * NB;
+  dots<T, M, NB, U>(w, x, K, n0, n_blocked, out);
+  if (n_blocked < n1) dots<T, M, 1, 1>(w, x, K, n_blocked, n1, out + (n_blocked - n0));
+}
+
+template <typename T>
+void dots_rows(int rows, const T* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* out) {
+  switch (rows) {
+    case 1: return dots_blocked<T, 1>(w, x, K, n0, n1, out);
+    case 2: return dots_blocked<T, 2>(w, x, K, n0, n1, out);
+    case 3: return dots_blocked<T, 3>(w, x, K, n0, n1, out);
+    case 4: return dots_blocked<T, 4>(w, x, K, n0, n1, out);
+#if defined(__AVX512F__)
+    case 5: return dots_blocked<T, 5>(w, x, K, n0, n1, out);
+    case 6: return dots_blocked<T, 6>(w, x, K, n0, n1, out);
+    case 7: return dots_blocked<T, 7>(w, x, K, n0, n1, out);
+    case 8: return dots_blocked<T, 8>(w, x, K, n0, n1, out);
+#endif
+  }
+}
+
+enum class Activation { none, gelu_tanh, gelu_erf, relu };
+
+Activation activation_of(const std::string& name, const std::string& algorithm) {
+  if (name == "none") return Activation::none;
+  if (name == "relu") return Activation::relu;
+  if (name == "gelu") return algorithm == "tanh" ? Activation::gelu_tanh : Activation::gelu_erf;
+  TORCH_CHECK(false, "gemv: no activation ", name);
+}
+
+inline float activate(float v, Activation a) {
+  switch (a) {
+    case Activation::none: return v;
+    case Activation::relu: return v > 0.f ? v : 0.f;
+    case Activation::gelu_tanh:
+      return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case Activation::gelu_erf: return 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
+  }
+  return v;
+}
+
+template <typename T>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                  Activation act, const c10::optional<torch::Tensor>& residual) {
+  const int64_t N = w.size(0), K = w.size(1), M = x.numel() / K;
+  auto xf = x.reshape({M, K}).to(torch::kFloat).contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b, r;
+  if (bias) b = bias->contiguous();
+  if (residual) r = residual->reshape({M, N}).contiguous();
+  const auto wc = w.contiguous();
+  const T* wp = wc.data_ptr<T>();
+  const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
+  const T* rp = r.defined() ? r.data_ptr<T>() : nullptr;
+  const float* xp = xf.data_ptr<float>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
+    float tile[MB * NT];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NT, n1 = std::min(N, n0 + NT);
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int rows = static_cast<int>(std::min<int64_t>(MB, M - m0));
+        dots_rows<T>(rows, wp, xp + m0 * K, K, n0, n1, tile);
+        for (int m = 0; m < rows; ++m) {
+          for (int64_t n = n0; n < n1; ++n) {
+            float v = tile[m * NT + (n - n0)] + (bp ? scalar(bp[n]) : 0.f);
+            v = activate(v, act);
+            const int64_t at = (m0 + m) * N + n;
+            if (rp) v += scalar(rp[at]);
+            yp[at] = static_cast<T>(v);
+          }
+        }
+      }
+    }
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                     const std::string& activation, const std::string& algorithm,
+                     const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1) && x.scalar_type() == w.scalar_type(),
+              "gemv: x (..., K) and a weight (N, K) of one dtype");
+  TORCH_CHECK(!bias || (bias->scalar_type() == w.scalar_type() && bias->numel() == w.size(0)), "gemv: bias");
+  TORCH_CHECK(!residual || (residual->scalar_type() == w.scalar_type()
+                            && residual->numel() == x.numel() / w.size(1) * w.size(0)), "gemv: residual");
+  const Activation act = activation_of(activation, algorithm);
+  switch (w.scalar_type()) {
+    case torch::kFloat: return run<float>(x, w, bias, act, residual);
+    case torch::kBFloat16: return run<c10::BFloat16>(x, w, bias, act, residual);
+    default: TORCH_CHECK(false, "gemv: float32 or bfloat16 weights");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "epilogue(x @ w.T + bias), each weight row read once",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("activation") = "none",
+        py::arg("algorithm") = "", py::arg("residual") = py::none());
+}
