@@ -27,6 +27,10 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV = "NANOSERVE_EXTENSIONS"
+# The rows up to which it serves by rule in the float kernels' plans (nanogpt/kernels.py), a decode
+# step of one or two sequences: in the engine at one request on an AVX-512 + BF16 EPYC it gave
+# 1.11-1.22x oneDNN's tokens/s in float32 and 1.10-1.68x in bfloat16 (docs/benchmarks.md).
+ROWS = 2
 SOURCE = Path(__file__).with_name("gemv.cpp")
 # torch's CPU capability -> the compiler's vector flags: the widths the kernel is written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],

@@ -56,10 +56,7 @@ ENV = "NANOSERVE_KERNEL"  # force one kernel at every row count (benchmarks, dia
 # AVX-512 + BF16 CPU oneDNN's prepacked linear measured fastest at 1-1024 rows in float32 and
 # bfloat16, ahead of MKL's packed GEMM, itself ahead of F.linear from 8 rows on an AVX-512 Xeon.
 RULE = ("onednn", "mkl", PLAIN)
-# ... except at up to this many rows (a decode step of one or two sequences), which the project's
-# own GEMV serves where it is built: in the engine at one request on an AVX-512 + BF16 EPYC it gave
-# 1.11-1.22x oneDNN's tokens/s in float32 and 1.10-1.68x in bfloat16 (docs/benchmarks.md).
-GEMV_ROWS = 2
+# ... except at up to gemv.ROWS rows, which the project's own GEMV serves where it is built.
 # A 2-thread matmul waits for its second thread at every call when another process holds a core,
 # which slows some kernels tenfold at one row and others hardly: timings taken while other
 # processes used more than this many cores are not trusted.
@@ -374,7 +371,7 @@ def choose(layers: list[nn.Linear]) -> Plan:
 
 def _rule(names, packed: str, rows: int) -> str:
     """The kernel RULE gives `rows` where `names` are available and `packed` is packed."""
-    return GEMV if GEMV in names and rows <= GEMV_ROWS else packed
+    return GEMV if GEMV in names and rows <= gemv.ROWS else packed
 
 
 def _row_ranges(seconds: dict[str, dict[int, float]]) -> list[tuple[float, int]]:
