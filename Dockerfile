@@ -19,6 +19,10 @@ RUN useradd --create-home --uid 1000 nanoserve \
     && mkdir -p /app/checkpoints /app/data /data/hf \
     && chown -R nanoserve /app /data
 
+# A C++ compiler: a CPU worker compiles its decode step with it (torch.compile) and builds the
+# project's one-and-two-row matmul (nanogpt/gemv.cpp); without one it serves on slower paths.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, so editing the code does not reinstall them.
 RUN pip install ${TORCH_INSTALL}
 COPY pyproject.toml README.md ./
