@@ -5,10 +5,12 @@ kernel does that fastest depends on the CPU and on the row count: PyTorch's plai
 (a GEMM that lays the weight out anew on every call), MKL's packed GEMM and oneDNN's prepacked
 linear (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, what inductor's weight
 freezing emits) each pack a weight once, and they rank differently on AVX2, AVX-512 and AVX-512
-+ BF16 CPUs, at one row, at a few dozen and at a prefill's hundreds. So `pack_linears` times the
-kernels this torch build offers on a sample of the model's own weights at a few row counts (about
-a second for GPT-2 small), and every nn.Linear then holds the chosen kernel's packed weight and
-uses it for the row counts where F.linear was not clearly faster. Where the timing cannot be
++ BF16 CPUs, at one row, at a few dozen and at a prefill's hundreds. At one or two rows the
+project's own GEMV (nanogpt/gemv.py), which reads the weight as nn.Linear holds it, is faster than
+all of them where it is built. So `pack_linears` times the kernels this machine offers on a sample
+of the model's own weights at a few row counts (about a second for GPT-2 small), and every
+nn.Linear then holds the chosen kernel's packed weight and uses it for the row counts where no
+kernel that needs no pack (F.linear, the GEMV) serves them better. Where the timing cannot be
 trusted (other processes busy), a rule measured on this project's CPUs decides (RULE).
 docs/benchmarks.md has the measurements.
 
