@@ -54,13 +54,13 @@ def extension():
     _ninja_on_path()
     name = f"nanoserve_gemv_{capability.lower()}_torch{torch.__version__.replace('.', '_').replace('+', '_')}"
     build = directory() / name
-    build.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
 
     try:
+        build.mkdir(parents=True, exist_ok=True)
         return load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *FLAGS[capability]],
                     build_directory=str(build))
-    except Exception as error:  # a compiler or toolchain that fails: PyTorch's kernels serve
+    except Exception as error:  # no place to build, a compiler that fails: PyTorch's kernels serve
         log.warning("gemv kernel not offered: its build failed (%s)", str(error).splitlines()[0] if str(error) else error)
         return None
 

@@ -44,6 +44,24 @@ def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
     assert kernels.OWN == ("gemv",)
 
 
+def test_without_a_compiler_or_a_place_to_build_the_gemv_is_not_offered(monkeypatch, tmp_path, caplog):
+    from nanogpt import gemv
+
+    (tmp_path / "a-file").write_text("")
+    cases = [("CXX", str(tmp_path / "no-such-compiler"), "no C++ compiler"),
+             (gemv.ENV, str(tmp_path / "a-file" / "extensions"), "its build failed")]
+    try:
+        for variable, value, said in cases:
+            with monkeypatch.context() as patch:
+                patch.setenv(variable, value)
+                gemv.extension.cache_clear()
+                assert not gemv.available() and "gemv" not in kernels.available(torch.float32)
+                assert any(said in record.getMessage() for record in caplog.records)
+    finally:
+        gemv.extension.cache_clear()  # built (or not) again as this machine allows
+    assert ("gemv" in kernels.available(torch.float32)) == ("gemv" in FLOAT_KERNELS)
+
+
 @pytest.mark.skipif("gemv" not in FLOAT_KERNELS, reason="the gemv kernel cannot be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_at_every_row_count_and_ragged_shapes(dtype):
