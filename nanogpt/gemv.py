@@ -3,7 +3,7 @@ through the widest vector registers the CPU has, on PyTorch's own threads.
 
 At one row a decode step is reading the weights, and PyTorch's kernels read them below the
 machine's bandwidth: on an AVX-512 + BF16 EPYC, oneDNN's prepacked linear, PyTorch's fastest
-there, ran GPT-2 small's decode matmuls 1.1-1.5x slower than this loop in float32 and 1.3-1.4x in
+there, ran GPT-2 small's decode matmuls 1.1-1.5x slower than this loop in float32 and 1.4-1.5x in
 bfloat16 (docs/benchmarks.md). Another library's GEMV would bring its own thread pool, which on a
 small machine takes the cores from PyTorch's (measured with OpenBLAS); this one runs in
 at::parallel_for. nanogpt/kernels.py offers it as the kernel "gemv" beside PyTorch's and its
