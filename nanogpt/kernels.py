@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt import gemv
+from nanogpt.quantize import Int8Linear, quantize_int8, quantized_engine
 
 PLAIN = "linear"
 GEMV = "gemv"
@@ -63,6 +64,12 @@ RULE = ("onednn", "mkl", PLAIN)
 # which slows some kernels tenfold at one row and others hardly: timings taken while other
 # processes used more than this many cores are not trusted.
 QUIET_CORES = 0.3
+# The int8 mode's kernels: torch.ao's dynamically quantized linear (x quantized on the fly) with
+# its weight packed by one of PyTorch's quantized engines. INT8, fbgemm's (through the "x86"
+# engine), is what every int8 layer holds; oneDNN's runs the same int8 products on AMX's tiles
+# where the CPU has them (int8 layers pack for it where their plan gives it rows).
+INT8 = "int8-dynamic"
+INT8_ENGINES = {INT8: "x86", "int8-onednn": "onednn"}
 # Timings of one kernel move by up to ~20% between runs on these machines: a measurement departs
 # from RULE only where another kernel was faster by more than that.
 MARGIN = 1.25
@@ -94,16 +101,25 @@ def _has_onednn(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A linear layer of the weight quantized as the engine's int8 mode quantizes (nanogpt/quantize.py)."""
-    from nanogpt.quantize import quantize_int8
-
+def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None, engine: str):
+    """A linear layer of the weight quantized as the engine's int8 mode quantizes (nanogpt/quantize.py),
+    packed for the quantized engine `engine`."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
             layer.bias.copy_(bias)
-    return quantize_int8(nn.Sequential(layer))[0]
+    layer = quantize_int8(nn.Sequential(layer))[0]
+    if engine != INT8_ENGINES[INT8]:
+        with quantized_engine(engine):
+            layer._packed_params._packed_params = torch.ops.quantized.linear_prepack(*layer._weight_bias())
+    return layer
+
+
+def _int8_kernel(name: str) -> Kernel:
+    engine = INT8_ENGINES[name]
+    return Kernel(name, (torch.qint8,), lambda dtype: engine in torch.backends.quantized.supported_engines,
+                  lambda w, b: _int8_pack(w, b, engine), lambda x, packed, w, b: packed(x))
 
 
 KERNELS = {kernel.name: kernel for kernel in [
@@ -121,10 +137,9 @@ KERNELS = {kernel.name: kernel for kernel in [
            lambda x, packed, w, b: gemv.linear(x, w, b),
            lambda x, packed, w, b, activation: gemv.linear(x, w, b, activation[0], activation[2]),
            lambda x, packed, w, b, residual: gemv.linear(x, w, b, residual=residual)),
-    # What the engine's int8 mode runs (fbgemm through the x86 quantized engine). Weight-only int8
-    # (aten._weight_int8pack_mm) is left out: 6 tok/s for GPT-2 small's decode matmuls.
-    Kernel("int8-dynamic", (torch.qint8,), lambda dtype: bool({"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)),
-           _int8_pack, lambda x, packed, w, b: packed(x)),
+    # The int8 mode's (INT8_ENGINES). Weight-only int8 (aten._weight_int8pack_mm) is left out: 6
+    # tok/s for GPT-2 small's decode matmuls.
+    *[_int8_kernel(name) for name in INT8_ENGINES],
 ]}
 
 
@@ -137,7 +152,8 @@ def available(dtype: torch.dtype = torch.float32) -> list[str]:
 class Plan:
     """Which kernel serves which row counts: `ranges` holds (most rows, kernel name) in rising
     order, the last one unbounded; each is `packed` or a kernel that needs no pack (PLAIN, GEMV).
-    `packed` is the one kernel the layers hold a pack of (PLAIN: none). `seconds` holds what the
+    `packed` is the one kernel the layers hold a pack of (PLAIN: none); int8 layers hold INT8's
+    and a pack of their own for any other int8 kernel named. `seconds` holds what the
     choice was made from: {kernel: {rows: seconds}}; `source` says how it was made (measured,
     the rule, forced)."""
     packed: str
@@ -301,7 +317,8 @@ _LIBRARY.impl("layer", lambda x, handle, out_features: x.new_empty(*x.shape[:-1]
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
     """Give every CPU float32 / bfloat16 nn.Linear of `model` the fastest kernel this machine has
     for it (in place: the class of the same module object changes; parameters, weight tying and
-    state_dict stay as they are), and repack those whose weights changed since. The kernel is
+    state_dict stay as they are), and repack those whose weights changed since; likewise every
+    int8 layer (nanogpt/quantize.py) the fastest int8 kernel for each row count. The kernel is
     chosen by timing (`choose`), or forced by `kernel` or the NANOSERVE_KERNEL environment
     variable. Returns how many layers hold a current pack (0 where plain F.linear won)."""
     kernel = kernel or os.environ.get(ENV) or None
@@ -318,24 +335,35 @@ def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
             if module._plan != plan or not module.is_current():
                 module.set_plan(plan)
             count += plan.packed != PLAIN
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    if int8:
+        plan = Plan.only(_check(kernel, torch.qint8)) if kernel else choose(int8)
+        for module in int8:
+            if module._plan != plan or module._packed_from is not module._packed_params._packed_params:
+                module.set_plan(plan)
+        count += len(int8)
     return count
+
+
+def _plans_of(model: nn.Module) -> dict[str, Plan]:
+    """{weight dtype's name ("int8" for int8 layers): plan} of the model's planned layers."""
+    return {"int8" if isinstance(m, Int8Linear) else str(m.weight.dtype).removeprefix("torch."): m._plan
+            for m in model.modules() if isinstance(m, (KernelLinear, Int8Linear)) and m._plan is not None}
 
 
 def describe(model: nn.Module) -> str | None:
     """The plans of the model's packed layers, for a log line (None when it has none)."""
-    plans = {m.weight.dtype: m._plan for m in model.modules() if type(m) is KernelLinear and m._plan is not None}
-    return "; ".join(f"{str(dtype).removeprefix('torch.')}: {plan.describe()}" for dtype, plan in plans.items()) or None
+    return "; ".join(f"{dtype}: {plan.describe()}" for dtype, plan in _plans_of(model).items()) or None
 
 
 def row_costs(model: nn.Module) -> dict[int, float] | None:
     """How the cost of the model's weight matmuls grows with the rows of a forward: {rows: seconds}
     of the timed sample at TIMED_ROWS, each with the kernel its plan gives those rows (None where
-    no plan was timed: forced, GPU, int8)."""
-    plan = next((m._plan for m in model.modules() if type(m) is KernelLinear and m._plan is not None
-                 and m._plan.seconds), None)
+    no plan was timed: forced, GPU)."""
+    plan = next((plan for plan in _plans_of(model).values() if plan.seconds), None)
     if plan is None:
         return None
-    return {rows: plan.seconds[plan.kernel_for(rows).name][rows] for rows in sorted(plan.seconds[PLAIN])}
+    return {rows: plan.seconds[plan.kernel_for(rows).name][rows] for rows in _timed_rows(plan.seconds)}
 
 
 def _check(name: str, dtype: torch.dtype) -> str:
@@ -350,24 +378,27 @@ def _check(name: str, dtype: torch.dtype) -> str:
 _plans: dict[tuple, Plan] = {}  # one measurement per weight shapes, dtype and thread count
 
 
-def choose(layers: list[nn.Linear]) -> Plan:
-    """Time every available kernel on a sample of `layers` (all of one dtype) at TIMED_ROWS and
-    choose from the timings (`plan_from`); timings taken while other processes were busy give
-    way to RULE."""
+def choose(layers: list[nn.Module]) -> Plan:
+    """Time every available kernel on a sample of `layers` (all float32, all bfloat16 or all int8)
+    at TIMED_ROWS and choose from the timings (`plan_from`, `plan_int8`); timings taken while
+    other processes were busy give way to RULE (int8: INT8)."""
     sample = _sample(layers)
-    dtype = sample[0].weight.dtype
-    key = (dtype, tuple(tuple(m.weight.shape) for m in sample), torch.get_num_threads())
+    int8 = isinstance(sample[0], Int8Linear)
+    weights = [(m.weight().dequantize(), m.bias()) if int8 else
+               (m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in sample]
+    dtype = torch.qint8 if int8 else weights[0][0].dtype
+    key = (dtype, tuple(tuple(w.shape) for w, _ in weights), torch.get_num_threads())
     if key not in _plans:
         others = OtherProcesses()
-        seconds = time_kernels([(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in sample],
-                               available(dtype), TIMED_ROWS)
+        seconds = time_kernels(weights, available(dtype), TIMED_ROWS)
         busy = others.cores()
         if busy <= QUIET_CORES:
-            _plans[key] = plan_from(seconds)
+            _plans[key] = plan_int8(seconds) if int8 else plan_from(seconds)
         else:
-            packed = next(name for name in RULE if name in seconds)
+            source = f"rule: other processes used {busy:.1f} cores while timing"
+            packed = INT8 if int8 else next(name for name in RULE if name in seconds)
             _plans[key] = Plan(packed, tuple((most, _rule(seconds, packed, r)) for most, r in _row_ranges(seconds)),
-                               seconds, f"rule: other processes used {busy:.1f} cores while timing")
+                               seconds, source)
     return _plans[key]
 
 
@@ -376,10 +407,14 @@ def _rule(names, packed: str, rows: int) -> str:
     return GEMV if GEMV in names and rows <= gemv.ROWS else packed
 
 
+def _timed_rows(seconds: dict[str, dict[int, float]]) -> list[int]:
+    return sorted(next(iter(seconds.values())))
+
+
 def _row_ranges(seconds: dict[str, dict[int, float]]) -> list[tuple[float, int]]:
     """(most rows, timed rows) for each timed row count: it stands for the rows up to the geometric
     mean with the next."""
-    rows = sorted(seconds[PLAIN])
+    rows = _timed_rows(seconds)
     return [(math.floor(math.sqrt(r * rows[i + 1])) if i + 1 < len(rows) else math.inf, r) for i, r in enumerate(rows)]
 
 
@@ -408,6 +443,17 @@ def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
     if all(name != packed for _, name in ranges):
         packed = PLAIN
     return Plan(packed, tuple(ranges), seconds)
+
+
+def plan_int8(seconds: dict[str, dict[int, float]]) -> Plan:
+    """The plan measured times {int8 kernel: {rows: seconds}} give: INT8, whose pack every int8
+    layer holds, unless at some row count another int8 kernel was MARGIN times faster (it serves
+    those rows, from a pack of its own)."""
+    ranges = []
+    for most, r in _row_ranges(seconds):
+        fastest = min(seconds, key=lambda name: seconds[name][r])
+        ranges.append((most, fastest if seconds[fastest][r] * MARGIN < seconds[INT8][r] else INT8))
+    return Plan(INT8, tuple(ranges), seconds)
 
 
 def time_kernels(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: list[str], rows,
@@ -441,11 +487,12 @@ def time_kernels(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernel
     return best
 
 
-def _sample(layers: list[nn.Linear]) -> list[nn.Linear]:
+def _sample(layers: list[nn.Module]) -> list[nn.Module]:
     sample, size = [], 0
     for module in layers:
         sample.append(module)
-        size += module.weight.numel() * module.weight.element_size()
+        weight = module.weight() if isinstance(module, Int8Linear) else module.weight
+        size += weight.numel() * weight.element_size()
         if size >= SAMPLE_BYTES:
             break
     return sample

@@ -1,33 +1,71 @@
 """Dynamic int8 quantization of a model's linear layers, for CPU serving (opt-in: `dtype = "int8"`)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
 
+@contextlib.contextmanager
+def quantized_engine(name: str):
+    """Weights packed inside this block are packed for the quantized engine `name` ("x86":
+    fbgemm's kernels, "onednn": oneDNN's). A packed weight keeps its engine's kernel wherever it
+    is called, so layers packed for different engines run side by side."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
 class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
-    """torch.ao's dynamically quantized linear layer, which a compiled graph calls as one opaque op
-    (`nanoserve::layer`, nanogpt/kernels.py) running the same kernel: dynamo cannot put its packed
-    weight (a TorchScript object) into a graph."""
+    """torch.ao's dynamically quantized linear layer, packed for the default engine (fbgemm), which
+
+    - runs, for the row counts its plan (`set_plan`, nanogpt/kernels.py) gives another int8 kernel,
+      the same int8 weight packed for that kernel's engine: oneDNN's, with AMX's int8 tiles, is
+      up to twice fbgemm's speed at a batch or a prompt's rows on CPUs that have them, and slower
+      at one row. Both quantize x alike and sum int8 products exactly, so the outputs agree to
+      float32 rounding;
+    - is called by a compiled graph as one opaque op (`nanoserve::layer`) running the same kernels:
+      dynamo cannot put a packed weight (a TorchScript object) into a graph."""
 
     _handle: int | None = None
+    _plan = None
+    _packs: dict = {}  # {kernel name: the weight packed for it}, for the plan's kernels but the default
+    _packed_from = None  # the default pack the others were made from: another means the weight changed
+
+    def set_plan(self, plan) -> None:
+        from nanogpt.kernels import INT8, INT8_ENGINES
+
+        weight, bias = self._weight_bias()
+        packs = {}
+        for name in {name for _, name in plan.ranges} - {INT8}:
+            with quantized_engine(INT8_ENGINES[name]):
+                packs[name] = torch.ops.quantized.linear_prepack(weight, bias)
+        self._plan, self._packs, self._packed_from = plan, packs, self._packed_params._packed_params
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and self._handle is not None:
             return torch.ops.nanoserve.layer(x, self._handle, self.out_features)
+        if self._packs and self._packed_from is self._packed_params._packed_params:
+            packed = self._packs.get(self._plan.kernel_for(x.numel() // x.shape[-1]).name)
+            if packed is not None:  # as the default's forward (torch.ao's Linear, version 4) calls it
+                return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True).to(x.dtype)
         return super().forward(x)
 
 
 def quantize_int8(model):
     """nn.Linear weights to int8, activations quantized on the fly (torch.ao's quantize_dynamic, in
-    place, into Int8Linear layers; returns the model). It changes numerics, so it is never a
-    default; embeddings, LayerNorms and attention stay float32. CPU only: quantized linears have
-    no other kernels. Its drift from float32 and its speed are measured in docs/benchmarks.md."""
-    from nanogpt.kernels import register
+    place, into Int8Linear layers packed for the default engine; returns the model). It changes
+    numerics, so it is never a default; embeddings, LayerNorms and attention stay float32. CPU
+    only: quantized linears have no other kernels. Its drift from float32 and its speed are
+    measured in docs/benchmarks.md."""
+    from nanogpt.kernels import INT8, INT8_ENGINES, register
 
-    with warnings.catch_warnings():  # the deprecation notice points to torchao, not installed here
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(), quantized_engine(INT8_ENGINES[INT8]):
+        warnings.simplefilter("ignore")  # the deprecation notice points to torchao, not installed here
         torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True,
                                                mapping={torch.nn.Linear: Int8Linear})
     for layer in model.modules():

@@ -29,7 +29,7 @@ def test_this_torch_build_offers_the_packed_kernels():
     # silently lose the fast paths, so say so here rather than skip their tests
     assert {"linear", "mkl", "onednn"} <= set(FLOAT_KERNELS)
     assert "mkl" not in BF16_KERNELS  # MKL's packed GEMM is float32 only
-    assert kernels.available(torch.qint8) == ["int8-dynamic"]
+    assert kernels.available(torch.qint8) == ["int8-dynamic", "int8-onednn"]
 
 
 def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
@@ -461,6 +461,70 @@ def test_an_int8_decode_step_compiles_into_one_graph_of_its_quantized_kernels(ch
         want = model.forward_decode(*args, again, torch.arange(2))
     assert len(graphs) == 1 and graphs[0].count("torch.ops.nanoserve.layer") == len(layers)
     assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_int8_plan_follows_the_timings():
+    # fbgemm's pack (INT8) serves every row count unless another int8 kernel was clearly faster
+    seconds = {"int8-dynamic": {1: 1.0, 8: 2.0, 64: 7.0, 256: 22.0},
+               "int8-onednn": {1: 1.4, 8: 1.9, 64: 4.6, 256: 10.0}}
+    plan = kernels.plan_int8(seconds)
+    assert plan == kernels.Plan("int8-dynamic", ((2, "int8-dynamic"), (22, "int8-dynamic"), (128, "int8-onednn"),
+                                                 (math.inf, "int8-onednn")))
+    assert plan.describe() == "int8-dynamic up to 22 rows, int8-onednn above (measured)"
+    seconds["int8-onednn"] = {1: 0.9, 8: 1.8, 64: 6.0, 256: 20.0}  # faster, within the margin
+    assert kernels.plan_int8(seconds).describe() == "int8-dynamic at every row count (measured)"
+
+
+def _int8_model(checkpoint):
+    from nanogpt.quantize import Int8Linear, quantize_int8
+
+    model = quantize_int8(load_model(str(checkpoint)))
+    return model, [m for m in model.modules() if isinstance(m, Int8Linear)]
+
+
+def test_an_int8_layer_runs_the_kernel_its_plan_gives_each_row_count(checkpoint):
+    from nanogpt.quantize import Int8Linear, quantized_engine
+
+    model, layers = _int8_model(checkpoint)
+    plan = kernels.Plan("int8-dynamic", ((8, "int8-dynamic"), (math.inf, "int8-onednn")))
+    layer = layers[0]
+    x = {rows: torch.randn(rows, layer.in_features) for rows in (1, 8, 9, 64)}
+    want = {rows: layer(x) for rows, x in x.items()}  # the default pack's (fbgemm)
+    layer.set_plan(plan)
+    assert set(layer._packs) == {"int8-onednn"}  # fbgemm's is the layer's own
+    for rows in x:  # the same int8 products, summed exactly: float32 rounding apart
+        assert_close(layer(x[rows]), want[rows], rtol=1e-5, atol=1e-5)
+    # the rows above 8 are served from oneDNN's pack: a pack of another weight shows it
+    weight, bias = layer._weight_bias()
+    negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
+    with quantized_engine("onednn"):
+        layer._packs["int8-onednn"] = torch.ops.quantized.linear_prepack(negated, bias)
+    assert_close(layer(x[8]), want[8], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(layer(x[9]), want[9], atol=1e-3)
+    # a new weight loaded into the layer is served by its own new pack, not the stale other one
+    fresh = Int8Linear(layer.in_features, layer.out_features)
+    fresh.set_weight_bias(negated, bias)
+    layer.load_state_dict(fresh.state_dict())
+    assert_close(layer(x[64]), fresh(x[64]), rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypatch):
+    model, layers = _int8_model(checkpoint)
+    assert kernels.pack_linears(model) == len(layers)  # measured here
+    plan = layers[0]._plan
+    assert set(plan.seconds) == {"int8-dynamic", "int8-onednn"} and plan.packed == "int8-dynamic"
+    assert all(m._plan is plan for m in layers)
+    assert kernels.describe(model) == f"int8: {plan.describe()}"
+    assert kernels.row_costs(model) == {r: plan.seconds[plan.kernel_for(r).name][r] for r in kernels.TIMED_ROWS}
+    kernels.pack_linears(model, kernel="int8-onednn")
+    assert all(m._plan == kernels.Plan.only("int8-onednn") and set(m._packs) == {"int8-onednn"} for m in layers)
+    with pytest.raises(ValueError, match="available: int8-dynamic, int8-onednn"):
+        kernels.pack_linears(model, kernel="onednn")  # a float kernel
+    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
+    monkeypatch.setattr(kernels, "_plans", {})
+    kernels.pack_linears(model)
+    assert layers[0]._plan.describe().startswith("int8-dynamic at every row count (rule: other processes used")
+    assert all(m._packs == {} for m in layers)  # no second pack where fbgemm's serves every row
 
 
 def test_a_bfloat16_model_on_a_cpu_caches_and_attends_in_float32(checkpoint):
