@@ -6,7 +6,9 @@ GPT-2 small (12 layers, 768 wide) in float32 holds 2 * 12 * 768 * 4 B = 72 KiB p
 """
 from __future__ import annotations
 
+import functools
 import math
+import time
 
 import torch
 from torch.nn import functional as F
@@ -14,12 +16,39 @@ from torch.nn import functional as F
 
 def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
     """The dtype a model's keys and values are cached and attended in: the model's own, except
-    bfloat16 on a CPU, where PyTorch's attention runs 2-3x slower in bfloat16 than in float32
-    (its CPU kernels widen every element; docs/benchmarks.md has the measurements): there the
-    cache is float32, which holds the bfloat16 keys and values exactly, at twice the memory."""
-    if model_dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+    bfloat16 on a CPU whose attention does not run clearly faster in bfloat16 (`bf16_attention_pays`):
+    there the cache is float32, which holds the bfloat16 keys and values exactly, at twice the memory."""
+    if model_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_attention_pays():
         return torch.float32
     return model_dtype
+
+
+# The decode attention timed: a batch of sequences, GPT-2 small's heads, a few hundred positions
+ATTENTION_SHAPE = (16, 12, 256, 64)  # rows, heads, positions, head size
+
+
+@functools.cache
+def bf16_attention_pays() -> bool:
+    """Whether PyTorch's attention over a decode batch's cached keys and values runs MARGIN times
+    faster in bfloat16 than in float32 on this CPU, timed once per process (a few milliseconds).
+    It reads half the bytes, but its kernels widen every element: on AVX-512 CPUs without AMX it
+    ran 1.7-1.8x slower in bfloat16, on a Xeon with AMX 1.5x faster (docs/benchmarks.md). Timings
+    taken while other processes were busy are not trusted: float32, the safe choice, then."""
+    from nanogpt.kernels import MARGIN, QUIET_CORES, OtherProcesses
+
+    rows, heads, positions, size = ATTENTION_SHAPE
+    q, k, v = torch.randn(rows, heads, 1, size), torch.randn(rows, heads, positions, size), torch.randn(rows, heads, positions, size)
+    inputs = {dtype: (q.to(dtype), k.to(dtype), v.to(dtype), torch.zeros(rows, 1, 1, positions, dtype=dtype))
+              for dtype in (torch.float32, torch.bfloat16)}
+    others, best = OtherProcesses(), {}
+    for dtype in (torch.float32, torch.bfloat16) * 4:  # alternating: a burst of load hits both
+        q, k, v, mask = inputs[dtype]
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # warm up
+        start = time.perf_counter()
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - start)
+    return others.cores() <= QUIET_CORES and best[torch.bfloat16] * MARGIN < best[torch.float32]
 
 
 class KVCache:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -527,12 +528,38 @@ def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypat
     assert all(m._packs == {} for m in layers)  # no second pack where fbgemm's serves every row
 
 
-def test_a_bfloat16_model_on_a_cpu_caches_and_attends_in_float32(checkpoint):
+def test_a_bfloat16_model_on_a_cpu_caches_in_the_dtype_its_attention_runs_fastest_in(monkeypatch):
+    from nanogpt import kv_cache
     from nanogpt.kv_cache import cache_dtype
 
-    assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
+    pays = kv_cache.bf16_attention_pays()  # measured here: either answer is this CPU's
+    assert cache_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if pays else torch.float32)
     assert cache_dtype(torch.float32, "cpu") == torch.float32
     assert cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16  # GPU attention kernels run bf16 natively
+    kv_cache.bf16_attention_pays.cache_clear()
+    timed = []
+
+    def attention(q, k, v, attn_mask):  # bfloat16 as fast as float32: within the margin
+        timed.append(q.dtype)
+        return q
+
+    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", attention)
+    try:
+        assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
+        assert set(timed) == {torch.float32, torch.bfloat16}
+        kv_cache.bf16_attention_pays.cache_clear()
+        monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
+        monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention",
+                            lambda q, k, v, attn_mask: time.sleep(0.004 if q.dtype == torch.float32 else 0.0))
+        assert cache_dtype(torch.bfloat16, "cpu") == torch.float32  # busy timings are not trusted
+        kv_cache.bf16_attention_pays.cache_clear()
+        monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)
+        assert cache_dtype(torch.bfloat16, "cpu") == torch.bfloat16  # clearly faster in bfloat16
+    finally:
+        kv_cache.bf16_attention_pays.cache_clear()
+
+
+def test_a_bfloat16_model_attends_alike_over_a_float32_and_a_bfloat16_cache(checkpoint):
     model = load_model(str(checkpoint), dtype=torch.bfloat16)
     reference = load_model(str(checkpoint), dtype=torch.bfloat16)
     tokens = torch.randint(0, 1000, (2, 9))

@@ -12,6 +12,7 @@ import torch
 import processor
 from models.registry import ModelSpec
 from nanogpt import precision
+from nanogpt.kv_cache import cache_dtype
 from worker.protocol import CompletionJob
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
@@ -106,11 +107,13 @@ def test_a_worker_asked_for_bfloat16_on_a_cpu_without_runs_float32_and_logs_it(s
 def test_a_worker_asked_for_bfloat16_on_a_cpu_with_native_bf16_runs_it(spec, caplog):
     with caplog.at_level(logging.INFO, logger="processor"):
         engine = processor.build_engine(spec("bfloat16"), "cpu", None)
-    # the weights and activations in bfloat16; keys and values cached and attended in float32,
-    # where a CPU's attention kernels are fastest (kv_cache.cache_dtype)
-    assert engine.runner.model.dtype == torch.bfloat16 and engine.runner.cache.k[0].dtype == torch.float32
+    # the weights and activations in bfloat16; keys and values cached and attended in the dtype
+    # this CPU's attention runs fastest in (kv_cache.cache_dtype), which the log names
+    cached = engine.runner.cache.k[0].dtype
+    assert engine.runner.model.dtype == torch.bfloat16 and cached == cache_dtype(torch.bfloat16, "cpu")
     assert run_one(engine)
-    assert [r.dtype for r in caplog.records if r.getMessage() == "engine ready"] == ["bfloat16"]
+    ready = [r for r in caplog.records if r.getMessage() == "engine ready"]
+    assert [(r.dtype, r.kv_cache) for r in ready] == [("bfloat16", str(cached).removeprefix("torch."))]
     assert not [r for r in caplog.records if "running float32" in r.getMessage()]
 
 
