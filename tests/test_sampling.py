@@ -264,3 +264,16 @@ def test_fork_copies_a_slots_state_to_another():
     assert torch.equal(sampler.seen[2], sampler.seen[0]) and torch.equal(sampler.counts[1], sampler.counts[0])
     sampler.ngrams[1].push(3)
     assert sampler.ngrams[0].tokens == [1, 2]  # copies, not shared
+
+
+def test_first_max_is_argmax_ties_and_infinities_included():
+    from worker.sampling import first_max
+
+    x = torch.randn(6, 50257)
+    x[1, [3, 9000, 40000]] = x[1].max() + 1  # a tie: the first of them
+    x[2] = -torch.inf                        # nothing allowed: index 0, as argmax says
+    x[3, 100:] = -torch.inf
+    x[4] = 0.5                               # all equal
+    x[5, 50256] = torch.inf
+    assert torch.equal(first_max(x), x.argmax(-1))
+    assert first_max(x)[[1, 2, 4, 5]].tolist() == [3, 0, 0, 50256]

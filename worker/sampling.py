@@ -100,6 +100,13 @@ def truncate_sorted(probs_sorted, top_k, top_p):
 CANDIDATES = 256  # truncated rows sort only their best tokens when those hold the truncation
 
 
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum, as argmax gives it: max(-1) returns the same indices
+    (documented: the first maximal value) 2.5-3x faster than argmax on a CPU (GPT-2's 50257 logits:
+    25 against 73 µs at 1 row, 0.43 against 1.17 ms at 32)."""
+    return x.max(-1).indices
+
+
 def draw_truncated(probs, top_k, top_p, noise):
     """Draw from each row of probs (R, V) truncated by top_k, then top_p (in probability order),
     by the Gumbel noise (R, V) of the kept tokens. A full sort costs ~5 ms a row on a CPU, so a
@@ -119,7 +126,7 @@ def draw_truncated(probs, top_k, top_p, noise):
 def _draw_sorted(p_sorted, order, top_k, top_p, noise):
     kept = truncate_sorted(p_sorted, top_k, top_p) > 0
     scores = torch.where(kept, p_sorted.log() + noise.gather(1, order), -torch.inf)  # noise of each token id
-    return order.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+    return order.gather(1, first_max(scores)[:, None]).squeeze(1)
 
 
 def draw(logits, temperature, top_k, top_p, noise, truncated: list[bool], min_p=None):
@@ -130,7 +137,7 @@ def draw(logits, temperature, top_k, top_p, noise, truncated: list[bool], min_p=
     scaled = logits / temperature[:, None]
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
-    tokens = (scaled + noise).argmax(-1)
+    tokens = first_max(scaled + noise)
     rows = [i for i, t in enumerate(truncated) if t]
     if rows:
         rows = torch.tensor(rows, device=logits.device)
@@ -283,7 +290,7 @@ class Sampler:
         x = self.adjusted_logits(logits, slots, outputs)
         random = [b for b, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum, like transformers
-        tokens = x.argmax(-1) if len(random) < len(params) else torch.empty_like(idx)
+        tokens = first_max(x) if len(random) < len(params) else torch.empty_like(idx)
         if random:
             rows = torch.tensor(random, device=logits.device)
             s = idx[rows]
