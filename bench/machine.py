@@ -5,8 +5,8 @@
 - ceilings: per precision the machine runs natively (float32; bfloat16 on a CPU with native bf16
   or on CUDA; int8 on a CPU), the time of one decode step's weight matmuls alone (GPT-2 small's
   49: 4 per block and the LM head) at 1 / 8 / 32 / 64 rows, with each kernel PyTorch offers
-  (nanogpt/kernels.py: F.linear, MKL's packed GEMM, oneDNN's prepacked linear, fbgemm's dynamic
-  int8) and the fastest of them: the ceiling each engine row is held against (bench.engine_bench);
+  (nanogpt/kernels.py: F.linear, MKL's packed GEMM, oneDNN's prepacked linear, fbgemm's and
+  oneDNN's dynamic int8) and the fastest of them: the ceiling each engine row is held against (bench.engine_bench);
 - matmul: float32 GFLOP/s of `torch.matmul` at a large square shape (the compute ceiling) and at
   the shapes of GPT-2 small's MLP for a decode batch of B rows (what batched decoding can reach);
 - copy: bytes moved per second (read + write) by copying a tensor much larger than the caches
