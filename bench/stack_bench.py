@@ -54,18 +54,23 @@ def run_benchmark(precisions: list[str], model: str, concurrency: list[int], rep
     results = {"model": model, "workload": {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens},
                "concurrency": concurrency, "repeats": repeats, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
                "cores": os.cpu_count(), "code": code_version(), "load_average_before": os.getloadavg(),
-               "pairs": {}}
+               "pairs": {}, "failed": {}}
     prompts = itertools.count(1_000_000)  # every request a prompt of its own
     for precision in precisions:
         specs = [f"nanoserve:{precision}", peer.format(PEERS[precision])]
         log(f"== {' against '.join(specs)}")
         with ExitStack() as stack:
             sends = {}
-            for spec in specs:
-                workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nanoserve-stack-bench-")))
-                url = stack.enter_context(server(spec, model, max(concurrency), prompt_tokens + max_tokens, workdir,
-                                                 model_dir))
-                sends[spec] = openai_sender(url, model)
+            try:
+                for spec in specs:
+                    workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nanoserve-stack-bench-")))
+                    url = stack.enter_context(server(spec, model, max(concurrency), prompt_tokens + max_tokens,
+                                                     workdir, model_dir))
+                    sends[spec] = openai_sender(url, model)
+            except RuntimeError as err:  # a server that did not start (e.g. crashed loading): the next pair
+                log(f"!! {spec} did not start: {err}")
+                results["failed"][precision] = {"servers": specs, "server": spec, "error": str(err)}
+                continue
             for send in sends.values():  # first requests: allocations, shapes, thread pools
                 for c in sorted(set(concurrency)):
                     run(send, [completion_body(next(prompts), prompt_tokens, 4) for _ in range(c)], c)
@@ -152,6 +157,9 @@ def markdown(results: dict) -> str:
                          f"{a['x_peer']:.2f}× | {a['ceiling_tokens_per_s']:.1f} | "
                          f"{a['latency_p50_s']:.2f} / {b['latency_p50_s']:.2f} | {a['errors'] + b['errors']} | "
                          f"{max(a['foreign_cores'], b['foreign_cores']):.2f} |")
+    for precision, failed in results.get("failed", {}).items():
+        lines.append(f"| {precision} | – | not measured: {failed['server']} did not start "
+                     f"({failed['error'].splitlines()[0]}) | | | | | | | |")
     w = results["workload"]
     lines += ["", f"{results['model']}, {w['prompt_tokens']}-token prompts, {w['max_tokens']} new tokens, greedy, "
               f"EOS banned, C requests at once, medians of {results['repeats']} repeats. CPU: {results['cpu']}, "
@@ -170,6 +178,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     pairs = results["pairs"]
+    if not pairs:  # no server pair ran
+        return
     fig, axes = plt.subplots(1, len(pairs), figsize=(4.6 * len(pairs), 3.6), squeeze=False)
     for ax, (precision, pair) in zip(axes[0], pairs.items()):
         cs = results["concurrency"]

@@ -64,3 +64,27 @@ def test_a_precision_the_machine_lacks_is_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         stack_bench.main(["--precisions", "bfloat16"])
     assert "does not run bfloat16 natively" in capsys.readouterr().err
+
+
+def test_a_peer_that_does_not_start_leaves_the_other_pairs_and_the_results(hf_checkpoint, tmp_path, monkeypatch):
+    """A llama-server that exits while loading (as q8_0's did on one CPU) is reported with its log,
+    and the benchmark goes on to the next precision and still writes what it measured."""
+    crashing = tmp_path / "llama-server"
+    crashing.write_text("#!/bin/sh\necho 'loading model: crashed'\nexit 3\n")
+    crashing.chmod(0o755)
+    monkeypatch.setattr(llama_cpp, "build", lambda: crashing)
+    monkeypatch.setattr(llama_cpp, "convert", lambda model_dir, precision: tmp_path / f"model-{precision}.gguf")
+    logged = []
+    results = stack_bench.run_benchmark(["float32"], "tiny", [1], 1, prompt_tokens=8, max_tokens=5,
+                                        model_dir=hf_checkpoint, log=logged.append)
+    assert results["pairs"] == {}
+    failed = results["failed"]["float32"]
+    assert failed["server"] == "llama.cpp:f32" and "exited with code 3" in failed["error"]
+    assert "loading model: crashed" in failed["error"]  # the server's own log tail
+    assert any(line.startswith("!! llama.cpp:f32 did not start") for line in logged)
+    results["targets"] = stack_bench.check_targets(results)
+    assert results["targets"] == []
+    assert "not measured: llama.cpp:f32 did not start (llama-server exited with code 3" in stack_bench.markdown(results)
+    stack_bench.plot(results, tmp_path / "none.png")  # nothing to plot: no figure, no error
+    assert not (tmp_path / "none.png").exists()
+    json.dumps(results)
