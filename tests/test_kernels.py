@@ -250,6 +250,25 @@ def test_the_gemv_serves_one_or_two_rows_unless_clearly_slower():
     assert kernels.plan_from({"linear": {1: 1.0}, "onednn": {1: 2.0}, "gemv": {1: 1.3}}).plain  # F.linear fastest
 
 
+def test_the_timed_sample_outgrows_the_last_level_cache(tmp_path, monkeypatch):
+    # a sample that fits the cache is timed from it: the sample is twice the largest cache reported
+    for index, size in enumerate(["48K", "2048K", "491520K"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(kernels.glob, "glob", lambda pattern: [str(p) for p in tmp_path.glob("index*/size")])
+    assert kernels.last_level_cache_bytes() == 491520 << 10
+    kernels.sample_bytes.cache_clear()
+    try:
+        assert kernels.sample_bytes() == 2 * (491520 << 10)
+        (tmp_path / "index2" / "size").write_text("8192K\n")  # a small cache: the fixed floor
+        kernels.sample_bytes.cache_clear()
+        assert kernels.sample_bytes() == kernels.SAMPLE_BYTES
+    finally:
+        kernels.sample_bytes.cache_clear()
+    layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]  # 4 MiB each
+    assert kernels._sample(layers, 8 << 20) == layers[:2] and kernels._sample(layers, 1 << 30) == layers
+
+
 def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
     model = load_model(str(checkpoint))
     monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
