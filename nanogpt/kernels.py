@@ -9,9 +9,8 @@ freezing emits) each pack a weight once, and they rank differently on AVX2, AVX-
 project's own GEMV (nanogpt/gemv.py), which reads the weight as nn.Linear holds it, is faster than
 all of them where it is built. So `pack_linears` times the kernels this machine offers on a sample
 of the model's own weights at a few row counts (1-5 s for GPT-2 small: the sample outgrows the
-last-level cache), and every
-nn.Linear then holds the chosen kernel's packed weight and uses it for the row counts where no
-kernel that needs no pack (F.linear, the GEMV) serves them better. Where the timing cannot be
+last-level cache), and every nn.Linear then holds the chosen kernel's packed weight and uses it
+for the row counts where no kernel that needs no pack (F.linear, the GEMV) serves them better. Where the timing cannot be
 trusted (other processes busy), a rule measured on this project's CPUs decides (RULE).
 docs/benchmarks.md has the measurements.
 
