@@ -1,7 +1,8 @@
 // y = epilogue(x @ w.T + bias) for a few rows of x, streaming each weight row once from memory:
 // the decode step's matmul, whose time is reading the weights. Built by nanogpt/gemv.py for the
-// vector width of the CPU it runs on (AVX-512: 16 floats, AVX2: 8) and run on PyTorch's own
-// thread pool (at::parallel_for), so it never competes with another pool for the cores.
+// vector width of the CPU it runs on (AVX-512: 16 floats, AVX2: 8; with AVX512_BF16 bfloat16 dot
+// products too) and run on PyTorch's own thread pool (at::parallel_for), so it never competes
+// with another pool for the cores.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -99,6 +100,86 @@ void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1,
   if (n_blocked < n1) dots<T, M, 1, 1>(w, x, K, n_blocked, n1, out + (n_blocked - n0));
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 weights and x (a bfloat16 model's activations are bfloat16): vdpbf16ps multiplies 32
+// pairs and adds them into 16 float sums in one instruction, where widening the weights to float
+// first takes three per 16, which left the cores, not the memory, setting the pace (9 GB/s a core
+// against float32's 14 on an AMX Xeon). The products are the same exact float products; denormal
+// inputs count as zero.
+constexpr int P = 32;  // bfloat16 in a vector register
+
+template <int M, int NB, int U>
+void dots_bf16(const c10::BFloat16* __restrict w, const c10::BFloat16* __restrict x, int64_t K, int64_t n0,
+               int64_t n1, float* __restrict out) {
+  for (int64_t n = n0; n < n1; n += NB) {
+    __m512 acc[U][NB][M];
+    for (int u = 0; u < U; ++u)
+      for (int j = 0; j < NB; ++j)
+        for (int m = 0; m < M; ++m) acc[u][j][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + P * U <= K; k += P * U) {
+      for (int u = 0; u < U; ++u) {
+        __m512bh wv[NB];
+        for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k + u * P);
+        for (int m = 0; m < M; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * P);
+          for (int j = 0; j < NB; ++j) acc[u][j][m] = _mm512_dpbf16_ps(acc[u][j][m], wv[j], xv);
+        }
+      }
+    }
+    for (; k + P <= K; k += P) {
+      for (int j = 0; j < NB; ++j) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k);
+        for (int m = 0; m < M; ++m)
+          acc[0][j][m] = _mm512_dpbf16_ps(acc[0][j][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const c10::BFloat16* wr = w + (n + j) * K;
+      for (int m = 0; m < M; ++m) {
+        __m512 a = acc[0][j][m];
+        for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][j][m]);
+        float s = _mm512_reduce_add_ps(a);
+        for (int64_t r = k; r < K; ++r) s += scalar(wr[r]) * scalar(x[m * K + r]);
+        out[m * NT + (n + j - n0)] = s;
+      }
+    }
+  }
+}
+
+// Independent sums enough to keep the dot-product unit busy, within the 32 registers (the blocking
+// of 3-8 rows measured no slower than the widening loop's from memory, 1.3-1.8x faster from cache)
+template <int M>
+void dots_bf16_blocked(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, int64_t n0, int64_t n1,
+                       float* out) {
+  constexpr int NB = M >= 3 && M <= 4 ? 4 : 1;
+  constexpr int U = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 1 : 2;
+  const int64_t n_blocked = n0 + (n1 - n0) / NB * NB;
+  dots_bf16<M, NB, U>(w, x, K, n0, n_blocked, out);
+  if (n_blocked < n1) dots_bf16<M, 1, 1>(w, x, K, n_blocked, n1, out + (n_blocked - n0));
+}
+
+void dots_rows(int rows, const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, int64_t n0, int64_t n1,
+               float* out) {
+  switch (rows) {
+    case 1: return dots_bf16_blocked<1>(w, x, K, n0, n1, out);
+    case 2: return dots_bf16_blocked<2>(w, x, K, n0, n1, out);
+    case 3: return dots_bf16_blocked<3>(w, x, K, n0, n1, out);
+    case 4: return dots_bf16_blocked<4>(w, x, K, n0, n1, out);
+    case 5: return dots_bf16_blocked<5>(w, x, K, n0, n1, out);
+    case 6: return dots_bf16_blocked<6>(w, x, K, n0, n1, out);
+    case 7: return dots_bf16_blocked<7>(w, x, K, n0, n1, out);
+    case 8: return dots_bf16_blocked<8>(w, x, K, n0, n1, out);
+  }
+}
+
+// x as the dot products read it: bfloat16 as it came
+template <typename T> struct DotInput { using type = float; };
+template <> struct DotInput<c10::BFloat16> { using type = c10::BFloat16; };
+#else
+template <typename T> struct DotInput { using type = float; };
+#endif
+
 template <typename T>
 void dots_rows(int rows, const T* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* out) {
   switch (rows) {
@@ -138,8 +219,9 @@ inline float activate(float v, Activation a) {
 template <typename T>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                   Activation act, const c10::optional<torch::Tensor>& residual) {
+  using X = typename DotInput<T>::type;
   const int64_t N = w.size(0), K = w.size(1), M = x.numel() / K;
-  auto xf = x.reshape({M, K}).to(torch::kFloat).contiguous();
+  auto xf = x.reshape({M, K}).to(c10::CppTypeToScalarType<X>::value).contiguous();
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b, r;
   if (bias) b = bias->contiguous();
@@ -148,7 +230,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::opt
   const T* wp = wc.data_ptr<T>();
   const T* bp = b.defined() ? b.data_ptr<T>() : nullptr;
   const T* rp = r.defined() ? r.data_ptr<T>() : nullptr;
-  const float* xp = xf.data_ptr<float>();
+  const X* xp = xf.template data_ptr<X>();
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
     float tile[MB * NT];
@@ -156,7 +238,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::opt
       const int64_t n0 = t * NT, n1 = std::min(N, n0 + NT);
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int rows = static_cast<int>(std::min<int64_t>(MB, M - m0));
-        dots_rows<T>(rows, wp, xp + m0 * K, K, n0, n1, tile);
+        dots_rows(rows, wp, xp + m0 * K, K, n0, n1, tile);
         for (int m = 0; m < rows; ++m) {
           for (int64_t n = n0; n < n1; ++n) {
             float v = tile[m * NT + (n - n0)] + (bp ? scalar(bp[n]) : 0.f);

@@ -9,10 +9,11 @@ small machine takes the cores from PyTorch's (measured with OpenBLAS); this one 
 at::parallel_for. nanogpt/kernels.py offers it as the kernel "gemv" beside PyTorch's and its
 chooser decides by timing where it serves.
 
-It is compiled on first use for the vector width this CPU has (torch.utils.cpp_extension, about
-half a minute) into ~/.cache/nanoserve/extensions (or $NANOSERVE_EXTENSIONS), where later starts
-load it in milliseconds; the directory's name carries the width and the torch version, so a cache
-carried to another CPU or torch is never loaded there. Without a C++ compiler it is not offered.
+It is compiled on first use for the vector width this CPU has, and its bfloat16 dot products where
+it has AVX512_BF16 (torch.utils.cpp_extension, about half a minute) into ~/.cache/nanoserve/extensions
+(or $NANOSERVE_EXTENSIONS), where later starts load it in milliseconds; the directory's name carries
+the instruction set and the torch version, so a cache carried to another CPU or torch is never
+loaded there. Without a C++ compiler it is not offered.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import shutil
 from pathlib import Path
 
 import torch
+
+from nanogpt.precision import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,8 @@ SOURCE = Path(__file__).with_name("gemv.cpp")
 # torch's CPU capability -> the compiler's vector flags: the widths the kernel is written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
          "AVX2": ["-mavx2", "-mfma"]}
+# ... and where the CPU has bfloat16 dot products (the kernel then multiplies bfloat16 with them)
+BF16_FLAGS = ["-mavx512bf16"]
 
 
 def directory() -> Path:
@@ -52,13 +57,16 @@ def extension():
         log.warning("gemv kernel not offered: no C++ compiler (%s)", os.environ.get("CXX", "c++"))
         return None
     _ninja_on_path()
+    flags = FLAGS[capability]
+    if capability == "AVX512" and "avx512_bf16" in cpu_flags():
+        capability, flags = "AVX512_BF16", flags + BF16_FLAGS
     name = f"nanoserve_gemv_{capability.lower()}_torch{torch.__version__.replace('.', '_').replace('+', '_')}"
     build = directory() / name
     from torch.utils.cpp_extension import load
 
     try:
         build.mkdir(parents=True, exist_ok=True)
-        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *FLAGS[capability]],
+        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
                     build_directory=str(build))
     except Exception as error:  # no place to build, a compiler that fails: PyTorch's kernels serve
         log.warning("gemv kernel not offered: its build failed (%s)", str(error).splitlines()[0] if str(error) else error)

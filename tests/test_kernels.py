@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,11 @@ def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
     expected = torch.backends.cpu.get_cpu_capability() in gemv.FLAGS and shutil.which("c++") is not None
     assert expected == ("gemv" in FLOAT_KERNELS) == ("gemv" in BF16_KERNELS)
     assert kernels.OWN == ("gemv",)
+    if expected:  # built with the CPU's bfloat16 dot products where it has them, and only there
+        from nanogpt.precision import cpu_flags
+
+        with_bf16 = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in cpu_flags()
+        assert ("_avx512_bf16_" in Path(gemv.extension().__file__).parent.name) == with_bf16
 
 
 def test_without_a_compiler_or_a_place_to_build_the_gemv_is_not_offered(monkeypatch, tmp_path, caplog):
