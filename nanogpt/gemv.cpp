@@ -143,8 +143,9 @@ void dots_bf16(const c10::BFloat16* __restrict w, const c10::BFloat16* __restric
   }
 }
 
-// Independent sums enough to keep the dot-product unit busy, within the 32 registers (the blocking
-// of 3-8 rows measured no slower than the widening loop's from memory, 1.3-1.8x faster from cache)
+// Independent sums enough to keep the dot-product unit busy, within the 32 registers. Against the
+// widening loop at 3-8 rows: 1.1-1.8x as fast from cache; from memory 0.8x at 3-4 rows of a
+// 768-wide weight and about even otherwise (the load's timing decides whether oneDNN serves them).
 template <int M>
 void dots_bf16_blocked(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, int64_t n0, int64_t n1,
                        float* out) {
@@ -169,11 +170,12 @@ void dots_rows(int rows, const c10::BFloat16* w, const c10::BFloat16* x, int64_t
   }
 }
 
-// x as the dot products read it: bfloat16 as it came
+#endif
+
+// x as the dot products read it: float, or bfloat16 as it came where they multiply bfloat16
 template <typename T> struct DotInput { using type = float; };
+#if defined(__AVX512BF16__)
 template <> struct DotInput<c10::BFloat16> { using type = c10::BFloat16; };
-#else
-template <typename T> struct DotInput { using type = float; };
 #endif
 
 template <typename T>
