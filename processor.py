@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the decode step (a slower first start, faster steps); default: "
-                             "where it pays, float32 and bfloat16 on a CPU with a C++ compiler "
+                             "where it pays, float32, bfloat16 and int8 on a CPU with a C++ compiler "
                              "(nanogpt/compile.py)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics of the engines on this port")
