@@ -1,5 +1,5 @@
 // y = epilogue(x @ w.T + bias) for a few rows of x, streaming each weight row once from memory:
-// the decode step's matmul, whose time is reading the weights. Built by nanogpt/gemv.py for the
+// the decode step's matmul, whose time is reading the weights. Built by nanogpt/extension.py for the
 // vector width of the CPU it runs on (AVX-512: 16 floats, AVX2: 8; with AVX512_BF16 bfloat16 dot
 // products too) and run on PyTorch's own thread pool (at::parallel_for), so it never competes
 // with another pool for the cores.
@@ -12,44 +12,20 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "vec.h"
+
 namespace {
 
+using namespace nanoserve;
+
 #if defined(__AVX512F__)
-constexpr int L = 16;  // floats in a vector register
 constexpr int MB = 8;  // rows of x per pass over a tile of weights: MB accumulators in registers
 #else
-constexpr int L = 8;
 constexpr int MB = 4;
 #endif
 // Weight rows per tile: a tile stays in the core's cache while every block of MB rows of x
 // passes over it, so that the weights stream from memory once whatever the row count.
 constexpr int64_t NT = 16;
-
-typedef float vf __attribute__((vector_size(L * 4)));
-typedef uint16_t vh __attribute__((vector_size(L * 2)));
-typedef uint32_t vu __attribute__((vector_size(L * 4)));
-
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-
-inline vf load(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  vh h; std::memcpy(&h, p, sizeof h);
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf v; std::memcpy(&v, &u, sizeof v); return v;
-}
-
-inline float scalar(float v) { return v; }
-inline float scalar(c10::BFloat16 v) { return static_cast<float>(v); }
-
-inline float hsum(vf v) {  // in a tree: a chain of L additions would take longer than the dot
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(v)),
-                        _mm256_extractf128_ps(reinterpret_cast<__m256>(v), 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-#endif
-}
 
 // out[m * NT + (n - n0)] = dot(w[n], x[m]) for M rows of x and the weight rows [n0, n1), NB weight
 // rows at a time, so that every load of x feeds NB multiply-adds (loads, not multiplies, bound a
@@ -254,6 +230,8 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::opt
   return y.view(shape);
 }
 
+}  // namespace
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                      const std::string& activation, const std::string& algorithm,
                      const c10::optional<torch::Tensor>& residual) {
@@ -270,10 +248,3 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "epilogue(x @ w.T + bias), each weight row read once",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("activation") = "none",
-        py::arg("algorithm") = "", py::arg("residual") = py::none());
-}

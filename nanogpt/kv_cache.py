@@ -13,6 +13,8 @@ import time
 import torch
 from torch.nn import functional as F
 
+from nanogpt import decode_attention
+
 
 def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
     """The dtype a model's keys and values are cached and attended in: the model's own, except
@@ -67,6 +69,8 @@ class KVCache:
             # so that forward_cached (under no_grad) may write them
             self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
             self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        # the decode step attends by the project's own kernel where it is built for this cache
+        self.own_attention = decode_attention.serves(device, dtype, head_dim)
 
     @staticmethod
     def bytes_per_token(config, dtype=torch.float32) -> int:
@@ -231,13 +235,15 @@ class DecodeWindow(Window):
     distinct, except padding rows, which may share a spare slot) and attends to its slot's
     positions <= its own among `keys` = arange(span).
 
-    Attention is spelled as reductions over the gathered cache rows rather than one fused kernel:
-    inductor fuses the gather into them, so the slots' keys and values are read once, in place,
-    in any slot order.
+    With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends
+    (nanogpt/decode_attention.py); else attention is spelled as reductions over the gathered cache
+    rows: inductor fuses the gather into them, so the slots' keys and values are read once, in
+    place, in any slot order.
     """
 
-    def __init__(self, slots, positions, keys):
+    def __init__(self, slots, positions, keys, own_kernel: bool = False):
         self.slots, self.positions, self.keys = slots, positions, keys  # (B,), (B,), (span,)
+        self.own_kernel = own_kernel
         self.query_positions = positions[:, None]  # (B, 1)
         self.mask = keys <= positions[:, None, None]  # (B, 1, span)
 
@@ -247,6 +253,10 @@ class DecodeWindow(Window):
         cache_k[self.slots, :, self.positions] = k[:, :, 0].to(cache_k.dtype)  # (B, nh, hs)
         cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         span = self.keys.shape[0]
+        if self.own_kernel:
+            scale = 1.0 / math.sqrt(hs) if scale is None else scale
+            out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, self.slots, self.positions, span, scale, local)
+            return out[:, :, None].to(dtype)  # (B, nh, 1, hs)
         keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
         scores = (q * keys).sum(-1) * (1.0 / math.sqrt(hs) if scale is None else scale)  # (B, nh, span)
         mask = self.mask if local is None else self.mask & (self.keys > self.positions[:, None, None] - local)

@@ -118,7 +118,7 @@ class ServingModel(nn.Module):
         """The decode step alone, for torch.compile: one new token per row, no host syncs, no
         padding logic (see DecodeWindow). tokens, slots, positions (B,) long; keys = arange(span)
         with span > every position (and <= the context). Returns float32 logits (B, V)."""
-        window = DecodeWindow(slots, positions, keys)
+        window = DecodeWindow(slots, positions, keys, own_kernel=cache.own_attention)
         x = self.embed(tokens[:, None], positions[:, None])  # (B, 1, n_embd)
         for i, block in enumerate(self.blocks):
             x = block(x, (cache.k[i], cache.v[i], window))

@@ -121,9 +121,9 @@ def test_worker_command_is_one_processor_accepts(file):
 
 
 def test_the_worker_image_has_a_compiler_and_keeps_what_it_builds():
-    # torch.compile's decode step and the GEMV kernel need a C++ compiler, and their builds a
-    # directory that outlives the container (nanogpt/compile_cache.py, nanogpt/gemv.py)
-    from nanogpt import compile_cache, gemv
+    # torch.compile's decode step and the project's own kernels need a C++ compiler, and their
+    # builds a directory that outlives the container (nanogpt/compile_cache.py, nanogpt/extension.py)
+    from nanogpt import compile_cache, extension
 
     lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()]
     assert any(line.startswith("RUN apt-get") and " g++ " in line for line in lines)
@@ -132,10 +132,10 @@ def test_the_worker_image_has_a_compiler_and_keeps_what_it_builds():
     cache = next(v for v in worker["volumes"] if v.endswith(":/home/nanoserve/.cache/nanoserve"))
     assert cache.split(":")[0] in load("docker-compose.yml")["volumes"]
     home = Path("/home/nanoserve")
-    for directory in (gemv.directory, compile_cache.default_directory):
+    for directory in (extension.directory, compile_cache.default_directory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("HOME", str(home))
-            mp.delenv(gemv.ENV, raising=False)
+            mp.delenv(extension.ENV, raising=False)
             mp.delenv(compile_cache.ENV, raising=False)
             assert directory().is_relative_to(home / ".cache" / "nanoserve")
 

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from conftest import make_hf_checkpoint
 from models.tokenizer import load_tokenizer
+from nanogpt import extension
 from nanogpt.checkpoint import load_model
 from nanogpt.quantize import quantize_int8
 from worker.engine import Engine
@@ -484,6 +485,8 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     eager = run_all(eager_engine, jobs())
     engine = make_engine(small, tok, compile=True)[0]
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
+    # its attention by the project's kernel wherever that is built (nanogpt/decode_attention.py)
+    assert engine.runner.cache.own_attention == extension.available()
     # the padded decode's spare slot, and a position past the context (so that no span is the whole
     # cache); neither where the decode is not padded (CUDA graphs pad it on a GPU only)
     assert eager_engine.runner.graphs is None and engine.runner.graphs is None

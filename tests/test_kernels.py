@@ -39,33 +39,33 @@ def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
     # would silently leave the one-row matmul to PyTorch's slower kernels
     import shutil
 
-    from nanogpt import gemv
+    from nanogpt import extension
 
-    expected = torch.backends.cpu.get_cpu_capability() in gemv.FLAGS and shutil.which("c++") is not None
+    expected = torch.backends.cpu.get_cpu_capability() in extension.FLAGS and shutil.which("c++") is not None
     assert expected == ("gemv" in FLOAT_KERNELS) == ("gemv" in BF16_KERNELS)
     assert kernels.OWN == ("gemv",)
     if expected:  # built with the CPU's bfloat16 dot products where it has them, and only there
         from nanogpt.precision import cpu_flags
 
         with_bf16 = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in cpu_flags()
-        assert ("_avx512_bf16_" in Path(gemv.extension().__file__).parent.name) == with_bf16
+        assert ("_avx512_bf16_" in Path(extension.extension().__file__).parent.name) == with_bf16
 
 
 def test_without_a_compiler_or_a_place_to_build_the_gemv_is_not_offered(monkeypatch, tmp_path, caplog):
-    from nanogpt import gemv
+    from nanogpt import extension, gemv
 
     (tmp_path / "a-file").write_text("")
     cases = [("CXX", str(tmp_path / "no-such-compiler"), "no C++ compiler"),
-             (gemv.ENV, str(tmp_path / "a-file" / "extensions"), "its build failed")]
+             (extension.ENV, str(tmp_path / "a-file" / "extensions"), "their build failed")]
     try:
         for variable, value, said in cases:
             with monkeypatch.context() as patch:
                 patch.setenv(variable, value)
-                gemv.extension.cache_clear()
+                extension.extension.cache_clear()
                 assert not gemv.available() and "gemv" not in kernels.available(torch.float32)
                 assert any(said in record.getMessage() for record in caplog.records)
     finally:
-        gemv.extension.cache_clear()  # built (or not) again as this machine allows
+        extension.extension.cache_clear()  # built (or not) again as this machine allows
     assert ("gemv" in kernels.available(torch.float32)) == ("gemv" in FLOAT_KERNELS)
 
 

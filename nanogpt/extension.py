@@ -1,0 +1,84 @@
+"""The project's own C++ kernels: the GEMV for one or two rows (nanogpt/gemv.cpp, served through
+nanogpt/gemv.py) and the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
+through nanogpt/decode_attention.py), one module (nanogpt/extension.cpp) on PyTorch's own threads.
+
+They are compiled on first use for the vector width this CPU has, and the GEMV's bfloat16 dot
+products where it has AVX512_BF16 (torch.utils.cpp_extension, about half a minute) into
+~/.cache/nanoserve/extensions (or $NANOSERVE_EXTENSIONS), where later starts load them in
+milliseconds; the directory's name carries the instruction set, the torch version and a hash of the
+sources, so a cache carried to another CPU or torch, or left by other sources, is never loaded.
+Without a C++ compiler they are not offered, and PyTorch's kernels serve.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from nanogpt.precision import cpu_flags
+
+log = logging.getLogger(__name__)
+
+ENV = "NANOSERVE_EXTENSIONS"
+HERE = Path(__file__).parent
+SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp"]
+HEADERS = [HERE / "vec.h"]
+# torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
+FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+         "AVX2": ["-mavx2", "-mfma"]}
+# ... and where the CPU has bfloat16 dot products (the GEMV then multiplies bfloat16 with them)
+BF16_FLAGS = ["-mavx512bf16"]
+
+
+def directory() -> Path:
+    return Path(os.environ.get(ENV) or Path.home() / ".cache" / "nanoserve" / "extensions")
+
+
+@functools.cache
+def extension():
+    """The built kernels' module, or None where they cannot run here (said once in the log)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in FLAGS:
+        log.info("own kernels not offered: no AVX2 or AVX-512 here (%s)", capability)
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("own kernels not offered: no C++ compiler (%s)", os.environ.get("CXX", "c++"))
+        return None
+    _ninja_on_path()
+    flags = FLAGS[capability]
+    if capability == "AVX512" and "avx512_bf16" in cpu_flags():
+        capability, flags = "AVX512_BF16", flags + BF16_FLAGS
+    # torch rebuilds when a source changes, not a header: the hash of both names the build
+    sources = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:12]
+    name = f"nanoserve_kernels_{capability.lower()}_torch{torch.__version__.replace('.', '_').replace('+', '_')}_{sources}"
+    build = directory() / name
+    from torch.utils.cpp_extension import load
+
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name, [str(path) for path in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
+                    build_directory=str(build))
+    except Exception as error:  # no place to build, a compiler that fails: PyTorch's kernels serve
+        log.warning("own kernels not offered: their build failed (%s)",
+                    str(error).splitlines()[0] if str(error) else error)
+        return None
+
+
+def _ninja_on_path() -> None:
+    # torch builds extensions with ninja, which it looks for on PATH; the project depends on the
+    # ninja package, whose binary sits beside the interpreter when its virtualenv is not activated
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def available() -> bool:
+    return extension() is not None

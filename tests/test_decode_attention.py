@@ -1,0 +1,78 @@
+"""The decode step's attention by the project's own kernel (nanogpt/decode_attention.cpp) against
+the same attention spelled in PyTorch's ops (nanogpt/kv_cache.py DecodeWindow without it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from nanogpt import decode_attention, extension
+from nanogpt.kv_cache import DecodeWindow, KVCache
+
+pytestmark = pytest.mark.skipif(not extension.available(), reason="the project's kernels cannot be built here")
+
+# 16-128 in steps of 16, GPT-J's 256 (in AVX2's 8-float vectors also 8-64 and 80)
+HEAD_SIZES = (16, 32, 64, 80, 128, 256)
+
+
+def _attend(own: bool, q, k, v, cache, slots, positions, span, local):
+    """One layer's decode attention through DecodeWindow (which also writes k and v into the
+    cache first), on a copy of the cache; returns the output and the cache written."""
+    cache_k, cache_v = (c.clone() for c in cache)
+    window = DecodeWindow(slots, positions, torch.arange(span), own_kernel=own)
+    return window.attend(q, k, v, cache_k, cache_v, local=local), (cache_k, cache_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [3, 12])  # 3: no whole group of four heads; 12: groups of four
+def test_the_kernel_attends_as_pytorchs_ops_do(dtype, heads):
+    """Rows of different slots and positions (one at its slot's first position, one at the last
+    the span holds), two padding rows sharing the spare slot at position 0, a local window, every
+    head size served; 1 row and 24 (which takes the kernel's grouped heads)."""
+    torch.manual_seed(0)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    max_slots, max_len = 30, 50
+    for hs in HEAD_SIZES:
+        assert decode_attention.serves("cpu", dtype, hs)
+        cache = [torch.randn(max_slots, heads, max_len, hs).to(dtype) for _ in range(2)]
+        for rows in (1, 24):
+            slots = torch.randperm(max_slots - 1)[:rows]
+            positions = torch.randint(0, max_len - 1, (rows,))
+            positions[0] = max_len - 2  # the span's last position
+            if rows > 1:
+                positions[1] = 0
+                slots[-2:], positions[-2:] = max_slots - 1, 0  # padding rows
+            span = int(positions.max()) + 1
+            q, k, v = (torch.randn(rows, heads, 1, hs).to(dtype) for _ in range(3))
+            for local in (None, 5):
+                want, written = _attend(False, q, k, v, cache, slots, positions, span, local)
+                got, own_written = _attend(True, q, k, v, cache, slots, positions, span, local)
+                assert got.dtype == dtype and got.shape == (rows, heads, 1, hs)
+                assert_close(got.float(), want.float(), **tolerance)
+                assert all(torch.equal(a, b) for a, b in zip(own_written, written))
+
+
+def test_the_kernel_refuses_what_it_cannot_attend():
+    q, cache = torch.randn(2, 2, 32), torch.randn(4, 2, 8, 32)
+    slots, positions = torch.tensor([0, 1]), torch.tensor([3, 5])
+    op = extension.extension().decode_attention
+    assert op(q, cache, cache, slots, positions, 6, 0.5).shape == (2, 2, 32)
+    for bad, match in (((q.bfloat16(), cache, cache, slots, positions, 6, 0.5), "dtype"),
+                       ((q, cache, cache, torch.tensor([0, 4]), positions, 6, 0.5), "out of range"),
+                       ((q, cache, cache, slots, torch.tensor([3, 8]), 6, 0.5), "out of range"),
+                       ((q, cache, cache, slots, positions, 9, 0.5), "span"),
+                       ((q, cache.transpose(2, 3), cache, slots, positions, 6, 0.5), "contiguous")):
+        with pytest.raises(RuntimeError, match=match):
+            op(*bad)
+    # head sizes it is not built for, float16, a GPU: the decode step spells attention out instead
+    assert not decode_attention.serves("cpu", torch.float32, 20) and not decode_attention.serves("cpu", torch.float32, 1024)
+    assert not decode_attention.serves("cpu", torch.float16, 64) and not decode_attention.serves("cuda", torch.float32, 64)
+
+
+def test_a_cache_says_whether_its_decode_step_attends_by_the_kernel():
+    from nanogpt.model import GPTConfig
+
+    config = GPTConfig(block_size=16, vocab_size=10, n_layer=1, n_head=2, n_embd=64)
+    assert KVCache(config, 2, 16).own_attention and KVCache(config, 2, 16, dtype=torch.bfloat16).own_attention
+    assert not KVCache(config, 2, 16, dtype=torch.float16).own_attention
+    assert not KVCache(GPTConfig(block_size=16, vocab_size=10, n_layer=1, n_head=2, n_embd=40), 2, 16).own_attention
