@@ -55,7 +55,8 @@ def extension():
         capability, flags = "AVX512_BF16", flags + BF16_FLAGS
     # torch rebuilds when a source changes, not a header: the hash of both names the build
     sources = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:12]
-    name = f"nanoserve_kernels_{capability.lower()}_torch{torch.__version__.replace('.', '_').replace('+', '_')}_{sources}"
+    version = torch.__version__.replace(".", "_").replace("+", "_")
+    name = f"nanoserve_kernels_{capability.lower()}_torch{version}_{sources}"
     build = directory() / name
     from torch.utils.cpp_extension import load
 

@@ -235,8 +235,8 @@ class DecodeWindow(Window):
     distinct, except padding rows, which may share a spare slot) and attends to its slot's
     positions <= its own among `keys` = arange(span).
 
-    With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends
-    (nanogpt/decode_attention.py); else attention is spelled as reductions over the gathered cache
+    With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends batches of
+    decode_attention.ROWS rows or more (nanogpt/decode_attention.py); else attention is spelled as reductions over the gathered cache
     rows: inductor fuses the gather into them, so the slots' keys and values are read once, in
     place, in any slot order.
     """
@@ -253,7 +253,7 @@ class DecodeWindow(Window):
         cache_k[self.slots, :, self.positions] = k[:, :, 0].to(cache_k.dtype)  # (B, nh, hs)
         cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         span = self.keys.shape[0]
-        if self.own_kernel:
+        if self.own_kernel and B >= decode_attention.ROWS:
             scale = 1.0 / math.sqrt(hs) if scale is None else scale
             out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, self.slots, self.positions, span, scale, local)
             return out[:, :, None].to(dtype)  # (B, nh, 1, hs)

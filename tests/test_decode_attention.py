@@ -2,6 +2,8 @@
 the same attention spelled in PyTorch's ops (nanogpt/kv_cache.py DecodeWindow without it)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -15,11 +17,17 @@ pytestmark = pytest.mark.skipif(not extension.available(), reason="the project's
 HEAD_SIZES = (16, 32, 64, 80, 128, 256)
 
 
-def _attend(own: bool, q, k, v, cache, slots, positions, span, local):
-    """One layer's decode attention through DecodeWindow (which also writes k and v into the
-    cache first), on a copy of the cache; returns the output and the cache written."""
+def _attend(how: str, q, k, v, cache, slots, positions, span, local):
+    """One layer's decode attention on a copy of the cache, after writing k and v into it: through
+    DecodeWindow with or without the kernel ("window+own", "window"), or by the kernel directly
+    ("own"); returns the output and the cache written."""
     cache_k, cache_v = (c.clone() for c in cache)
-    window = DecodeWindow(slots, positions, torch.arange(span), own_kernel=own)
+    if how == "own":
+        cache_k[slots, :, positions], cache_v[slots, :, positions] = k[:, :, 0], v[:, :, 0]
+        out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, slots, positions, span,
+                                      1 / math.sqrt(q.shape[-1]), local)
+        return out[:, :, None], (cache_k, cache_v)
+    window = DecodeWindow(slots, positions, torch.arange(span), own_kernel=how == "window+own")
     return window.attend(q, k, v, cache_k, cache_v, local=local), (cache_k, cache_v)
 
 
@@ -28,7 +36,8 @@ def _attend(own: bool, q, k, v, cache, slots, positions, span, local):
 def test_the_kernel_attends_as_pytorchs_ops_do(dtype, heads):
     """Rows of different slots and positions (one at its slot's first position, one at the last
     the span holds), two padding rows sharing the spare slot at position 0, a local window, every
-    head size served; 1 row and 24 (which takes the kernel's grouped heads)."""
+    head size served; 1 row and 24 (which takes the kernel's grouped heads). DecodeWindow hands the
+    kernel batches of decode_attention.ROWS rows or more, and attends to fewer itself."""
     torch.manual_seed(0)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     max_slots, max_len = 30, 50
@@ -45,11 +54,13 @@ def test_the_kernel_attends_as_pytorchs_ops_do(dtype, heads):
             span = int(positions.max()) + 1
             q, k, v = (torch.randn(rows, heads, 1, hs).to(dtype) for _ in range(3))
             for local in (None, 5):
-                want, written = _attend(False, q, k, v, cache, slots, positions, span, local)
-                got, own_written = _attend(True, q, k, v, cache, slots, positions, span, local)
+                want, written = _attend("window", q, k, v, cache, slots, positions, span, local)
+                got, own_written = _attend("own", q, k, v, cache, slots, positions, span, local)
                 assert got.dtype == dtype and got.shape == (rows, heads, 1, hs)
                 assert_close(got.float(), want.float(), **tolerance)
                 assert all(torch.equal(a, b) for a, b in zip(own_written, written))
+                routed, _ = _attend("window+own", q, k, v, cache, slots, positions, span, local)
+                assert torch.equal(routed, got if rows >= decode_attention.ROWS else want)
 
 
 def test_the_kernel_refuses_what_it_cannot_attend():
@@ -65,8 +76,9 @@ def test_the_kernel_refuses_what_it_cannot_attend():
         with pytest.raises(RuntimeError, match=match):
             op(*bad)
     # head sizes it is not built for, float16, a GPU: the decode step spells attention out instead
-    assert not decode_attention.serves("cpu", torch.float32, 20) and not decode_attention.serves("cpu", torch.float32, 1024)
-    assert not decode_attention.serves("cpu", torch.float16, 64) and not decode_attention.serves("cuda", torch.float32, 64)
+    for device, dtype, head_size in (("cpu", torch.float32, 20), ("cpu", torch.float32, 1024),
+                                     ("cpu", torch.float16, 64), ("cuda", torch.float32, 64)):
+        assert not decode_attention.serves(device, dtype, head_size)
 
 
 def test_a_cache_says_whether_its_decode_step_attends_by_the_kernel():

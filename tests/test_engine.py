@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from conftest import make_hf_checkpoint
 from models.tokenizer import load_tokenizer
-from nanogpt import extension
+from nanogpt import decode_attention, extension
 from nanogpt.checkpoint import load_model
 from nanogpt.quantize import quantize_int8
 from worker.engine import Engine
@@ -494,6 +494,11 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (9, 129)
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
+    # eight rows: the bucket whose attention the project's kernel takes (decode_attention.ROWS)
+    assert decode_attention.ROWS <= 8
+    eight = lambda: [job(tok, [p], max_tokens=5) for p in PROMPTS * 2]  # noqa: E731
+    assert [r["choices"][0]["text"] for r in run_all(engine, eight())] == \
+        [r["choices"][0]["text"] for r in run_all(eager_engine, eight())]
 
     # a prompt that arrives while others decode is fed beside them in one eager packed forward;
     # the decode-only steps around it run the compiled graph
