@@ -236,9 +236,9 @@ class DecodeWindow(Window):
     positions <= its own among `keys` = arange(span).
 
     With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends batches of
-    decode_attention.ROWS rows or more (nanogpt/decode_attention.py); else attention is spelled as reductions over the gathered cache
-    rows: inductor fuses the gather into them, so the slots' keys and values are read once, in
-    place, in any slot order.
+    decode_attention.ROWS rows or more (nanogpt/decode_attention.py); else attention is spelled
+    as reductions over the gathered cache rows: inductor fuses the gather into them, so the slots'
+    keys and values are read once, in place, in any slot order.
     """
 
     def __init__(self, slots, positions, keys, own_kernel: bool = False):
@@ -253,12 +253,12 @@ class DecodeWindow(Window):
         cache_k[self.slots, :, self.positions] = k[:, :, 0].to(cache_k.dtype)  # (B, nh, hs)
         cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         span = self.keys.shape[0]
+        scale = 1.0 / math.sqrt(hs) if scale is None else scale
         if self.own_kernel and B >= decode_attention.ROWS:
-            scale = 1.0 / math.sqrt(hs) if scale is None else scale
             out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, self.slots, self.positions, span, scale, local)
             return out[:, :, None].to(dtype)  # (B, nh, 1, hs)
         keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
-        scores = (q * keys).sum(-1) * (1.0 / math.sqrt(hs) if scale is None else scale)  # (B, nh, span)
+        scores = (q * keys).sum(-1) * scale  # (B, nh, span)
         mask = self.mask if local is None else self.mask & (self.keys > self.positions[:, None, None] - local)
         p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         return (p[..., None] * values).sum(-2)[:, :, None].to(dtype)  # (B, nh, 1, hs)
