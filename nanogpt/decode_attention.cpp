@@ -82,8 +82,8 @@ void run(const T* q, const T* K, const T* V, const int64_t* slots, const int64_t
   });
 }
 
-// Heads in groups of G where the rows' groups still give every thread several: at one row, single
-// heads (one row's twelve heads in groups of four left one of two threads a third idle).
+// Heads in groups of G where the rows' groups still give every thread several; else single heads
+// (one row's twelve heads are three groups of four, which two threads cannot share evenly).
 template <typename T, int C>
 void run(const T* q, const T* K, const T* V, const int64_t* slots, const int64_t* positions,
          int64_t B, int64_t nh, int64_t max_len, int64_t span, float scale, int64_t local, T* out) {

@@ -3,7 +3,7 @@ nanogpt/gemv.py) and the decode step's attention over the slot cache (nanogpt/de
 through nanogpt/decode_attention.py), one module (nanogpt/extension.cpp) on PyTorch's own threads.
 
 They are compiled on first use for the vector width this CPU has, and the GEMV's bfloat16 dot
-products where it has AVX512_BF16 (torch.utils.cpp_extension, about half a minute) into
+products where it has AVX512_BF16 (torch.utils.cpp_extension, under a minute) into
 ~/.cache/nanoserve/extensions (or $NANOSERVE_EXTENSIONS), where later starts load them in
 milliseconds; the directory's name carries the instruction set, the torch version and a hash of the
 sources, so a cache carried to another CPU or torch, or left by other sources, is never loaded.

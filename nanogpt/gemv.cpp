@@ -58,8 +58,8 @@ void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n
 // As many accumulators as the registers hold: NB * M of them, beside NB + 1 loaded vectors. At
 // one or two rows, eight weight rows at a time: eight streams from memory in flight keep more of
 // its bandwidth busy than one row read at a time with four accumulators each (GPT-2 small's 49
-// float32 matmuls on an AMX Xeon, 2 threads: 1 row 18.6 -> 17.0 ms, 2 rows 25.8 -> 20.2; the AVX2
-// build 21.6 -> 18.0 and, four rows at a time, 26.5 -> 22.4).
+// float32 matmuls on an AMX Xeon, 2 threads: 1 row 20.0 -> 18.0 ms, 2 rows 26.5 -> 21.1; the AVX2
+// build 22.6 -> 18.8 and, four rows at a time, 27.4 -> 23.6: docs/benchmarks.md).
 template <typename T, int M>
 void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* out) {
 #if defined(__AVX512F__)

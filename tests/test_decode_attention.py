@@ -72,7 +72,7 @@ def test_the_kernel_refuses_what_it_cannot_attend():
                        ((q, cache, cache, torch.tensor([0, 4]), positions, 6, 0.5), "out of range"),
                        ((q, cache, cache, slots, torch.tensor([3, 8]), 6, 0.5), "out of range"),
                        ((q, cache, cache, slots, positions, 9, 0.5), "span"),
-                       ((q, cache.transpose(2, 3), cache, slots, positions, 6, 0.5), "contiguous")):
+                       ((q, torch.randn(2, 4, 8, 32).transpose(0, 1), cache, slots, positions, 6, 0.5), "contiguous")):
         with pytest.raises(RuntimeError, match=match):
             op(*bad)
     # head sizes it is not built for, float16, a GPU: the decode step spells attention out instead
