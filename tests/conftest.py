@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -122,6 +123,15 @@ def _offline_env():
     # Tests never reach a model hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_http_clients():
+    # The openai client's transport logs every request at INFO; once a test has set the root logger
+    # to INFO (web/logs.py), a polling test's captured output would be those lines and little else.
+    for name in ("httpx", "httpx2", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     yield
 
 

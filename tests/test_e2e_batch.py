@@ -39,6 +39,7 @@ class Stack:
     def __init__(self, redis_url, models, log_dir):
         self.redis_url, self.models, self.log_dir = redis_url, models, log_dir
         self.worker = self.web = None
+        self.models_served = ("tiny", "tiny2")
         r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.alice, self.bob = keys.create(r, "alice")[0], keys.create(r, "bob")[0]
         self.r = redis.Redis.from_url(redis_url)
@@ -53,6 +54,30 @@ class Stack:
 
     def client(self, key=None, web=None) -> openai.OpenAI:
         return openai.OpenAI(base_url=(web or self.web).url + "/v1", api_key=key or self.alice, max_retries=0)
+
+    def wait(self, client, batch_id, until=FINAL, timeout=120, check=None):
+        """Poll a batch until its status is in `until` (or `check` holds); on a timeout, say why."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            batch = client.batches.retrieve(batch_id)
+            if batch.status in until or (check is not None and check(batch)):
+                return batch
+            time.sleep(0.2)
+        raise AssertionError(f"batch {batch_id} is still {batch.status} ({batch.request_counts})\n{self.state()}")
+
+    def state(self) -> str:
+        """Where the jobs are (queues, intermediate lists, running registries, the maintenance lock)
+        and the tail of the worker's log: what a stuck batch is waiting for."""
+        lines = []
+        for model in self.models_served:
+            for name in (protocol.queue_name(model), protocol.batch_queue_name(model)):
+                queue = Queue(name, connection=self.r)
+                started = self.r.zrange(StartedJobRegistry(name, connection=self.r).key, 0, -1, withscores=True)
+                lines.append(f"{name}: {queue.count} queued, intermediate {self.r.lrange(queue.intermediate_queue_key, 0, -1)}, "
+                             f"started {[(m.decode(), round(score - time.time(), 1)) for m, score in started]}, "
+                             f"maintenance lock ttl {self.r.ttl(queue.registry_cleaning_key)}")
+        worker = self.worker.logs()[-3000:] if self.worker is not None else ""
+        return "\n".join(lines) + f"\nworker alive: {self.worker is not None and self.worker.alive()}; log tail:\n{worker}"
 
     def stop(self):
         for service in (self.web, self.worker):
@@ -94,16 +119,6 @@ def submit(client, rows, **kwargs):
                                  **kwargs)
 
 
-def wait(client, batch_id, until=FINAL, timeout=120, check=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in until or (check is not None and check(batch)):
-            return batch
-        time.sleep(0.2)
-    raise AssertionError(f"batch {batch_id} is still {batch.status} ({batch.request_counts})")
-
-
 def rows_of(client, file_id) -> list[dict]:
     if file_id is None:
         return []
@@ -133,7 +148,7 @@ def test_round_trip_over_two_models(stack):
     for model, batch in created.items():
         assert batch.status == "validating" and batch.metadata == {"model": model}
         assert batch.expires_at == batch.created_at + 86400 and batch.endpoint == "/v1/completions"
-    done = {model: wait(client, batch.id) for model, batch in created.items()}
+    done = {model: stack.wait(client, batch.id) for model, batch in created.items()}
 
     for model, batch in done.items():
         assert batch.status == "completed" and batch.model == model, batch
@@ -169,7 +184,7 @@ def test_round_trip_over_two_models(stack):
 
 def test_ownership(stack):
     alice, bob = stack.client(), stack.client(stack.bob)
-    batch = wait(alice, submit(alice, [("only", body(0, max_tokens=2))]).id)
+    batch = stack.wait(alice, submit(alice, [("only", body(0, max_tokens=2))]).id)
     assert batch.status == "completed"
     [row] = rows_of(alice, batch.output_file_id)
     for call in (lambda: bob.batches.retrieve(batch.id), lambda: bob.batches.cancel(batch.id),
@@ -199,13 +214,13 @@ def test_validation(stack):
     expected = {"malformed": ("invalid_json_line", 2), "duplicate": ("duplicate_custom_id", 2),
                 "mixed": ("model_mismatch", 2)}
     for name, batch in failed.items():
-        batch = wait(client, batch.id)
+        batch = stack.wait(client, batch.id)
         assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
         assert [(e.code, e.line) for e in batch.errors.data] == [expected[name]]
 
     bad_bodies = [("ok", body(0, max_tokens=2)), ("hot", body(1, temperature=3)), ("long", body(2, max_tokens=500)),
                   ("streamed", body(3, stream=True)), ("tokens", {"model": "tiny", "prompt": [60000]})]
-    batch = wait(client, submit(client, bad_bodies).id)
+    batch = stack.wait(client, submit(client, bad_bodies).id)
     assert batch.status == "completed" and batch.request_counts.model_dump() == {"total": 5, "completed": 1, "failed": 4}
     errors = {row["custom_id"]: row for row in rows_of(client, batch.error_file_id)}
     params = {cid: (row["response"]["status_code"], row["response"]["body"]["error"]["param"])
@@ -228,11 +243,11 @@ def test_cancel_stops_the_rest_within_seconds(stack):
     client = stack.client()
     rows = [(f"c{i}", body(i, max_tokens=48)) for i in range(60)]
     batch = submit(client, rows)
-    wait(client, batch.id, check=lambda b: b.request_counts.completed >= 3)
+    stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 3)
     cancelling = client.batches.cancel(batch.id)
     started = time.monotonic()
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
-    batch = wait(client, batch.id, timeout=30)
+    batch = stack.wait(client, batch.id, timeout=30)
     elapsed = time.monotonic() - started
     assert batch.status == "cancelled" and batch.cancelled_at and elapsed < 5, (batch.status, elapsed)
     out, errors = check_exactly_once(client, batch, [cid for cid, _ in rows])
@@ -249,7 +264,7 @@ def test_expiry(stack):
         rows = [(f"e{i}", body(i, max_tokens=64)) for i in range(200)]
         batch = submit(client, rows)
         assert batch.expires_at == batch.created_at + 3
-        batch = wait(client, batch.id, timeout=60)
+        batch = stack.wait(client, batch.id, timeout=60)
     finally:
         web.stop()
     assert batch.status == "expired" and batch.expired_at >= batch.expires_at
@@ -262,12 +277,12 @@ def test_worker_killed_mid_batch(stack):
     client = stack.client()
     rows = [(f"k{i}", body(i, max_tokens=24)) for i in range(48)]
     batch = submit(client, rows)
-    wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
+    stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
     running = StartedJobRegistry(protocol.batch_queue_name("tiny"), connection=stack.r).get_job_ids()
     stack.worker.kill()  # kill -9, the whole process group, with lines running
     assert running
     stack.start_worker()
-    batch = wait(client, batch.id, timeout=120)
+    batch = stack.wait(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.failed == 0
     out, _ = check_exactly_once(client, batch, [cid for cid, _ in rows])
     # the lines that were running were retried by rq on the new worker
@@ -281,12 +296,12 @@ def test_web_restarted_mid_batch(stack):
     client = stack.client()
     rows = [(f"w{i}", body(i, max_tokens=24)) for i in range(48)]
     batch = submit(client, rows)
-    at_kill = wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
+    at_kill = stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
     stack.web.kill()  # kill -9: its dispatcher dies holding the batch's lease
     assert at_kill.request_counts.completed < 40  # most lines start after the restart
     stack.web = stack.start_web()
     client = stack.client()
-    batch = wait(client, batch.id, timeout=120)
+    batch = stack.wait(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.failed == 0
     check_exactly_once(client, batch, [cid for cid, _ in rows])
 
@@ -304,7 +319,7 @@ def test_interactive_requests_keep_their_latency(stack):
 
     idle = p50()
     big = submit(client, [(f"b{i}", body(i, max_tokens=64)) for i in range(300)])
-    wait(client, big.id, check=lambda b: b.request_counts.completed >= 4)
+    stack.wait(client, big.id, check=lambda b: b.request_counts.completed >= 4)
     busy = p50()
     running = client.batches.retrieve(big.id)
     client.batches.cancel(big.id)
@@ -313,4 +328,4 @@ def test_interactive_requests_keep_their_latency(stack):
     assert running.status == "in_progress" and running.request_counts.completed < 300  # it ran all along
     # Without priority the requests would queue behind the batch's lines (seconds each).
     assert busy < max(3 * idle, idle + 0.5), (idle, busy)
-    wait(client, big.id, timeout=30)
+    stack.wait(client, big.id, timeout=30)
