@@ -283,7 +283,8 @@ def test_worker_killed_mid_batch(stack):
     assert running
     stack.start_worker()
     batch = stack.wait(client, batch.id, timeout=120)
-    assert batch.status == "completed" and batch.request_counts.failed == 0
+    assert batch.status == "completed" and batch.request_counts.failed == 0, \
+        (batch.status, rows_of(client, batch.error_file_id)[:3], stack.state())
     out, _ = check_exactly_once(client, batch, [cid for cid, _ in rows])
     # the lines that were running were retried by rq on the new worker
     retried = [job for job in Job.fetch_many(running, connection=stack.r) if job is not None]
@@ -302,7 +303,8 @@ def test_web_restarted_mid_batch(stack):
     stack.web = stack.start_web()
     client = stack.client()
     batch = stack.wait(client, batch.id, timeout=120)
-    assert batch.status == "completed" and batch.request_counts.failed == 0
+    assert batch.status == "completed" and batch.request_counts.failed == 0, \
+        (batch.status, rows_of(client, batch.error_file_id)[:3], stack.state())
     check_exactly_once(client, batch, [cid for cid, _ in rows])
 
 
@@ -327,5 +329,5 @@ def test_interactive_requests_keep_their_latency(stack):
           f"({running.request_counts.completed} of its lines done meanwhile)")
     assert running.status == "in_progress" and running.request_counts.completed < 300  # it ran all along
     # Without priority the requests would queue behind the batch's lines (seconds each).
-    assert busy < max(3 * idle, idle + 0.5), (idle, busy)
+    assert busy < max(3 * idle, idle + 0.5), (idle, busy, stack.state())
     stack.wait(client, big.id, timeout=30)
