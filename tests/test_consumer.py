@@ -43,7 +43,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_is_busy(pool, client):
     """A worker killed between taking a job off the queue and starting it leaves the job in the
-    queue's intermediate list, where registry maintenance finds it a minute later and retries it.
+    queue's intermediate list, where registry maintenance finds it and retries it.
     That maintenance comes while the pool's one worker runs a long job: the long job keeps its
     heartbeats and its registry entry, ends once, and the lost job runs after it."""
     queue = Queue(protocol.queue_name(MODEL), connection=client)
@@ -78,6 +78,19 @@ def test_the_maintenance_lock_of_a_worker_that_died_while_cleaning_expires_soon(
     assert queue.acquire_maintenance_lock()
     assert not queue.acquire_maintenance_lock()
     assert 0 < client.ttl(queue.registry_cleaning_key) <= MAINTENANCE_LOCK_S <= 60
+
+
+def test_a_job_in_the_intermediate_list_counts_as_lost_after_seconds_not_a_minute(client):
+    """rq retries a job left between dequeue and start after a minute; a request whose worker died
+    at that moment runs again once it has been seen there LOST_AFTER_S apart."""
+    from worker.priority import LOST_AFTER_S, PriorityQueue
+
+    assert LOST_AFTER_S < 60
+    intermediate = PriorityQueue(protocol.queue_name(MODEL), connection=client).intermediate_queue
+    for job_id, seen_ago, lost in (("recent", LOST_AFTER_S - 5, False), ("old", LOST_AFTER_S + 1, True)):
+        client.set(intermediate.get_first_seen_key(job_id), time.time() - seen_ago)
+        assert intermediate.should_be_cleaned_up(job_id) is lost
+    assert not intermediate.should_be_cleaned_up("never-seen")
 
 
 def test_idle_threads_take_turns_to_listen_and_stay_registered(redis_url, client):

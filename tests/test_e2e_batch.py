@@ -4,8 +4,8 @@ Redis, with two small random-weight GPT-2 models.
 Upload → create → poll → download for 200 lines over two models (one batch per model: a batch runs
 one model, as on OpenAI), every output equal to the same request sent alone; validation failures;
 two keys that cannot see each other's batches, files or jobs; cancel and expiry mid-way with counts
-that add up; a worker killed with SIGKILL and a web tier killed and restarted mid-batch, with every
-line exactly once in the output; and interactive requests that keep their latency while a large
+that add up; a worker killed with SIGKILL (also between taking a line and starting it) and a web
+tier killed and restarted mid-batch, with every line exactly once in the output; and interactive requests that keep their latency while a large
 batch is queued.
 """
 from __future__ import annotations
@@ -101,6 +101,20 @@ def stack(redis_server, hf_checkpoint, tmp_path_factory):
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(autouse=True)
+def _settled(stack):
+    """Each test starts and leaves with no batch running: a test that fails mid-batch leaves its
+    lines cancelled, not running beside the next test's."""
+    yield
+    for key in (stack.alice, stack.bob):
+        client = stack.client(key)
+        for batch in client.batches.list(limit=100):
+            if batch.status not in FINAL:
+                if batch.status != "cancelling":
+                    client.batches.cancel(batch.id)
+                stack.wait(client, batch.id, timeout=60)
 
 
 def body(i, model="tiny", max_tokens=4, **extra):
@@ -291,6 +305,24 @@ def test_worker_killed_mid_batch(stack):
     assert any(job.retries_left < 2 for job in retried)
     texts = {row["custom_id"]: row["response"]["body"]["choices"][0]["text"] for row in out}
     assert texts == one_by_one(client, dict(rows))  # resumed lines continue exactly where they were
+
+
+def test_line_lost_between_dequeue_and_start(stack):
+    """A worker killed after taking a line off the queue but before starting it leaves the line in
+    the queue's intermediate list (here put there by hand, as the dead worker's dequeue would have):
+    the new worker's registry maintenance retries it (after LOST_AFTER_S, worker/priority.py) and it runs once."""
+    client = stack.client()
+    rows = [(f"l{i}", body(i, max_tokens=24)) for i in range(24)]
+    batch = submit(client, rows)
+    stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
+    stack.worker.kill()
+    queue = Queue(protocol.batch_queue_name("tiny"), connection=stack.r)
+    assert stack.r.lmove(queue.key, queue.intermediate_queue_key)  # 6 lines in flight, 4 threads: 2 queued
+    stack.start_worker()
+    batch = stack.wait(client, batch.id, timeout=120)
+    assert batch.status == "completed" and batch.request_counts.failed == 0, \
+        (batch.status, rows_of(client, batch.error_file_id)[:3], stack.state())
+    check_exactly_once(client, batch, [cid for cid, _ in rows])
 
 
 def test_web_restarted_mid_batch(stack):

@@ -16,7 +16,9 @@ import time
 
 from rq import Queue
 from rq.exceptions import DequeueTimeout, NoSuchJobError
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
+from rq.utils import now
 
 # Short, so that a batch line enqueued while the queues were empty starts at once (the batch's lines
 # are fed a few at a time, each as another ends); cheap, since only a few threads of an engine listen
@@ -28,11 +30,25 @@ MIN_SLICE_S = 0.01
 # rq keeps a queue's maintenance lock 15 minutes: a worker killed while cleaning would stop every
 # other worker from re-queueing dead workers' jobs that long. Cleaning takes milliseconds.
 MAINTENANCE_LOCK_S = 30
+# A job sits in a queue's intermediate list from its dequeue to its start, a few Redis calls on one
+# thread; one still there at two maintenance passes this far apart was lost with its worker. rq waits
+# a minute: a request whose worker died at that moment would wait that long to run again.
+LOST_AFTER_S = 15
 
 
 class PriorityQueue(Queue):
     def acquire_maintenance_lock(self) -> bool:
         return bool(self.connection.set(self.registry_cleaning_key, 1, nx=True, ex=MAINTENANCE_LOCK_S))
+
+    @property
+    def intermediate_queue(self) -> IntermediateQueue:
+        return _Intermediate(self.key, connection=self.connection)
+
+
+class _Intermediate(IntermediateQueue):
+    def should_be_cleaned_up(self, job_id: str) -> bool:
+        first_seen = self.get_first_seen(job_id)
+        return first_seen is not None and (now() - first_seen).total_seconds() > LOST_AFTER_S
 
     @classmethod
     def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None,
