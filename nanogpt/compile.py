@@ -14,11 +14,17 @@ def compile_decode(model):
     """The compiled `model.forward_decode`, its graphs kept in the compile cache that outlives the
     process (nanogpt/compile_cache.py). Without inductor's weight freezing: the prepacked layers of
     nanogpt/kernels.py are one opaque op each inside the graph, and a frozen graph could not be
-    cached. The recompile limit is a setting of the whole process."""
+    cached. The recompile limit is a setting of the whole process.
+
+    On a CPU the graph's wrapper is inductor's C++ one: the step's few hundred calls around its
+    kernels (buffers, views, the opaque layers) run in C++ rather than Python, a few percent off
+    every precision's step (docs/benchmarks.md); its first compile takes longer (the wrapper is
+    compiled too), later starts load it from the cache as fast."""
     # every batch size a caller pads to is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_cache.enable()
-    return torch.compile(model.forward_decode)
+    options = {"cpp_wrapper": True} if torch.device(model.device).type == "cpu" else None
+    return torch.compile(model.forward_decode, options=options)
 
 
 # The precisions (nanogpt.precision's names) whose compiled decode step, prompt chunks still packed
