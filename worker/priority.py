@@ -36,6 +36,14 @@ MAINTENANCE_LOCK_S = 30
 LOST_AFTER_S = 15
 
 
+class _Intermediate(IntermediateQueue):
+    """A queue's intermediate list, whose jobs count as lost after LOST_AFTER_S."""
+
+    def should_be_cleaned_up(self, job_id: str) -> bool:
+        first_seen = self.get_first_seen(job_id)
+        return first_seen is not None and (now() - first_seen).total_seconds() > LOST_AFTER_S
+
+
 class PriorityQueue(Queue):
     def acquire_maintenance_lock(self) -> bool:
         return bool(self.connection.set(self.registry_cleaning_key, 1, nx=True, ex=MAINTENANCE_LOCK_S))
@@ -43,12 +51,6 @@ class PriorityQueue(Queue):
     @property
     def intermediate_queue(self) -> IntermediateQueue:
         return _Intermediate(self.key, connection=self.connection)
-
-
-class _Intermediate(IntermediateQueue):
-    def should_be_cleaned_up(self, job_id: str) -> bool:
-        first_seen = self.get_first_seen(job_id)
-        return first_seen is not None and (now() - first_seen).total_seconds() > LOST_AFTER_S
 
     @classmethod
     def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None,
