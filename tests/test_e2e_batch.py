@@ -10,6 +10,7 @@ batch is queued.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -64,6 +65,15 @@ class Stack:
                 return batch
             time.sleep(0.2)
         raise AssertionError(f"batch {batch_id} is still {batch.status} ({batch.request_counts})\n{self.state()}")
+
+    @contextlib.contextmanager
+    def replacing_worker(self):
+        """Around a kill of the worker: a new one is started after the block, even when it failed,
+        so that the tests after it find a worker."""
+        try:
+            yield
+        finally:
+            self.start_worker()
 
     def state(self) -> str:
         """Where the jobs are (queues, intermediate lists, running registries, the maintenance lock)
@@ -131,6 +141,15 @@ def submit(client, rows, **kwargs):
     upload = client.files.create(file=("input.jsonl", jsonl(rows)), purpose="batch")
     return client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
                                  **kwargs)
+
+
+def wait_for(probe, what: str, timeout: float = 10.0):
+    """Call `probe` until it returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout
+    while not (found := probe()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return found
 
 
 def rows_of(client, file_id) -> list[dict]:
@@ -292,10 +311,11 @@ def test_worker_killed_mid_batch(stack):
     rows = [(f"k{i}", body(i, max_tokens=24)) for i in range(48)]
     batch = submit(client, rows)
     stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
-    running = StartedJobRegistry(protocol.batch_queue_name("tiny"), connection=stack.r).get_job_ids()
-    stack.worker.kill()  # kill -9, the whole process group, with lines running
-    assert running
-    stack.start_worker()
+    registry = StartedJobRegistry(protocol.batch_queue_name("tiny"), connection=stack.r)
+    # lines of one length end together: the next ones start a dispatcher tick later
+    running = wait_for(registry.get_job_ids, "no line running")
+    with stack.replacing_worker():
+        stack.worker.kill()  # kill -9, the whole process group, with lines running
     batch = stack.wait(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.failed == 0, \
         (batch.status, rows_of(client, batch.error_file_id)[:3], stack.state())
@@ -315,10 +335,12 @@ def test_line_lost_between_dequeue_and_start(stack):
     rows = [(f"l{i}", body(i, max_tokens=24)) for i in range(24)]
     batch = submit(client, rows)
     stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
-    stack.worker.kill()
     queue = Queue(protocol.batch_queue_name("tiny"), connection=stack.r)
-    assert stack.r.lmove(queue.key, queue.intermediate_queue_key)  # 6 lines in flight, 4 threads: 2 queued
-    stack.start_worker()
+    with stack.replacing_worker():
+        stack.worker.kill()
+        # 6 lines in flight and 4 threads to run them: the dispatcher keeps 2 queued (a tick after
+        # lines end), which no dead worker takes
+        wait_for(lambda: stack.r.lmove(queue.key, queue.intermediate_queue_key), "no line queued")
     batch = stack.wait(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.failed == 0, \
         (batch.status, rows_of(client, batch.error_file_id)[:3], stack.state())
@@ -331,8 +353,8 @@ def test_web_restarted_mid_batch(stack):
     batch = submit(client, rows)
     at_kill = stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
     stack.web.kill()  # kill -9: its dispatcher dies holding the batch's lease
-    assert at_kill.request_counts.completed < 40  # most lines start after the restart
     stack.web = stack.start_web()
+    assert at_kill.request_counts.completed < 40  # most lines start after the restart
     client = stack.client()
     batch = stack.wait(client, batch.id, timeout=120)
     assert batch.status == "completed" and batch.request_counts.failed == 0, \
