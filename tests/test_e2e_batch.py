@@ -5,8 +5,8 @@ Upload → create → poll → download for 200 lines over two models (one batch
 one model, as on OpenAI), every output equal to the same request sent alone; validation failures;
 two keys that cannot see each other's batches, files or jobs; cancel and expiry mid-way with counts
 that add up; a worker killed with SIGKILL (also between taking a line and starting it) and a web
-tier killed and restarted mid-batch, with every line exactly once in the output; and interactive requests that keep their latency while a large
-batch is queued.
+tier killed and restarted mid-batch, with every line exactly once in the output; and interactive
+requests that keep their latency while a large batch is queued.
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ class Stack:
     def __init__(self, redis_url, models, log_dir):
         self.redis_url, self.models, self.log_dir = redis_url, models, log_dir
         self.worker = self.web = None
-        self.models_served = ("tiny", "tiny2")
+        from models.registry import Registry
+
+        self.models_served = [spec.id for spec in Registry.from_file(models).models()]
         r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.alice, self.bob = keys.create(r, "alice")[0], keys.create(r, "bob")[0]
         self.r = redis.Redis.from_url(redis_url)
@@ -83,11 +85,13 @@ class Stack:
             for name in (protocol.queue_name(model), protocol.batch_queue_name(model)):
                 queue = Queue(name, connection=self.r)
                 started = self.r.zrange(StartedJobRegistry(name, connection=self.r).key, 0, -1, withscores=True)
-                lines.append(f"{name}: {queue.count} queued, intermediate {self.r.lrange(queue.intermediate_queue_key, 0, -1)}, "
+                intermediate = self.r.lrange(queue.intermediate_queue_key, 0, -1)
+                lines.append(f"{name}: {queue.count} queued, intermediate {intermediate}, "
                              f"started {[(m.decode(), round(score - time.time(), 1)) for m, score in started]}, "
                              f"maintenance lock ttl {self.r.ttl(queue.registry_cleaning_key)}")
         worker = self.worker.logs()[-3000:] if self.worker is not None else ""
-        return "\n".join(lines) + f"\nworker alive: {self.worker is not None and self.worker.alive()}; log tail:\n{worker}"
+        alive = self.worker is not None and self.worker.alive()
+        return "\n".join(lines) + f"\nworker alive: {alive}; log tail:\n{worker}"
 
     def stop(self):
         for service in (self.web, self.worker):
@@ -330,7 +334,8 @@ def test_worker_killed_mid_batch(stack):
 def test_line_lost_between_dequeue_and_start(stack):
     """A worker killed after taking a line off the queue but before starting it leaves the line in
     the queue's intermediate list (here put there by hand, as the dead worker's dequeue would have):
-    the new worker's registry maintenance retries it (after LOST_AFTER_S, worker/priority.py) and it runs once."""
+    the new worker's registry maintenance retries it (after LOST_AFTER_S, worker/priority.py; the
+    threshold itself is tested in tests/test_consumer.py) and it runs once."""
     client = stack.client()
     rows = [(f"l{i}", body(i, max_tokens=24)) for i in range(24)]
     batch = submit(client, rows)
