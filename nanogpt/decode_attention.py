@@ -19,12 +19,11 @@ from nanogpt import extension
 # 7.4-8.5 ms).
 ROWS = 8
 
-# the library of the project's ops inside compiled graphs (nanogpt/kernels.py defines it)
+# the library of the project's ops inside compiled graphs (nanogpt/kernels.py defines it); the CPU
+# kernel is the C++ one, registered when the extension loads (nanogpt/layer_ops.cpp)
 _LIBRARY = torch.library.Library("nanoserve", "FRAGMENT")
 _LIBRARY.define("decode_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor positions, "
                 "SymInt span, float scale, int local) -> Tensor")
-_LIBRARY.impl("decode_attention", lambda q, cache_k, cache_v, slots, positions, span, scale, local:
-              extension.extension().decode_attention(q, cache_k, cache_v, slots, positions, span, scale, local), "CPU")
 _LIBRARY.impl("decode_attention", lambda q, cache_k, cache_v, slots, positions, span, scale, local:
               q.new_empty(q.shape), "Meta")
 

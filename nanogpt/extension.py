@@ -1,6 +1,7 @@
 """The project's own C++ kernels: the GEMV for one or two rows (nanogpt/gemv.cpp, served through
 nanogpt/gemv.py) and the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
-through nanogpt/decode_attention.py), one module (nanogpt/extension.cpp) on PyTorch's own threads.
+through nanogpt/decode_attention.py), one module (nanogpt/extension.cpp) on PyTorch's own threads;
+it also gives the compiled graphs' ops their C++ CPU kernels (nanogpt/layer_ops.cpp).
 
 They are compiled on first use for the vector width this CPU has, and the GEMV's bfloat16 dot
 products where it has AVX512_BF16 (torch.utils.cpp_extension, under a minute) into
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 ENV = "NANOSERVE_EXTENSIONS"
 HERE = Path(__file__).parent
-SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp"]
+SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "layer_ops.cpp"]
 HEADERS = [HERE / "vec.h"]
 # torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],

@@ -18,7 +18,9 @@ Every kernel multiplies in the weights' dtype (float32 or bfloat16) with the sam
 kernels differ only in summation order, so float32 results stay within float32 rounding of
 `F.linear`. A packed copy costs as much memory as the weights it packs. Under torch.compile a
 packed layer is one opaque op (`nanoserve::linear`), so compiled graphs run the same kernels
-and stay storable in the compile cache (nanogpt/compile_cache.py).
+and stay storable in the compile cache (nanogpt/compile_cache.py); the op's CPU kernel is C++
+(nanogpt/layer_ops.cpp) where the project's extension is built, handed each layer's plan by
+`publish`.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from nanogpt import gemv
+from nanogpt import extension, gemv
 from nanogpt.quantize import Int8Linear, quantize_int8, quantized_engine
 
 PLAIN = "linear"
@@ -207,6 +209,7 @@ class KernelLinear(nn.Linear):
         self._packed_from = self._weight_state()
         if getattr(self, "_handle", None) is None:
             self._handle = register(self)
+        publish(self, plan, {plan.packed: self._packed}, self.weight)
 
     def _weight_state(self) -> tuple:
         # what identifies the weight packed: in-place changes bump _version; model.to() and
@@ -278,9 +281,31 @@ _LAYERS: list[weakref.ref] = []
 
 
 def register(layer: nn.Module) -> int:
-    """A handle by which compiled graphs call `layer` (`nanoserve::linear`, `nanoserve::layer`)."""
+    """A handle by which compiled graphs call `layer` (`nanoserve::linear`, `nanoserve::int8_linear`)."""
+    _define_cpu_ops()
     _LAYERS.append(weakref.ref(layer))
-    return len(_LAYERS) - 1
+    handle = len(_LAYERS) - 1
+    if _own_ops():
+        weakref.finalize(layer, extension.extension().drop_layer, handle)
+    return handle
+
+
+def publish(layer: nn.Module, plan: Plan, packs: dict[str, object], weight: torch.Tensor | None = None) -> None:
+    """What the ops of compiled graphs run for `layer` at each range of row counts: its plan's kernel
+    and that kernel's pack (`packs`, by kernel name). Where the project's C++ ops serve (nanogpt/
+    layer_ops.cpp) they hold this copy; `weight`, the float weight packed, is checked on every call
+    (another tensor or an in-place change: a plain linear), an int8 layer's packs are used as given."""
+    if _own_ops():
+        extension.extension().set_layer(layer._handle, weight, [float(most) for most, _ in plan.ranges],
+                                        [name for _, name in plan.ranges],
+                                        [packs.get(name) for _, name in plan.ranges])
+
+
+@functools.cache
+def _own_ops() -> bool:
+    """Whether the ops' CPU kernels are the C++ ones of the project's extension (registered when it
+    loads); else `_define_cpu_ops` gives them Python's."""
+    return extension.available()
 
 
 # The packed layers' op inside compiled graphs, defined through torch.library.Library rather than
@@ -292,8 +317,23 @@ _LIBRARY = torch.library.Library("nanoserve", "DEF")
 # small's GELUs as a pass of their own).
 _LIBRARY.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle, str activation='none', "
                 "str algorithm='') -> Tensor")
+_LIBRARY.impl("linear", lambda x, weight, bias, handle, activation="none", algorithm="":
+              x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
+# An int8 layer (nanogpt/quantize.py) as one op of a compiled graph: dynamo cannot trace its packed
+# weight (a TorchScript object); `out_features` gives the output's shape without running it.
+_LIBRARY.define("int8_linear(Tensor x, int handle, int out_features) -> Tensor")
+_LIBRARY.impl("int8_linear", lambda x, handle, out_features: x.new_empty(*x.shape[:-1], out_features), "Meta")
 # the post-ops as functions, for the kernels without that epilogue
 _POST_OPS = {"gelu": lambda y, algorithm: F.gelu(y, approximate=algorithm), "relu": lambda y, algorithm: F.relu(y)}
+
+
+@functools.cache
+def _define_cpu_ops() -> None:
+    """The ops' CPU kernels in Python, where the project's C++ ones are not built: each call enters
+    the interpreter (15-25 µs, against ~1 in C++)."""
+    if not _own_ops():
+        _LIBRARY.impl("linear", _compiled_linear, "CPU")
+        _LIBRARY.impl("int8_linear", lambda x, handle, out_features: _LAYERS[handle]()(x), "CPU")
 
 
 def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
@@ -304,18 +344,6 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return kernel.with_activation(x, layer._packed, weight, bias, (activation, [], algorithm))
     y = F.linear(x, weight, bias) if kernel is None else kernel.linear(x, layer._packed, weight, bias)
     return y if activation == "none" else _POST_OPS[activation](y, algorithm)
-
-
-_LIBRARY.impl("linear", _compiled_linear, "CPU")
-_LIBRARY.impl("linear", lambda x, weight, bias, handle, activation="none", algorithm="":
-              x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
-
-# A registered layer's own eager forward as one op of a compiled graph, for layers whose parameters
-# dynamo cannot trace (int8's quantized linears hold a TorchScript object): `out_features` gives
-# the output's shape without running it.
-_LIBRARY.define("layer(Tensor x, int handle, int out_features) -> Tensor")
-_LIBRARY.impl("layer", lambda x, handle, out_features: _LAYERS[handle]()(x), "CPU")
-_LIBRARY.impl("layer", lambda x, handle, out_features: x.new_empty(*x.shape[:-1], out_features), "Meta")
 
 
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:

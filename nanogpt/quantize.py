@@ -28,8 +28,8 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
       up to twice fbgemm's speed at a batch or a prompt's rows on CPUs that have them, and slower
       at one row. Both quantize x alike and sum int8 products exactly, so the outputs agree to
       float32 rounding;
-    - is called by a compiled graph as one opaque op (`nanoserve::layer`) running the same kernels:
-      dynamo cannot put a packed weight (a TorchScript object) into a graph."""
+    - is called by a compiled graph as one opaque op (`nanoserve::int8_linear`) running the same
+      kernels: dynamo cannot put a packed weight (a TorchScript object) into a graph."""
 
     _handle: int | None = None
     _plan = None
@@ -37,7 +37,7 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
     _packed_from = None  # the default pack the others were made from: another means the weight changed
 
     def set_plan(self, plan) -> None:
-        from nanogpt.kernels import INT8, INT8_ENGINES
+        from nanogpt.kernels import INT8, INT8_ENGINES, publish
 
         weight, bias = self._weight_bias()
         packs = {}
@@ -45,10 +45,25 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
             with quantized_engine(INT8_ENGINES[name]):
                 packs[name] = torch.ops.quantized.linear_prepack(weight, bias)
         self._plan, self._packs, self._packed_from = plan, packs, self._packed_params._packed_params
+        publish(self, plan, {INT8: self._packed_from, **packs})
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_post_hook(lambda layer, keys: layer._repack())
+
+    def _repack(self) -> None:
+        """A new weight (load_state_dict, set_weight_bias): the compiled graphs' op runs it too."""
+        if self._handle is not None:
+            from nanogpt.kernels import INT8, Plan
+            self.set_plan(self._plan or Plan.only(INT8, "default"))
+
+    def set_weight_bias(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().set_weight_bias(weight, bias)
+        self._repack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and self._handle is not None:
-            return torch.ops.nanoserve.layer(x, self._handle, self.out_features)
+            return torch.ops.nanoserve.int8_linear(x, self._handle, self.out_features)
         if self._packs and self._packed_from is self._packed_params._packed_params:
             packed = self._packs.get(self._plan.kernel_for(x.numel() // x.shape[-1]).name)
             if packed is not None:  # as the default's forward (torch.ao's Linear, version 4) calls it
@@ -62,7 +77,7 @@ def quantize_int8(model):
     numerics, so it is never a default; embeddings, LayerNorms and attention stay float32. CPU
     only: quantized linears have no other kernels. Its drift from float32 and its speed are
     measured in docs/benchmarks.md."""
-    from nanogpt.kernels import INT8, INT8_ENGINES, register
+    from nanogpt.kernels import INT8, INT8_ENGINES, Plan, publish, register
 
     with warnings.catch_warnings(), quantized_engine(INT8_ENGINES[INT8]):
         warnings.simplefilter("ignore")  # the deprecation notice points to torchao, not installed here
@@ -71,4 +86,5 @@ def quantize_int8(model):
     for layer in model.modules():
         if isinstance(layer, Int8Linear):
             layer._handle = register(layer)
+            publish(layer, Plan.only(INT8, "default"), {INT8: layer._packed_params._packed_params})
     return model

@@ -439,8 +439,10 @@ ACTIVATIONS = [e for e in EPILOGUES if e[1] is not None and not e[2]]
 
 @pytest.mark.parametrize("name", FLOAT_KERNELS)
 @pytest.mark.parametrize("what, activation, _", ACTIVATIONS, ids=[e[0] for e in ACTIVATIONS])
-def test_a_compiled_activation_runs_in_the_layers_op(monkeypatch, name, what, activation, _):
-    layer, calls = packed_with_counted_epilogues(monkeypatch, name)
+def test_a_compiled_activation_runs_in_the_layers_op(name, what, activation, _):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 192).eval()
+    kernels.pack_linears(layer, kernel=name)
     graphs = []
 
     def backend(gm, inputs):
@@ -450,7 +452,10 @@ def test_a_compiled_activation_runs_in_the_layers_op(monkeypatch, name, what, ac
     torch._dynamo.reset()
     x = torch.randn(3, 64)
     with torch.no_grad():
-        got = torch.compile(lambda x: kernels.project(layer, x, activation), backend=backend)(x)
+        compiled = torch.compile(lambda x: kernels.project(layer, x, activation), backend=backend)
+        compiled(x)
+        with torch.profiler.profile() as profile:
+            got = compiled(x)
         assert_close(got, activation(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
         layer.weight.mul_(2)  # a stale pack: the plain product, then the activation, in the same op
         stale = torch.compile(lambda x: kernels.project(layer, x, activation), backend="eager")(x)
@@ -462,8 +467,35 @@ def test_a_compiled_activation_runs_in_the_layers_op(monkeypatch, name, what, ac
     # the graph's one op: the packed layer's, the activation its argument
     post = kernels.ONEDNN_ACTIVATIONS[(type(activation).__name__, getattr(activation, "approximate", None))]
     assert [(op.target, op.args[4:]) for op in ops] == [(torch.ops.nanoserve.linear, (post[0], post[2]))]
-    # oneDNN's own pass over the output, once (the stale pack computed apart)
-    assert calls == (["with_activation"] if kernels.KERNELS[name].with_activation is not None else [])
+    # a kernel with the epilogue applies it in its own pass over the output (no operator of its own)
+    ran = [event.name for event in profile.events()]
+    assert ran.count("nanoserve::linear") == 1
+    assert any(op in ran for op in ("aten::gelu", "aten::relu")) == (kernels.KERNELS[name].with_activation is None)
+    if name == "onednn":
+        assert ran.count("mkldnn::_linear_pointwise") == 1
+
+
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
+def test_the_compiled_graphs_op_runs_the_layers_plan_at_every_row_count(name):
+    """nanoserve::linear, as a compiled graph calls it, gives what the layer gives for every kernel,
+    row count and post-op, and a plain product once the weight changed or the layer is gone."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 192).eval()
+    kernels.pack_linears(layer, kernel=name)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 40, 300):
+            x = torch.randn(rows, 64)
+            want = F.linear(x, layer.weight, layer.bias)
+            for post, algorithm, f in (("none", "", lambda y: y), ("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
+                                       ("gelu", "none", F.gelu), ("relu", "", F.relu)):
+                got = torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle, post, algorithm)
+                assert_close(got, f(want), rtol=1e-5, atol=1e-5)
+        layer.weight.mul_(-1)
+        assert_close(torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle),
+                     F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        weight, bias, handle = layer.weight.clone(), layer.bias.clone(), layer._handle
+        del layer
+        assert_close(torch.ops.nanoserve.linear(x, weight, bias, handle), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 def test_an_int8_decode_step_compiles_into_one_graph_of_its_quantized_kernels(checkpoint):
@@ -485,7 +517,7 @@ def test_an_int8_decode_step_compiles_into_one_graph_of_its_quantized_kernels(ch
     with torch.no_grad():
         got = torch.compile(model.forward_decode, backend=backend, fullgraph=True)(*args, cache, torch.arange(2))
         want = model.forward_decode(*args, again, torch.arange(2))
-    assert len(graphs) == 1 and graphs[0].count("torch.ops.nanoserve.layer") == len(layers)
+    assert len(graphs) == 1 and graphs[0].count("torch.ops.nanoserve.int8_linear") == len(layers)
     assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -532,6 +564,37 @@ def test_an_int8_layer_runs_the_kernel_its_plan_gives_each_row_count(checkpoint)
     fresh.set_weight_bias(negated, bias)
     layer.load_state_dict(fresh.state_dict())
     assert_close(layer(x[64]), fresh(x[64]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_graphs_int8_op_runs_the_layers_plan(checkpoint):
+    """nanoserve::int8_linear, as a compiled graph calls it, runs the pack the layer's plan gives
+    each row count, before any plan (fbgemm's) and after a new weight is loaded."""
+    from nanogpt.quantize import Int8Linear, quantized_engine
+
+    model, layers = _int8_model(checkpoint)
+    layer = layers[0]
+    x = {rows: torch.randn(rows, layer.in_features) for rows in (1, 8, 9, 64)}
+
+    def op(x):
+        return torch.ops.nanoserve.int8_linear(x, layer._handle, layer.out_features)
+
+    for rows in x:
+        assert_close(op(x[rows]), layer(x[rows]), rtol=1e-5, atol=1e-5)
+    layer.set_plan(kernels.Plan("int8-dynamic", ((8, "int8-dynamic"), (math.inf, "int8-onednn"))))
+    weight, bias = layer._weight_bias()
+    negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
+    want = {rows: layer(x[rows]) for rows in x}
+    with quantized_engine("onednn"):  # another weight in oneDNN's pack shows which rows it serves
+        layer._packs["int8-onednn"] = torch.ops.quantized.linear_prepack(negated, bias)
+    kernels.publish(layer, layer._plan, {"int8-dynamic": layer._packed_from, **layer._packs})
+    assert_close(op(x[8]), want[8], rtol=1e-5, atol=1e-5)
+    assert_close(op(x[9]), layer(x[9]), rtol=1e-5, atol=1e-5)  # the eager layer runs the same pack
+    assert not torch.allclose(op(x[9]), want[9], atol=1e-3)
+    fresh = Int8Linear(layer.in_features, layer.out_features)
+    fresh.set_weight_bias(negated, bias)
+    layer.load_state_dict(fresh.state_dict())
+    for rows in x:
+        assert_close(op(x[rows]), fresh(x[rows]), rtol=1e-5, atol=1e-5)
 
 
 def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypatch):
