@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 ENV = "NANOSERVE_EXTENSIONS"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "layer_ops.cpp"]
-HEADERS = [HERE / "vec.h"]
+HEADERS = [HERE / "vec.h", HERE / "own_kernels.h"]
 # torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
          "AVX2": ["-mavx2", "-mfma"]}

@@ -16,12 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                     const std::string& activation, const std::string& algorithm,
-                     const c10::optional<torch::Tensor>& residual);  // nanogpt/gemv.cpp
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
-                               const torch::Tensor& slots, const torch::Tensor& positions, int64_t span,
-                               double scale, int64_t local);  // nanogpt/decode_attention.cpp
+#include "own_kernels.h"
 
 namespace {
 

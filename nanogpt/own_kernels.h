@@ -1,0 +1,18 @@
+// The project's C++ kernels as the other sources of its extension call them (nanogpt/extension.py).
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                     const std::string& activation, const std::string& algorithm,
+                     const c10::optional<torch::Tensor>& residual);  // nanogpt/gemv.cpp
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
+                               const torch::Tensor& slots, const torch::Tensor& positions, int64_t span,
+                               double scale, int64_t local);  // nanogpt/decode_attention.cpp
+bool decode_attention_serves(int64_t head_size);
+
+void set_layer(int64_t handle, const c10::optional<torch::Tensor>& weight, const std::vector<double>& most,
+               const std::vector<std::string>& kinds, const std::vector<pybind11::object>& packs);  // nanogpt/layer_ops.cpp
+void drop_layer(int64_t handle);
