@@ -12,8 +12,11 @@ On the held-out split (val.bin), in windows of the model's context taken at even
   float32's, and where the first different token falls (median over those that differ).
 
 Each precision runs as the worker would run it on this CPU: bfloat16 with the model loaded in
-bf16 and this machine's bf16 kernels (nanogpt/kernels.py), int8 with the engine's quantize_int8.
-bfloat16 is measured even on a CPU without native bf16 (emulated: slow, same numerics).
+bf16 and this machine's bf16 kernels (nanogpt/kernels.py), int8 with the engine's quantize_int8;
+every position through the worker's KV cache (prefill, then decode steps), whose keys and values
+are bfloat16 for bfloat16 and int8 where this CPU's attention runs faster so
+(kv_cache.cache_dtype: the JSON names it). bfloat16 is measured even on a CPU without native bf16
+(emulated: slow, same numerics).
 """
 from __future__ import annotations
 
@@ -46,24 +49,45 @@ def windows(data: Path, count: int, length: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([ids[s:s + length + 1].astype(np.int64) for s in starts]))
 
 
+def served_cache(model, rows: int, positions: int):
+    """A KV cache of `rows` slots as the worker makes it for this model on this CPU: its keys and
+    values in kv_cache.model_cache_dtype (bfloat16 for bfloat16 and int8 where attention pays)."""
+    from nanogpt.kv_cache import KVCache, model_cache_dtype
+
+    return KVCache(model.config, rows, positions, model.device, model_cache_dtype(model))
+
+
 @torch.no_grad()
 def next_token_logprobs(model, batch: torch.Tensor, rows: int = 64) -> torch.Tensor:
-    """(N, T, V) float32 log-probabilities of every position's next token."""
+    """(N, T, V) float32 log-probabilities of every position's next token, computed as the worker
+    serves them: each window's first half prefilled in one chunk, the rest one decode step at a
+    time (forward_decode), over the worker's KV cache."""
     out = []
     for chunk in batch.split(rows):
-        logits, _ = model(chunk[:, :-1], chunk[:, 1:])  # with targets: logits at every position
-        out.append(torch.log_softmax(logits.float(), -1))
+        tokens = chunk[:, :-1]
+        B, T = tokens.shape
+        cache, slots, half = served_cache(model, B, T), torch.arange(B), T // 2
+        logits = [model.forward_cached(tokens[:, :half], torch.full((B,), half), slots, torch.zeros(B, dtype=torch.long),
+                                       cache, all_logits=True)]
+        for t in range(half, T):
+            logits.append(model.forward_decode(tokens[:, t], slots, torch.full((B,), t), cache, torch.arange(t + 1))[:, None])
+        out.append(torch.log_softmax(torch.cat(logits, 1).float(), -1))
     return torch.cat(out)
 
 
 @torch.no_grad()
 def greedy(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """(N, new_tokens) greedy continuations (the full forward over the growing context)."""
-    idx = prompts
-    for _ in range(new_tokens):
-        logits, _ = model(idx[:, -model.config.block_size:])
-        idx = torch.cat([idx, logits[:, -1].float().argmax(-1, keepdim=True)], 1)
-    return idx[:, prompts.shape[1]:]
+    """(N, new_tokens) greedy continuations: the prompts prefilled, then one decode step a token,
+    over the worker's KV cache."""
+    B, P = prompts.shape
+    cache, slots = served_cache(model, B, P + new_tokens), torch.arange(B)
+    logits = model.forward_cached(prompts, torch.full((B,), P), slots, torch.zeros(B, dtype=torch.long), cache)
+    out = []
+    for i in range(new_tokens):
+        out.append(logits.argmax(-1))
+        if i + 1 < new_tokens:
+            logits = model.forward_decode(out[-1], slots, torch.full((B,), P + i), cache, torch.arange(P + i + 1))
+    return torch.stack(out, 1)
 
 
 def compare(reference: dict, other: dict) -> dict:
@@ -84,28 +108,31 @@ def compare(reference: dict, other: dict) -> dict:
 
 def measure(checkpoint: str, data: Path, precisions: list[str], count: int = 256, prompts: int = 32,
             prompt_tokens: int = 16, new_tokens: int = 48) -> dict:
+    from nanogpt.kv_cache import model_cache_dtype
+
     results = {}
     for precision in ["float32", *precisions]:
         model = load(checkpoint, precision)
         batch = windows(data, count, model.config.block_size)
         starts = windows(data, prompts, prompt_tokens)[:, :prompt_tokens]
         results[precision] = {"logprobs": next_token_logprobs(model, batch), "targets": batch[:, 1:],
-                              "greedy": greedy(model, starts, new_tokens)}
+                              "greedy": greedy(model, starts, new_tokens),
+                              "kv_cache": str(model_cache_dtype(model)).removeprefix("torch.")}
     reference = results["float32"]
     out = {"checkpoint": str(checkpoint), "positions": int(reference["targets"].numel()),
            "float32": {"heldout_loss": float(-reference["logprobs"].gather(
-               -1, reference["targets"][..., None]).mean())}}
-    out.update({p: compare(reference, results[p]) for p in precisions})
+               -1, reference["targets"][..., None]).mean()), "kv_cache": reference["kv_cache"]}}
+    out.update({p: {**compare(reference, results[p]), "kv_cache": results[p]["kv_cache"]} for p in precisions})
     return out
 
 
 def markdown(result: dict) -> str:
-    lines = ["| precision | held-out loss | mean \\|Δ logprob\\| (p99) | KL (nats) | same argmax | "
-             "greedy identical | first difference (median) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-             f"| float32 | {result['float32']['heldout_loss']:.4f} | | | | | |"]
+    lines = ["| precision | KV cache | held-out loss | mean \\|Δ logprob\\| (p99) | KL (nats) | same argmax | "
+             "greedy identical | first difference (median) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+             f"| float32 | {result['float32']['kv_cache']} | {result['float32']['heldout_loss']:.4f} | | | | | |"]
     for p, r in result.items():
         if isinstance(r, dict) and "kl_nats" in r:
-            lines.append(f"| {p} | {r['heldout_loss']:.4f} | {r['logprob_change_mean']:.4f} "
+            lines.append(f"| {p} | {r['kv_cache']} | {r['heldout_loss']:.4f} | {r['logprob_change_mean']:.4f} "
                          f"({r['logprob_change_p99']:.3f}) | {r['kl_nats']:.5f} | {100 * r['argmax_agreement']:.1f}% | "
                          f"{r['greedy_identical']} of {r['greedy_completions']} | {r['greedy_first_difference_median']} |")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 Memory: 2 (keys and values) * n_layer * max_slots * max_len * n_embd * bytes per element.
 GPT-2 small (12 layers, 768 wide) in float32 holds 2 * 12 * 768 * 4 B = 72 KiB per token, so
-32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16, on a GPU: see cache_dtype).
+32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16: see cache_dtype).
 """
 from __future__ import annotations
 
@@ -16,13 +16,27 @@ from torch.nn import functional as F
 from nanogpt import decode_attention
 
 
-def cache_dtype(model_dtype: torch.dtype, device) -> torch.dtype:
-    """The dtype a model's keys and values are cached and attended in: the model's own, except
-    bfloat16 on a CPU whose attention does not run clearly faster in bfloat16 (`bf16_attention_pays`):
-    there the cache is float32, which holds the bfloat16 keys and values exactly, at twice the memory."""
-    if model_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_attention_pays():
+def cache_dtype(model_dtype: torch.dtype, device, int8: bool = False) -> torch.dtype:
+    """The dtype a model's keys and values are cached and attended in: the model's own, except on a
+    CPU whose attention runs clearly faster in bfloat16 or not (`bf16_attention_pays`):
+    - a bfloat16 model where it does not: float32, which holds the bfloat16 keys and values exactly,
+      at twice the memory;
+    - an int8 model (float32 activations) where it does: bfloat16, half the bytes each decode step
+      reads (what llama.cpp's f16 cache does beside its q8_0 weights); a drift of its own, measured
+      with int8's in docs/benchmarks.md. A float32 model always caches in float32: it stays exact."""
+    on_cpu = torch.device(device).type == "cpu"
+    if model_dtype == torch.bfloat16 and on_cpu and not bf16_attention_pays():
         return torch.float32
+    if int8 and on_cpu and bf16_attention_pays():
+        return torch.bfloat16
     return model_dtype
+
+
+def model_cache_dtype(model) -> torch.dtype:
+    """cache_dtype for a serving model as loaded (int8 when its linear layers were quantized)."""
+    from nanogpt.quantize import is_int8
+
+    return cache_dtype(model.dtype, model.device, int8=is_int8(model))
 
 
 # The decode attention timed: a batch of sequences, GPT-2 small's heads, a few hundred positions

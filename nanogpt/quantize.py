@@ -74,7 +74,8 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
 def quantize_int8(model):
     """nn.Linear weights to int8, activations quantized on the fly (torch.ao's quantize_dynamic, in
     place, into Int8Linear layers packed for the default engine; returns the model). It changes
-    numerics, so it is never a default; embeddings, LayerNorms and attention stay float32. CPU
+    numerics, so it is never a default; embeddings and LayerNorms stay float32, attention runs in the
+    KV cache's dtype (nanogpt/kv_cache.py cache_dtype: bfloat16 on CPUs where that pays). CPU
     only: quantized linears have no other kernels. Its drift from float32 and its speed are
     measured in docs/benchmarks.md."""
     from nanogpt.kernels import INT8, INT8_ENGINES, Plan, publish, register
@@ -88,3 +89,8 @@ def quantize_int8(model):
             layer._handle = register(layer)
             publish(layer, Plan.only(INT8, "default"), {INT8: layer._packed_params._packed_params})
     return model
+
+
+def is_int8(model) -> bool:
+    """Whether quantize_int8 quantized the model's linear layers."""
+    return any(isinstance(m, Int8Linear) for m in model.modules())

@@ -231,6 +231,7 @@ def test_fidelity_compares_each_precision_with_float32(hf_checkpoint, tmp_path):
     import numpy as np
 
     from bench import fidelity
+    from nanogpt.kv_cache import cache_dtype
 
     np.random.default_rng(0).integers(0, 50257, 5000, dtype=np.uint16).tofile(tmp_path / "val.bin")
     result = fidelity.measure(str(hf_checkpoint), tmp_path, ["int8"], count=4, prompts=3, prompt_tokens=5,
@@ -247,4 +248,14 @@ def test_fidelity_compares_each_precision_with_float32(hf_checkpoint, tmp_path):
            "greedy": fidelity.greedy(model, batch[:, :4], 3)}
     same = fidelity.compare(run, run)
     assert same["kl_nats"] == 0 and same["argmax_agreement"] == 1 and same["greedy_identical"] == 2
+    # served (a prefill, then decode steps over the cache), float32 computes what the full forward does
+    full, _ = model(batch[:, :-1], batch[:, 1:])  # the training forward: logits at every position
+    assert torch.allclose(run["logprobs"], torch.log_softmax(full, -1), atol=1e-4)
+    greedy = batch[:, :4]
+    for _ in range(3):
+        greedy = torch.cat([greedy, model(greedy)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(run["greedy"], greedy[:, 4:])
+    # each precision's keys and values in the dtype the worker caches them in on this CPU
+    assert result["float32"]["kv_cache"] == "float32"
+    assert int8["kv_cache"] == str(cache_dtype(torch.float32, "cpu", int8=True)).removeprefix("torch.")
     assert "| int8 |" in fidelity.markdown(result)

@@ -616,13 +616,14 @@ def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypat
     assert all(m._packs == {} for m in layers)  # no second pack where fbgemm's serves every row
 
 
-def test_a_bfloat16_model_on_a_cpu_caches_in_the_dtype_its_attention_runs_fastest_in(monkeypatch):
+def test_bfloat16_and_int8_models_on_a_cpu_cache_in_the_dtype_its_attention_runs_fastest_in(monkeypatch):
     from nanogpt import kv_cache
     from nanogpt.kv_cache import cache_dtype
 
     pays = kv_cache.bf16_attention_pays()  # measured here: either answer is this CPU's
     assert cache_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if pays else torch.float32)
-    assert cache_dtype(torch.float32, "cpu") == torch.float32
+    assert cache_dtype(torch.float32, "cpu", int8=True) == (torch.bfloat16 if pays else torch.float32)
+    assert cache_dtype(torch.float32, "cpu") == torch.float32  # float32 stays exact, whatever pays
     assert cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16  # GPU attention kernels run bf16 natively
     kv_cache.bf16_attention_pays.cache_clear()
     timed = []
@@ -634,6 +635,7 @@ def test_a_bfloat16_model_on_a_cpu_caches_in_the_dtype_its_attention_runs_fastes
     monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", attention)
     try:
         assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
+        assert cache_dtype(torch.float32, "cpu", int8=True) == torch.float32
         assert set(timed) == {torch.float32, torch.bfloat16}
         kv_cache.bf16_attention_pays.cache_clear()
         monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
@@ -643,6 +645,8 @@ def test_a_bfloat16_model_on_a_cpu_caches_in_the_dtype_its_attention_runs_fastes
         kv_cache.bf16_attention_pays.cache_clear()
         monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)
         assert cache_dtype(torch.bfloat16, "cpu") == torch.bfloat16  # clearly faster in bfloat16
+        assert cache_dtype(torch.float32, "cpu", int8=True) == torch.bfloat16
+        assert cache_dtype(torch.float32, "cpu") == torch.float32
     finally:
         kv_cache.bf16_attention_pays.cache_clear()
 

@@ -13,6 +13,7 @@ import processor
 from models.registry import ModelSpec
 from nanogpt import precision
 from nanogpt.kv_cache import cache_dtype
+from nanogpt.quantize import is_int8
 from worker.protocol import CompletionJob
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
@@ -115,6 +116,19 @@ def test_a_worker_asked_for_bfloat16_on_a_cpu_with_native_bf16_runs_it(spec, cap
     ready = [r for r in caplog.records if r.getMessage() == "engine ready"]
     assert [(r.dtype, r.kv_cache) for r in ready] == [("bfloat16", str(cached).removeprefix("torch."))]
     assert not [r for r in caplog.records if "running float32" in r.getMessage()]
+
+
+def test_an_int8_worker_caches_in_the_dtype_its_attention_runs_fastest_in(spec, caplog):
+    with caplog.at_level(logging.INFO, logger="processor"):
+        engine = processor.build_engine(spec("int8"), "cpu", None)
+    # float32 activations around int8 matmuls; keys and values cached and attended in bfloat16 where
+    # this CPU's attention runs clearly faster in it (kv_cache.cache_dtype), else float32
+    model, cached = engine.runner.model, engine.runner.cache.k[0].dtype
+    assert model.dtype == torch.float32 and is_int8(model)
+    assert cached == cache_dtype(torch.float32, "cpu", int8=True)
+    assert run_one(engine)
+    ready = [r for r in caplog.records if r.getMessage() == "engine ready"]
+    assert [(r.dtype, r.kv_cache) for r in ready] == [("int8", str(cached).removeprefix("torch."))]
 
 
 def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypatch, caplog):

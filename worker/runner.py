@@ -26,7 +26,7 @@ import torch
 
 from nanogpt.compile import compile_decode
 from nanogpt.cuda_graphs import GraphedDecode
-from nanogpt.kv_cache import KVCache, cache_dtype
+from nanogpt.kv_cache import KVCache, model_cache_dtype
 from nanogpt.kernels import pack_linears
 from worker import contrastive
 from worker.beams import BeamGroup, advance
@@ -55,7 +55,7 @@ class Runner:
         """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
         cannot hold that many (`slots`). See Engine for `compile`, `prepack` and `cuda_graphs`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
-        config, dtype = model.config, cache_dtype(model.dtype, model.device)
+        config, dtype = model.config, model_cache_dtype(model)
         slots = max_batch
         if kv_memory_bytes is not None:
             slots = min(slots, kv_memory_bytes // (KVCache.bytes_per_token(config, dtype) * max_len))
