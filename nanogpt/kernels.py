@@ -251,12 +251,14 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """activation(layer(x)), or residual + layer(x): in the matmul's own pass over the output where
     the layer's kernel has such an epilogue (oneDNN), which saves a pass over the output and an
-    operator call per layer; else as written. `layer` is any linear module (packed or not,
+    operator call per layer, or as the output leaves the project's int8 op; else as written. `layer` is any linear module (packed or not,
     quantized); the activation an nn.GELU or nn.ReLU (others are applied after)."""
     if activation is not None and residual is not None:
         return residual + project(layer, x, activation)
     post = None if activation is None else \
         ONEDNN_ACTIVATIONS.get((type(activation).__name__, getattr(activation, "approximate", None)))
+    if type(layer) is Int8Linear and layer._handle is not None and post is not None:
+        return torch.ops.nanoserve.int8_linear(x, layer._handle, layer.out_features, post[0], post[2])
     if type(layer) is KernelLinear and torch.compiler.is_compiling():
         if post is not None and layer._plan is not None and not layer._plan.plain:
             return torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle, post[0], post[2])
@@ -321,10 +323,18 @@ _LIBRARY.impl("linear", lambda x, weight, bias, handle, activation="none", algor
               x.new_empty(*x.shape[:-1], weight.shape[0]), "Meta")
 # An int8 layer (nanogpt/quantize.py) as one op of a compiled graph: dynamo cannot trace its packed
 # weight (a TorchScript object); `out_features` gives the output's shape without running it.
-_LIBRARY.define("int8_linear(Tensor x, int handle, int out_features) -> Tensor")
-_LIBRARY.impl("int8_linear", lambda x, handle, out_features: x.new_empty(*x.shape[:-1], out_features), "Meta")
+# `activation`, `algorithm` as for `linear`: applied to the int8 kernel's output as it leaves the op
+# (in C++, GPT-2's GELU by a form ~2.5x faster than PyTorch's, nanogpt/vec.h).
+_LIBRARY.define("int8_linear(Tensor x, int handle, int out_features, str activation='none', str algorithm='') "
+                "-> Tensor")
+_LIBRARY.impl("int8_linear", lambda x, handle, out_features, activation="none", algorithm="":
+              x.new_empty(*x.shape[:-1], out_features), "Meta")
 # the post-ops as functions, for the kernels without that epilogue
 _POST_OPS = {"gelu": lambda y, algorithm: F.gelu(y, approximate=algorithm), "relu": lambda y, algorithm: F.relu(y)}
+
+
+def _post_op(y: torch.Tensor, activation: str, algorithm: str) -> torch.Tensor:
+    return y if activation == "none" else _POST_OPS[activation](y, algorithm)
 
 
 @functools.cache
@@ -333,7 +343,8 @@ def _define_cpu_ops() -> None:
     the interpreter (15-25 µs, against ~1 in C++)."""
     if not _own_ops():
         _LIBRARY.impl("linear", _compiled_linear, "CPU")
-        _LIBRARY.impl("int8_linear", lambda x, handle, out_features: _LAYERS[handle]()(x), "CPU")
+        _LIBRARY.impl("int8_linear", lambda x, handle, out_features, activation="none", algorithm="":
+                      _post_op(_LAYERS[handle]()(x), activation, algorithm), "CPU")
 
 
 def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
@@ -343,7 +354,7 @@ def _compiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if activation != "none" and kernel is not None and kernel.with_activation is not None:
         return kernel.with_activation(x, layer._packed, weight, bias, (activation, [], algorithm))
     y = F.linear(x, weight, bias) if kernel is None else kernel.linear(x, layer._packed, weight, bias)
-    return y if activation == "none" else _POST_OPS[activation](y, algorithm)
+    return _post_op(y, activation, algorithm)
 
 
 def pack_linears(model: nn.Module, kernel: str | None = None) -> int:

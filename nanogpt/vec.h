@@ -43,4 +43,38 @@ inline float hsum(vf v) {  // in a tree: a chain of L additions would take longe
 #endif
 }
 
+typedef int32_t vi __attribute__((vector_size(L * 4)));
+
+// e^x in every lane, as Cephes' expf computes it (x = n ln 2 + r with |r| <= ln 2 / 2, a degree-5
+// polynomial for e^r, 2^n put into the exponent bits; within ~2 ulp). The standard library has no
+// vector exp, and one call per lane would cost more than the rest of a GELU.
+inline vf exp(vf x) {
+  x = x < -87.33654f ? vf{} - 87.33654f : x;  // e^x stays a normal float: no 2^n below 2^-126
+  x = x > 88.72283f ? vf{} + 88.72283f : x;
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(fx, vi);  // truncated: floor(fx) for fx >= 0,
+  vf fn = __builtin_convertvector(n, vf);
+  vi above = fn > fx;                      // one too many where fx < 0 was not whole
+  n += above;                              // (true is -1)
+  fn = __builtin_convertvector(n, vf);
+  vf r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  vf y = p * r * r + r + 1.0f;
+  vi bits = (n + 127) << 23;
+  vf scale; std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// GPT-2's GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), written as
+// x / (1 + e^(-2u)): the same function with an exp, which costs less than a tanh
+inline vf gelu_tanh(vf x) {
+  vf u = x * (0.7978845608028654f + 0.0356774081363001f * x * x);
+  return x / (1.0f + exp(-2.0f * u));
+}
+
 }  // namespace nanoserve
