@@ -127,6 +127,25 @@ def test_adjusted_logits_match_direct_computation():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_logits_are_overwritten_only_when_the_caller_allows_it():
+    """logit_bias adds into the raw logits only `in_place` (no row of the step reports logprobs,
+    which are the raw model's); the tokens are the same either way."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 10)
+    params = [SamplingParams(temperature=0, logit_bias={7: 50.0}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={3: -100.0, 5: 40.0}), SamplingParams(temperature=0.8, seed=1)]
+    want = logits.clone()
+    want[0, 7] += 50.0
+    want[2, 3] -= 100.0
+    want[2, 5] += 40.0
+    kept = logits.clone()
+    tokens = make_sampler(params, 10).sample(kept, [0, 1, 2, 3])
+    assert torch.equal(kept, logits)  # untouched
+    overwritten = logits.clone()
+    assert torch.equal(make_sampler(params, 10).sample(overwritten, [0, 1, 2, 3], in_place=True), tokens)
+    assert torch.equal(overwritten, want) and tokens[:3].tolist() == [7, int(logits[1].argmax()), 5]
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=3),
                                     SamplingParams(temperature=1.3, top_p=0.8, seed=3),
                                     SamplingParams(top_k=3, seed=3)])

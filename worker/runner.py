@@ -201,7 +201,8 @@ class Runner:
         if not rows:
             return []
         x = (logits[0] if len(logits) == 1 else torch.cat(logits))[:, :self.vocab_size]  # (B, V); nanoGPT pads V
-        tokens = self.sampler.sample(x, [s.slot for s in rows], [s.tokens for s in rows])
+        scored = any(s.request.needs_scores for s in rows)  # else the raw logits are read no more
+        tokens = self.sampler.sample(x, [s.slot for s in rows], [s.tokens for s in rows], in_place=not scored)
         return self._draws(rows, x, tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:

@@ -75,14 +75,16 @@ def apply_penalties(logits, counts, presence, frequency):
     return logits - counts * frequency[:, None] - (counts > 0).to(logits.dtype) * presence[:, None]
 
 
-def apply_logit_bias(logits, biases: list[dict[int, float]]):
+def apply_logit_bias(logits, biases: list[dict[int, float]], in_place: bool = False):
     """logits (B, V) plus each row's {token: bias}: added at the biased entries alone (the same
-    sums as adding a dense row of mostly zeros, without reading and adding B x V of them)."""
+    sums as adding a dense row of mostly zeros, without reading and adding B x V of them); into
+    `logits` itself when `in_place` (a copy of GPT-2's 32 rows costs ~0.7 ms of a 20 ms step)."""
     rows = [b for b, bias in enumerate(biases) for _ in bias]
     ids = [t for bias in biases for t in bias]
     values = torch.tensor([v for bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device)
     index = torch.tensor([rows, ids], device=logits.device)
-    return logits.index_put((index[0], index[1]), values, accumulate=True)
+    add = logits.index_put_ if in_place else logits.index_put
+    return add((index[0], index[1]), values, accumulate=True)
 
 
 def truncate_sorted(probs_sorted, top_k, top_p):
@@ -260,12 +262,14 @@ class Sampler:
             self.step[slot] = step
             self.prompt_len[slot] = self.prompt_len[parent]
 
-    def adjusted_logits(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None):
+    def adjusted_logits(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None,
+                        in_place: bool = False):
         """Raw (B, V) logits (or log-probabilities: beam search) through the logits processors, in
         vLLM's order: banned tokens, bad words and n-gram bans, stop tokens before min_tokens,
         logit_bias, repetition penalty, presence/frequency penalties. Each is skipped when no row
-        uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them."""
-        params = [self.params[s] for s in slots]
+        uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
+        `in_place`: the caller reads the raw logits no more, so they may be overwritten."""
+        params, raw = [self.params[s] for s in slots], logits
         idx = torch.tensor(slots, device=logits.device)
         if any(p.masked for p in params):
             logits = apply_token_mask(logits, self.banned[idx])
@@ -275,19 +279,21 @@ class Sampler:
         if any(early):
             logits = apply_token_mask(logits, self.stops[idx], torch.tensor(early, device=logits.device))
         if any(p.logit_bias for p in params):
-            logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+            logits = apply_logit_bias(logits, [p.logit_bias for p in params], in_place or logits is not raw)
         if any(p.repetition_penalty != 1 for p in params):
             logits = apply_repetition_penalty(logits, self.seen[idx], self.repetition[idx])
         if any(p.penalized for p in params):
             logits = apply_penalties(logits, self.counts[idx], self.presence[idx], self.frequency[idx])
         return logits
 
-    def sample(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None,
+               in_place: bool = False) -> torch.Tensor:
         """One token per row of raw (B, V) float32 logits, row b belonging to slot slots[b]
-        (distinct). Advances each slot's draw counter and token counts. Returns (B,) long, on device."""
+        (distinct). Advances each slot's draw counter and token counts. Returns (B,) long, on device.
+        `in_place`: as adjusted_logits takes it."""
         params = [self.params[s] for s in slots]
         idx = torch.tensor(slots, device=logits.device)
-        x = self.adjusted_logits(logits, slots, outputs)
+        x = self.adjusted_logits(logits, slots, outputs, in_place)
         random = [b for b, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum, like transformers
         tokens = first_max(x) if len(random) < len(params) else torch.empty_like(idx)
