@@ -183,8 +183,7 @@ inline float activate(float v, Activation a) {
   switch (a) {
     case Activation::none: return v;
     case Activation::relu: return v > 0.f ? v : 0.f;
-    case Activation::gelu_tanh:
-      return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    case Activation::gelu_tanh: return gelu_tanh(v);
     case Activation::gelu_erf: return 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
   }
   return v;

@@ -80,8 +80,7 @@ void gelu_tanh_(torch::Tensor& y) {
       std::memcpy(p, &v, sizeof v);
     }
   });
-  for (int64_t i = vectors * L; i < y.numel(); ++i)  // the tail: one lane of a vector
-    data[i] = 0.5f * data[i] * (1.f + std::tanh(0.7978845608028654f * (data[i] + 0.044715f * data[i] * data[i] * data[i])));
+  for (int64_t i = vectors * L; i < y.numel(); ++i) data[i] = nanoserve::gelu_tanh(data[i]);  // the tail
 }
 
 // activation(y), in place: y is the kernel's fresh output

@@ -5,6 +5,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -70,8 +71,12 @@ inline vf exp(vf x) {
   return y * scale;
 }
 
-// GPT-2's GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), written as
-// x / (1 + e^(-2u)): the same function with an exp, which costs less than a tanh
+// GPT-2's GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3): one float as written,
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// and a vector of them as x / (1 + e^(-2u)): the same function with an exp, which costs less than a tanh
 inline vf gelu_tanh(vf x) {
   vf u = x * (0.7978845608028654f + 0.0356774081363001f * x * x);
   return x / (1.0f + exp(-2.0f * u));
