@@ -147,7 +147,9 @@ def test_concurrent_jobs_share_the_batch_and_keep_their_seeded_results(worker, r
 
 
 def test_cancel_flag_stops_a_running_job_within_a_step(worker, r):
-    job = make_job(max_tokens=120, prompts=[[464]])
+    # Streamed: every step is written as it is made (a job that is not streamed writes its tokens
+    # every StreamWriter.DEFER_S and reads its flag then: tests/test_events.py).
+    job = make_job(max_tokens=120, prompts=[[464]], stream=True)
     rq_job = enqueue(r, job)
     wait_for_delta(r, job.id)
     with r.pipeline(transaction=True) as pipe:

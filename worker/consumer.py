@@ -102,7 +102,7 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
     started = time.monotonic()
-    binding.writer.track(job.id, history.last_entry_id)
+    binding.writer.track(job.id, history.last_entry_id, streamed=job.stream)
     try:
         handle = binding.engine.submit(job, resume=history.tokens or None)
         try:

@@ -2,7 +2,8 @@
 
 Every event of a job is one entry of `protocol.stream_key(job_id)`; web follows that stream for
 SSE, for the synchronous answer and for polling. The engine calls the sink once per step with the
-whole batch's events, so one step costs one round trip to Redis however many jobs are running.
+whole batch's events, so one step costs at most one round trip to Redis however many jobs are
+running, and a step whose only events are tokens of jobs nobody reads token by token costs none.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class StreamWriter:
       is what a retried attempt resumes from.
     - If Redis is unreachable the events are kept and written, in order, with the next step's; the
       engine never sees the error.
+    - A job that is not streamed (the synchronous answer, a polled or batch job) is read whole at
+      its end, so its tokens are written at most every `DEFER_S` (with any other job's events, and
+      at once for its first token and its end). Each write woke Redis and the web thread reading
+      the stream, on the cores the decode step runs on. A worker killed meanwhile has its retry
+      compute those tokens again (the resumed attempt starts from what the stream holds, as always).
+      The cancel flags are read with every write.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
       attempt, n counting the attempt's events), so a transaction sent again after its reply was
       lost (Redis restarting, redis-py retrying) is refused entry by entry instead of duplicated.
@@ -46,9 +53,13 @@ class StreamWriter:
       writing (a worker wrongly thought dead) is refused the same way.
     """
 
+    DEFER_S = 0.1  # how long the tokens of a job nobody reads token by token may wait
+
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
         self.max_pending = max_pending
+        self._streamed: set[str] = set()  # jobs whose every step is written at once
+        self._written_at = 0.0  # time.monotonic() of the last write
         self._pending: list[tuple[str, str, dict[str, Any], str]] = []  # events with their entry ids
         self._next_id: dict[str, list[int]] = {}  # job id -> [ms, n] of its next entry
         self._active: set[str] = set()  # jobs whose cancel flag is checked every step
@@ -56,18 +67,21 @@ class StreamWriter:
         self._failing_since: float | None = None  # when writes started failing (logged once)
         self._lock = threading.Lock()  # consumer threads call track/silence while the engine writes
 
-    def track(self, job_id: str, last_entry_id: str | None = None) -> None:
+    def track(self, job_id: str, last_entry_id: str | None = None, streamed: bool = True) -> None:
         """Number this job's events from now on (`last_entry_id`: its stream's newest entry, if
-        any) and check its cancel flag every step."""
+        any) and check its cancel flag with every write; `streamed`: write its every step at once."""
         last_ms = int(last_entry_id.split("-")[0]) if last_entry_id else 0
         with self._lock:
             self._next_id[job_id] = [max(int(time.time() * 1000), last_ms + 1), 0]
             self._active.add(job_id)
+            if streamed:
+                self._streamed.add(job_id)
 
     def untrack(self, job_id: str) -> None:
         """Stop checking the cancel flag (the numbering ends with the job's terminal event)."""
         with self._lock:
             self._active.discard(job_id)
+            self._streamed.discard(job_id)
 
     def silence(self, job_id: str) -> threading.Event:
         """Drop the job's events from now on, up to and including its next terminal event (the
@@ -84,16 +98,20 @@ class StreamWriter:
 
     def __call__(self, events: Iterable[Event]) -> set[str]:
         with self._lock:
+            urgent = False
             for job_id, event_type, data in events:
                 terminal = event_type in protocol.TERMINAL_EVENTS
                 ended = self._silenced.get(job_id)
                 if ended is None:
+                    urgent = urgent or self._urgent(job_id, event_type)
                     self._pending.append((job_id, event_type, data, self._entry_id(job_id)))
                 elif terminal:
                     del self._silenced[job_id]
                     ended.set()
                 if terminal:
                     self._next_id.pop(job_id, None)
+            if not urgent and time.monotonic() - self._written_at < self.DEFER_S:
+                return set()
             active = sorted(self._active)
         try:
             cancelled = self._flush(active)
@@ -111,6 +129,12 @@ class StreamWriter:
                      extra={"outage_seconds": round(time.monotonic() - self._failing_since, 1)})
             self._failing_since = None
         return cancelled
+
+    def _urgent(self, job_id: str, event_type: str) -> bool:
+        """Whether this event goes out with this step: anything but a token of a job that is not
+        streamed, and the first event of every attempt (the answer's first token, as web times it)."""
+        next_id = self._next_id.get(job_id)
+        return event_type != "delta" or job_id in self._streamed or next_id is None or next_id[1] == 0
 
     def _entry_id(self, job_id: str) -> str:
         next_id = self._next_id.get(job_id)
@@ -130,6 +154,7 @@ class StreamWriter:
             for job_id in active:
                 pipe.exists(protocol.cancel_key(job_id))
             replies = pipe.execute(raise_on_error=False)
+        self._written_at = time.monotonic()
         self._pending = []
         refused = [(event[0], reply) for event, reply in zip(events, replies) if isinstance(reply, Exception)]
         if refused:  # already written (a resent step), or a newer attempt owns the stream

@@ -1,0 +1,89 @@
+"""The engine's event sink (worker/events.py StreamWriter) against a real redis-server: a streamed
+job's every step is written as it is made; a job read whole at its end has its tokens written at
+most every DEFER_S, its first token and its end at once, and its cancel flag read with each write."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from worker import protocol
+from worker.events import StreamWriter, read_history
+
+
+@pytest.fixture()
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def delta(job_id: str, token: int):
+    return (job_id, "delta", {"index": 0, "text": f"<{token}>", "token_ids": [token]})
+
+
+def length(client, job_id: str) -> int:
+    return client.xlen(protocol.stream_key(job_id))
+
+
+def test_a_streamed_job_is_written_every_step(client):
+    writer = StreamWriter(client)
+    writer.track("s", streamed=True)
+    for token in range(5):
+        writer([delta("s", token)])
+        assert length(client, "s") == token + 1
+
+
+def test_a_job_read_at_its_end_writes_its_tokens_every_defer_s_and_its_first_and_last_at_once(client):
+    writer = StreamWriter(client)
+    writer.DEFER_S = 0.5  # a whole test's steps fit in it on a slow machine
+    writer.track("w", streamed=False)
+    writer([delta("w", 0)])
+    assert length(client, "w") == 1  # the first token: web times the answer's first token by it
+    started = time.monotonic()
+    for token in range(1, 4):
+        writer([delta("w", token)])
+    assert time.monotonic() - started < writer.DEFER_S
+    assert length(client, "w") == 1  # waiting with the job's next tokens
+    writer([("w", "usage", {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5})])
+    assert length(client, "w") == 5  # any other event takes the waiting tokens with it, in order
+    writer([delta("w", 4)])
+    assert length(client, "w") == 5
+    time.sleep(writer.DEFER_S)
+    writer([delta("w", 5)])
+    assert length(client, "w") == 7  # DEFER_S after the last write, the next step writes
+    writer([delta("w", 6)])
+    writer([("w", "done", {"completion": {}})])
+    assert length(client, "w") == 9  # its end at once
+    assert read_history(client, "w").tokens == {0: list(range(7))}
+
+
+def test_a_streamed_jobs_step_takes_the_waiting_tokens_of_the_others_along(client):
+    writer = StreamWriter(client)
+    writer.DEFER_S = 60.0
+    writer.track("w", streamed=False)
+    writer.track("s", streamed=True)
+    writer([delta("w", 0)])
+    writer([delta("w", 1)])
+    assert length(client, "w") == 1
+    writer([delta("w", 2), delta("s", 0)])
+    assert (length(client, "w"), length(client, "s")) == (3, 1)
+
+
+def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_with_the_next_write(client):
+    writer = StreamWriter(client)
+    writer.DEFER_S = 0.3
+    writer.track("w", streamed=False)
+    writer.track("s", streamed=True)
+    assert writer([delta("w", 0)]) == set()
+    client.set(protocol.cancel_key("w"), 1)
+    assert writer([delta("w", 1)]) == set()  # no write this step: the flag waits too
+    assert writer([delta("s", 0)]) == {"w"}  # a streamed job's write reads every running job's flag
+    client.set(protocol.cancel_key("s"), 1)
+    time.sleep(writer.DEFER_S)
+    assert writer([delta("w", 2)]) == {"w", "s"}
+    writer.untrack("s")
+    writer.untrack("w")
+    time.sleep(writer.DEFER_S)
+    assert writer([]) == set()  # untracked: no flag read for them
