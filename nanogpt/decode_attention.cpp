@@ -26,18 +26,10 @@ using namespace nanoserve;
 // exp of nanogpt/vec.h), the last few one at a time: one libm exp per score cost ~15% of the kernel
 // at 32 rows of GPT-2 small.
 inline float softmax_numerators(float* scores, int64_t first, int64_t last) {
-  const float lowest = -std::numeric_limits<float>::infinity();
-  vf tops = vf{} + lowest;
+  const float top = max_of(scores + first, last - first);
+  vf sums = {};
   int64_t s = first;
   for (; s + L <= last; s += L) {
-    const vf v = load(scores + s);
-    tops = v > tops ? v : tops;
-  }
-  float top = lowest;
-  for (int l = 0; l < L; ++l) top = std::max(top, tops[l]);
-  for (int64_t t = s; t < last; ++t) top = std::max(top, scores[t]);
-  vf sums = {};
-  for (s = first; s + L <= last; s += L) {
     const vf e = nanoserve::exp(load(scores + s) - top);
     std::memcpy(scores + s, &e, sizeof e);
     sums += e;

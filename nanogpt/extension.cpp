@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("cache_k"), py::arg("cache_v"), py::arg("slots"), py::arg("positions"),
         py::arg("span"), py::arg("scale"), py::arg("local") = 0);
   m.def("decode_attention_serves", &decode_attention_serves, "whether decode_attention is built for this head size");
+  m.def("first_max", &first_max, "each row's first maximum, as x.max(-1).indices", py::arg("x"));
   m.def("set_layer", &set_layer, "what a packed layer's op runs for each range of row counts",
         py::arg("handle"), py::arg("weight"), py::arg("most"), py::arg("kinds"), py::arg("packs"));
   m.def("drop_layer", &drop_layer, "forget a packed layer", py::arg("handle"));

@@ -1,7 +1,8 @@
 """The project's own C++ kernels: the GEMV for one or two rows (nanogpt/gemv.cpp, served through
-nanogpt/gemv.py) and the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
-through nanogpt/decode_attention.py), one module (nanogpt/extension.cpp) on PyTorch's own threads;
-it also gives the compiled graphs' ops their C++ CPU kernels (nanogpt/layer_ops.cpp).
+nanogpt/gemv.py), the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
+through nanogpt/decode_attention.py) and each row's first maximum for the sampler
+(nanogpt/first_max.cpp), one module (nanogpt/extension.cpp) on PyTorch's own threads; it also gives
+the compiled graphs' ops their C++ CPU kernels (nanogpt/layer_ops.cpp).
 
 They are compiled on first use for the vector width this CPU has, and the GEMV's bfloat16 dot
 products where it has AVX512_BF16 (torch.utils.cpp_extension, under a minute) into
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 ENV = "NANOSERVE_EXTENSIONS"
 HERE = Path(__file__).parent
-SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "layer_ops.cpp"]
+SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "first_max.cpp",
+           HERE / "layer_ops.cpp"]
 HEADERS = [HERE / "vec.h", HERE / "own_kernels.h"]
 # torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
@@ -84,3 +86,9 @@ def _ninja_on_path() -> None:
 
 def available() -> bool:
     return extension() is not None
+
+
+def loaded():
+    """The kernels' module where this process has built or loaded it already, else None: for a hot
+    path that must never wait for a build."""
+    return extension() if extension.cache_info().currsize else None

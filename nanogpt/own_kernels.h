@@ -13,6 +13,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& cach
                                double scale, int64_t local);  // nanogpt/decode_attention.cpp
 bool decode_attention_serves(int64_t head_size);
 
+torch::Tensor first_max(const torch::Tensor& x);  // nanogpt/first_max.cpp
+
 void set_layer(int64_t handle, const c10::optional<torch::Tensor>& weight, const std::vector<double>& most,
                const std::vector<std::string>& kinds, const std::vector<pybind11::object>& packs);  // nanogpt/layer_ops.cpp
 void drop_layer(int64_t handle);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <limits>
 
 namespace nanoserve {
 
@@ -45,6 +46,31 @@ inline float hsum(vf v) {  // in a tree: a chain of L additions would take longe
 }
 
 typedef int32_t vi __attribute__((vector_size(L * 4)));
+
+inline bool any(vi mask) {  // whether a lane of a comparison's result is true
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask(reinterpret_cast<__m512i>(mask), reinterpret_cast<__m512i>(mask)) != 0;
+#else
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(mask)) != 0;
+#endif
+}
+
+// The largest of p[0..n), NaN where one of them is (as torch's max): in vectors, the last few one at a time.
+inline bool above(float x, float top) { return x > top || x != x; }
+
+inline float max_of(const float* p, int64_t n) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  vf tops = vf{} + lowest;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const vf v = load(p + i);
+    tops = (v > tops) | (v != v) ? v : tops;
+  }
+  float top = lowest;
+  for (int l = 0; l < L; ++l) top = above(tops[l], top) ? tops[l] : top;
+  for (; i < n; ++i) top = above(p[i], top) ? p[i] : top;
+  return top;
+}
 
 // e^x in every lane, as Cephes' expf computes it (x = n ln 2 + r with |r| <= ln 2 / 2, a degree-5
 // polynomial for e^r, 2^n put into the exponent bits; within ~2 ulp). The standard library has no

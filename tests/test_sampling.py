@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
+from nanogpt import extension
 from worker.logprobs import TokenLogprob, fragment, score
 from worker import sampling
 from worker.sampling import (Sampler, SamplingParams, _numpy_exponential, _torch_exponential, apply_penalties, draw_key,
-                             draw_truncated, gumbel_noise, truncate_sorted)
+                             draw_truncated, first_max, gumbel_noise, truncate_sorted)
 
 
 @pytest.mark.parametrize("source", [_numpy_exponential, _torch_exponential])  # CPU / other devices
@@ -286,8 +287,6 @@ def test_fork_copies_a_slots_state_to_another():
 
 
 def test_first_max_is_argmax_ties_and_infinities_included():
-    from worker.sampling import first_max
-
     x = torch.randn(6, 50257)
     x[1, [3, 9000, 40000]] = x[1].max() + 1  # a tie: the first of them
     x[2] = -torch.inf                        # nothing allowed: index 0, as argmax says
@@ -296,3 +295,25 @@ def test_first_max_is_argmax_ties_and_infinities_included():
     x[5, 50256] = torch.inf
     assert torch.equal(first_max(x), x.argmax(-1))
     assert first_max(x)[[1, 2, 4, 5]].tolist() == [3, 0, 0, 50256]
+
+
+@pytest.mark.skipif(not extension.available(), reason="the project's kernels are not built here (no compiler or vector width)")
+def test_the_own_first_max_kernel_gives_the_indices_torchs_max_gives():
+    own = extension.extension()
+    for width in (1, 5, 15, 16, 17, 31, 33, 50257):
+        x = torch.randn(37, width)
+        x[1] = 0.25                                    # all equal: the first
+        x[2, -1] = 9.0                                 # the tail past the last whole vector
+        x[3] = -torch.inf
+        x[4, width // 2] = torch.nan                   # a NaN is the maximum, as torch's max says
+        x[5, -1], x[5, 0] = torch.nan, torch.inf       # ... even after an infinity
+        x[6, [width // 3, width - 1]] = 7.0            # a tie: the first of them
+        x[7, [0, width // 2]] = torch.nan              # the first NaN
+        x[8, :] = torch.inf
+        apart = torch.randn(11, width + 7)[:, :width]  # rows that are not next to each other
+        apart[2, width // 2] = 5.0
+        for m in (x, apart):
+            assert torch.equal(own.first_max(m), m.max(-1).indices), width
+            assert torch.equal(first_max(m), m.max(-1).indices), width  # the sampler's, through the kernel
+    assert own.first_max(torch.empty(0, 9)).shape == (0,)
+    assert extension.loaded() is own
