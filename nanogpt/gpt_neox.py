@@ -78,6 +78,10 @@ class GPTNeoX(ServingModel):
     def unembed(self, h):
         return self.embed_out(h)
 
+    @property
+    def output_layer(self):
+        return self.embed_out
+
     def tie_weights(self):
         if self.config.tie_word_embeddings:
             self.embed_in.weight = self.embed_out.weight

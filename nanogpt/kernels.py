@@ -369,29 +369,44 @@ def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
               and m.weight.device.type == "cpu" and m.weight.dtype in (torch.float32, torch.bfloat16)]
     count = 0
     for dtype in {m.weight.dtype for m in layers}:
-        group = [m for m in layers if m.weight.dtype == dtype]
-        plan = Plan.only(_check(kernel, dtype)) if kernel else choose(group)
+        for group in _planned_together(model, [m for m in layers if m.weight.dtype == dtype]):
+            plan = Plan.only(_check(kernel, dtype)) if kernel else choose(group)
+            for module in group:
+                if type(module) is nn.Linear:
+                    module.__class__ = KernelLinear
+                    module._plan = None
+                if module._plan != plan or not module.is_current():
+                    module.set_plan(plan)
+                count += plan.packed != PLAIN
+    for group in _planned_together(model, [m for m in model.modules() if isinstance(m, Int8Linear)]):
+        plan = Plan.only(_check(kernel, torch.qint8)) if kernel else choose(group)
         for module in group:
-            if type(module) is nn.Linear:
-                module.__class__ = KernelLinear
-                module._plan = None
-            if module._plan != plan or not module.is_current():
-                module.set_plan(plan)
-            count += plan.packed != PLAIN
-    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    if int8:
-        plan = Plan.only(_check(kernel, torch.qint8)) if kernel else choose(int8)
-        for module in int8:
             if module._plan != plan or module._packed_from is not module._packed_params._packed_params:
                 module.set_plan(plan)
-        count += len(int8)
+        count += len(group)
     return count
 
 
+def _planned_together(model: nn.Module, layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """The groups of `layers` that share one plan: the output head (a serving model's
+    `output_layer`, vocabulary x width) on its own, the others together. Kernels cross over at other
+    row counts on the head's shape: int8's at 2-8 rows there, at ~22 in GPT-2 small's blocks
+    (docs/benchmarks.md)."""
+    head = getattr(model, "output_layer", None)
+    groups = [[m for m in layers if m is not head], [m for m in layers if m is head]]
+    return [group for group in groups if group]
+
+
 def _plans_of(model: nn.Module) -> dict[str, Plan]:
-    """{weight dtype's name ("int8" for int8 layers): plan} of the model's planned layers."""
-    return {"int8" if isinstance(m, Int8Linear) else str(m.weight.dtype).removeprefix("torch."): m._plan
-            for m in model.modules() if isinstance(m, (KernelLinear, Int8Linear)) and m._plan is not None}
+    """{weight dtype's name ("int8" for int8 layers; "... head" for the output head's): plan} of the
+    model's planned layers, the blocks' first."""
+    head = getattr(model, "output_layer", None)
+    plans = {}
+    for m in model.modules():
+        if isinstance(m, (KernelLinear, Int8Linear)) and m._plan is not None:
+            dtype = "int8" if isinstance(m, Int8Linear) else str(m.weight.dtype).removeprefix("torch.")
+            plans.setdefault(dtype + " head" if m is head else dtype, m._plan)
+    return dict(sorted(plans.items(), key=lambda item: item[0].endswith(" head")))
 
 
 def describe(model: nn.Module) -> str | None:
@@ -505,9 +520,11 @@ def plan_int8(seconds: dict[str, dict[int, float]]) -> Plan:
 def time_kernels(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernels: list[str], rows,
                  repeats: int = 3, budget: float = TIME_BUDGET) -> dict[str, dict[int, float]]:
     """Best seconds of one pass of x @ W.T + b over every (W, b) of `weights`, in order, per kernel
-    and row count, over `repeats` timed passes (fewer once `budget` seconds have gone, at least
-    one). The kernels take turns within each repeat, so that a burst of other load on a shared
-    machine hits them alike. On a GPU only PLAIN runs, timed to the device's completion."""
+    and row count, over `repeats` timed passes of each row count in turn (fewer once `budget`
+    seconds have gone, at least one): the passes of many rows, the longest by far (an output head
+    at 256 rows: 0.3 s), never take the repeats of the few rows a decode step runs. The kernels
+    take turns within each repeat, so that a burst of other load on a shared machine hits them
+    alike. On a GPU only PLAIN runs, timed to the device's completion."""
     device = weights[0][0].device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     packs = {name: [KERNELS[name].pack_of(w, b) for w, b in weights] for name in kernels}
@@ -516,11 +533,11 @@ def time_kernels(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernel
     best = {name: {r: math.inf for r in rows} for name in kernels}
     started = time.perf_counter()
     with torch.no_grad():
-        for repeat in range(repeats + 1):  # the first pass warms up (allocations, thread pool)
-            if repeat > 1 and time.perf_counter() - started > budget:
-                break
-            for r in rows:
-                xs = inputs[r]
+        for i, r in enumerate(rows):
+            xs = inputs[r]
+            for repeat in range(-1 if i == 0 else 0, repeats):  # -1: a first pass warms up (allocations, thread pool)
+                if repeat > 0 and time.perf_counter() - started > budget:
+                    break
                 for name in kernels:
                     linear = KERNELS[name].linear
                     sync()
@@ -528,7 +545,7 @@ def time_kernels(weights: list[tuple[torch.Tensor, torch.Tensor | None]], kernel
                     for (w, b), packed in zip(weights, packs[name]):
                         linear(xs[w.shape[1]], packed, w, b)
                     sync()
-                    if repeat:
+                    if repeat >= 0:
                         best[name][r] = min(best[name][r], time.perf_counter() - start)
     return best
 

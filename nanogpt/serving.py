@@ -41,6 +41,11 @@ class ServingModel(nn.Module):
         """The last block's output (..., n_embd) -> logits (..., vocab_size)."""
         return self.unembed(self.final_hidden(x))
 
+    @property
+    def output_layer(self) -> nn.Module:
+        """The layer `unembed` projects with (vocab_size x n_embd)."""
+        return self.lm_head
+
     def tie_weights(self) -> None:
         """Make tied parameters one again (after load_state_dict(assign=True) replaced them)."""
 

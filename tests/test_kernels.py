@@ -218,7 +218,10 @@ def test_the_choice_takes_only_kernels_this_machine_runs(checkpoint):
     assert set(plan.seconds) == set(FLOAT_KERNELS)
     assert all(all(0 < s < math.inf for s in by_rows.values()) for by_rows in plan.seconds.values())
     assert plan.packed in FLOAT_KERNELS and {name for _, name in plan.ranges} <= {plan.packed, "linear", "gemv"}
-    assert all(m._plan is plan for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.lm_head._plan  # the output head is planned on its own timings
+    plan = model.transformer.h[0].attn.c_attn._plan
+    assert set(head.seconds) == set(plan.seconds) and head.seconds != plan.seconds
+    assert all(m._plan is plan for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head)
     with pytest.raises(ValueError, match=f"available: {', '.join(BF16_KERNELS)}$"):
         kernels.pack_linears(model.to(torch.bfloat16), kernel="mkl")  # float32 only
 
@@ -274,6 +277,34 @@ def test_the_timed_sample_outgrows_the_last_level_cache(tmp_path, monkeypatch):
         kernels.sample_bytes.cache_clear()
     layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]  # 4 MiB each
     assert kernels._sample(layers, 8 << 20) == layers[:2] and kernels._sample(layers, 1 << 30) == layers
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_output_head_is_planned_on_its_own_timings(checkpoint, monkeypatch, int8):
+    """Kernels cross over at other row counts on the head's shape (vocabulary x width) than in the
+    blocks: here one kernel is faster from 8 rows on the head only, and only the head takes it there."""
+    model = _int8_model(checkpoint)[0] if int8 else load_model(str(checkpoint))
+    dtype = torch.qint8 if int8 else torch.float32
+    other = "int8-onednn" if int8 else "mkl"
+    if other not in kernels.available(dtype):
+        pytest.skip(f"{other} does not run here")
+    vocab = model.lm_head.out_features
+
+    def timings(weights, names, rows):
+        head = any(w.shape[0] == vocab for w, _ in weights)
+        return {name: {r: 1.0 if name != other or r < 8 else (0.5 if head else 2.0) for r in rows} for name in names}
+
+    monkeypatch.setattr(kernels, "time_kernels", timings)
+    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)
+    monkeypatch.setattr(kernels, "_plans", {})
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    kernels.pack_linears(model)
+    head, blocks = model.lm_head._plan, model.transformer.h[0].mlp.c_fc._plan
+    assert head.kernel_for(1).name == blocks.kernel_for(1).name != other
+    assert head.kernel_for(8).name == head.kernel_for(64).name == other
+    assert other not in (blocks.kernel_for(8).name, blocks.kernel_for(64).name)
+    assert kernels.describe(model).startswith(("int8: " if int8 else "float32: ") + blocks.describe())
+    assert kernels.describe(model).endswith(" head: " + head.describe())
 
 
 def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
@@ -619,10 +650,11 @@ def test_the_int8_op_applies_the_activation_as_its_output_leaves_it(checkpoint, 
 def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypatch):
     model, layers = _int8_model(checkpoint)
     assert kernels.pack_linears(model) == len(layers)  # measured here
-    plan = layers[0]._plan
+    plan, head = layers[0]._plan, model.lm_head._plan
     assert set(plan.seconds) == {"int8-dynamic", "int8-onednn"} and plan.packed == "int8-dynamic"
-    assert all(m._plan is plan for m in layers)
-    assert kernels.describe(model) == f"int8: {plan.describe()}"
+    assert all(m._plan is plan for m in layers if m is not model.lm_head)
+    assert set(head.seconds) == set(plan.seconds) and head.packed == "int8-dynamic"
+    assert kernels.describe(model) == f"int8: {plan.describe()}; int8 head: {head.describe()}"
     assert kernels.row_costs(model) == {r: plan.seconds[plan.kernel_for(r).name][r] for r in kernels.TIMED_ROWS}
     kernels.pack_linears(model, kernel="int8-onednn")
     assert all(m._plan == kernels.Plan.only("int8-onednn") and set(m._packs) == {"int8-onednn"} for m in layers)
