@@ -42,7 +42,8 @@ class StreamWriter:
       engine never sees the error.
     - A job that is not streamed (the synchronous answer, a polled or batch job) is read whole at
       its end, so its tokens are written at most every `DEFER_S` (with any other job's events, and
-      at once for its first token and its end). Each write woke Redis and the web thread reading
+      at once for its first token and its end); one who follows a polled job's stream
+      (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write woke Redis and the web thread reading
       the stream, on the cores the decode step runs on. A worker killed meanwhile has its retry
       compute those tokens again (the resumed attempt starts from what the stream holds, as always).
       The cancel flags are read with every write.
@@ -62,7 +63,7 @@ class StreamWriter:
         self._written_at = 0.0  # time.monotonic() of the last write
         self._pending: list[tuple[str, str, dict[str, Any], str]] = []  # events with their entry ids
         self._next_id: dict[str, list[int]] = {}  # job id -> [ms, n] of its next entry
-        self._active: set[str] = set()  # jobs whose cancel flag is checked every step
+        self._active: set[str] = set()  # jobs whose cancel flag is read with every write
         self._silenced: dict[str, threading.Event] = {}  # see `silence`
         self._failing_since: float | None = None  # when writes started failing (logged once)
         self._lock = threading.Lock()  # consumer threads call track/silence while the engine writes
