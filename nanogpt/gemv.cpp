@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -27,6 +28,20 @@ constexpr int MB = 4;
 // passes over it, so that the weights stream from memory once whatever the row count.
 constexpr int64_t NT = 16;
 
+// Each load of NB weight rows also asks for the same bytes of the next NB rows (the next block, NB
+// * K elements on): the hardware's prefetcher alone left the cores waiting on memory. GPT-2 small's
+// 49 decode matmuls on an AMX Xeon, 2 threads, weights read from memory, best of 7 passes, two
+// alternating runs: bfloat16 at 1 / 2 / 4 / 8 rows 13.8-14.6 -> 9.6-10.2, 15.2-15.9 -> 10.4-11.0,
+// 21.9-22.5 -> 12.8-13.4, 23.3-24.7 -> 16.7-17.1 ms; float32 at 2 / 4 / 8 rows 20.7-21.2 ->
+// 19.1-20.5, 24.5-25.2 -> 20.3-21.6, 35.1-35.3 -> 24.1-30.2 ms; the AVX2 build's float32 22.4-23.3
+// -> 19.2-19.6, 29.0-29.3 -> 21.9-22.3, 37.5-37.6 -> 30.9 ms (docs/benchmarks.md). A prefetch past
+// the weight's end is dropped, never a fault.
+template <typename T, int NB>
+inline void prefetch_next_block(const T* w, int64_t K, int64_t n, int64_t k) {
+  if ((k * sizeof(T)) % 64 == 0)  // once per cache line
+    for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB + j) * K + k), _MM_HINT_T0);
+}
+
 // out[m * NT + (n - n0)] = dot(w[n], x[m]) for M rows of x and the weight rows [n0, n1), NB weight
 // rows at a time, so that every load of x feeds NB multiply-adds (loads, not multiplies, bound a
 // vector unit fed from the cache) and NB weight rows stream from memory at once.
@@ -39,6 +54,8 @@ void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n
     for (int64_t k = 0; k < K_vec; k += L) {
       vf wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = load(w + (n + j) * K + k);
+      // float32 at one row: the hardware's prefetcher kept up alone (18.2-18.8 ms either way)
+      if constexpr (M > 1 || !std::is_same_v<T, float>) prefetch_next_block<T, NB>(w, K, n, k);
       for (int m = 0; m < M; ++m) {
         const vf xv = load(x + m * K + k);
         for (int j = 0; j < NB; ++j) acc[j][m] += wv[j] * xv;
@@ -80,38 +97,27 @@ void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1,
 // inputs count as zero.
 constexpr int P = 32;  // bfloat16 in a vector register
 
-template <int M, int NB, int U>
+template <int M, int NB>
 void dots_bf16(const c10::BFloat16* __restrict w, const c10::BFloat16* __restrict x, int64_t K, int64_t n0,
                int64_t n1, float* __restrict out) {
   for (int64_t n = n0; n < n1; n += NB) {
-    __m512 acc[U][NB][M];
-    for (int u = 0; u < U; ++u)
-      for (int j = 0; j < NB; ++j)
-        for (int m = 0; m < M; ++m) acc[u][j][m] = _mm512_setzero_ps();
+    __m512 acc[NB][M];
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + P * U <= K; k += P * U) {
-      for (int u = 0; u < U; ++u) {
-        __m512bh wv[NB];
-        for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k + u * P);
-        for (int m = 0; m < M; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * P);
-          for (int j = 0; j < NB; ++j) acc[u][j][m] = _mm512_dpbf16_ps(acc[u][j][m], wv[j], xv);
-        }
-      }
-    }
     for (; k + P <= K; k += P) {
-      for (int j = 0; j < NB; ++j) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k);
-        for (int m = 0; m < M; ++m)
-          acc[0][j][m] = _mm512_dpbf16_ps(acc[0][j][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+      __m512bh wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (n + j) * K + k);
+      prefetch_next_block<c10::BFloat16, NB>(w, K, n, k);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], wv[j], xv);
       }
     }
     for (int j = 0; j < NB; ++j) {
       const c10::BFloat16* wr = w + (n + j) * K;
       for (int m = 0; m < M; ++m) {
-        __m512 a = acc[0][j][m];
-        for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][j][m]);
-        float s = _mm512_reduce_add_ps(a);
+        float s = _mm512_reduce_add_ps(acc[j][m]);
         for (int64_t r = k; r < K; ++r) s += scalar(wr[r]) * scalar(x[m * K + r]);
         out[m * NT + (n + j - n0)] = s;
       }
@@ -119,17 +125,17 @@ void dots_bf16(const c10::BFloat16* __restrict w, const c10::BFloat16* __restric
   }
 }
 
-// Independent sums enough to keep the dot-product unit busy, within the 32 registers. Against the
-// widening loop at 3-8 rows: 1.1-1.8x as fast from cache; from memory 0.8x at 3-4 rows of a
-// 768-wide weight and about even otherwise (the load's timing decides whether oneDNN serves them).
+// As many weight rows at a time as the registers hold accumulators for (NB * M of them, beside NB +
+// 1 loaded vectors), up to eight: with the prefetch, eight rows at one or two rows of x were as
+// fast as four rows with two sums each along K and faster than one row with eight (9.7 vs 12.3 ms
+// at one row, 10.6 vs 15.5 at two).
 template <int M>
 void dots_bf16_blocked(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, int64_t n0, int64_t n1,
                        float* out) {
-  constexpr int NB = M >= 3 && M <= 4 ? 4 : 1;
-  constexpr int U = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 1 : 2;
+  constexpr int NB = M <= 2 ? 8 : M <= 4 ? 4 : 2;
   const int64_t n_blocked = n0 + (n1 - n0) / NB * NB;
-  dots_bf16<M, NB, U>(w, x, K, n0, n_blocked, out);
-  if (n_blocked < n1) dots_bf16<M, 1, 1>(w, x, K, n_blocked, n1, out + (n_blocked - n0));
+  dots_bf16<M, NB>(w, x, K, n0, n_blocked, out);
+  if (n_blocked < n1) dots_bf16<M, 1>(w, x, K, n_blocked, n1, out + (n_blocked - n0));
 }
 
 void dots_rows(int rows, const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, int64_t n0, int64_t n1,
