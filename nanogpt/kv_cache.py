@@ -42,6 +42,7 @@ def model_cache_dtype(model) -> torch.dtype:
 # The decode attention timed: a batch of sequences, GPT-2 small's heads, a few hundred positions
 ATTENTION_SHAPE = (16, 12, 256, 64)  # rows, heads, positions, head size
 WINDOW = 0.3  # seconds the timing spans at least
+RUN_TOKENS = 8  # a prompt chunk's row of at least this many tokens is written to the cache as a slice
 
 
 @functools.cache
@@ -150,11 +151,26 @@ class CacheWindow(Window):
         if self.span > max_len:
             raise ValueError(f"batch reaches position {self.span - 1}, the cache holds {max_len} positions")
         rows, cols = self.valid.nonzero(as_tuple=True)     # real tokens only: padding writes nothing
-        self.write_at = (slots[rows], self.positions[rows, cols])  # (slot, position) of each real token
         self.write_from = (rows, cols)
         # no padding (every decode): the real tokens in row-major order are the batch itself, a
         # reshape (for T = 1 a view) rather than a gather in every layer
         self.dense = len(rows) == self.valid.numel()
+        # A prompt chunk's row holds consecutive positions of one slot: on a CPU a row of
+        # RUN_TOKENS or more is written as one slice (a plain copy), the other rows' tokens by one
+        # index_put of (slot, position) pairs, which costs more per token but less per row
+        # (docs/benchmarks.md). Decodes (T = 1) write by index_put alone.
+        self.runs: list[tuple[int, int, int, int]] = []
+        scattered = rows
+        if T > 1 and device.type == "cpu":
+            long = lengths >= RUN_TOKENS
+            if bool(long.any()):
+                self.runs = [(b, slot, start, n) for b, slot, start, n in zip(
+                    long.nonzero().flatten().tolist(), slots[long].tolist(), start_pos[long].tolist(),
+                    lengths[long].tolist())]
+                short = ~long[rows]
+                scattered, cols = rows[short], cols[short]
+        self.write_at = (slots[scattered], self.positions[scattered, cols])  # (slot, position) of each
+        self.scattered = (scattered, cols) if self.runs else None  # ... token not in a run, if any runs
         self.keys = torch.arange(self.span, device=device)
         # Rows in consecutive slots read the cache in place (a view). Rows in ascending slots with
         # a few unused slots between them read the whole slot range in place too, the unused
@@ -193,8 +209,13 @@ class CacheWindow(Window):
     def update(self, cache_layer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return the rows'
         slots (or their slot range) up to the batch's furthest position, (B or range, nh, span, hs)."""
+        for b, slot, start, n in self.runs:
+            cache_layer[slot, :, start:start + n] = new[b, :, :n]  # copy_ casts to the cache's dtype
         slot, pos = self.write_at
-        cache_layer[slot, :, pos] = self.real(new.transpose(1, 2)).to(cache_layer.dtype)  # (N, nh, hs)
+        if self.scattered is None:
+            cache_layer[slot, :, pos] = self.real(new.transpose(1, 2)).to(cache_layer.dtype)  # (N, nh, hs)
+        elif len(slot):
+            cache_layer[slot, :, pos] = new.transpose(1, 2)[self.scattered].to(cache_layer.dtype)
         return cache_layer[self.rows, :, :self.span]
 
     def _additive(self, dtype: torch.dtype, local: int | None) -> torch.Tensor:
