@@ -153,7 +153,7 @@ def batch_threads(concurrency: int, asked: int | None) -> int:
 
 
 def log_faster_options(model_id: str, model, options: list[str]) -> None:
-    """Say once, at load, which faster precisions this CPU runs natively, with how they ran a
+    """Say once, at load, which faster precisions this CPU runs, with how they ran a
     sample of this model's weight matmuls just now against float32."""
     import torch
 
@@ -163,7 +163,7 @@ def log_faster_options(model_id: str, model, options: list[str]) -> None:
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.qint8}
     factors = kernels.speedups(layers, [dtypes[o] for o in options]) if layers else {}
     measured = {o: {rows: round(f, 2) for rows, f in factors[dtypes[o]].items()} for o in options if factors}
-    log.info(f"running float32 on a CPU that runs {' and '.join(options)} natively (set dtype in "
+    log.info(f"float32 on a CPU that runs {' and '.join(options)} faster (set dtype in "
              "models.toml; float32 is the exact one); this model's weight matmuls, "
              + ("measured just now, × float32 at 1 / 8 rows: "
                 + "; ".join(f"{o} {' / '.join(map(str, by_rows.values()))}" for o, by_rows in measured.items())

@@ -7,7 +7,9 @@ hardware does natively.
   is emulated and slower than float32, so such a CPU runs float32 and says so.
 - float16: on GPUs; CPUs run float32 (PyTorch's CPU float16 matmuls are emulated).
 - int8: CPUs only: float32 with the Linear weights quantized to int8 and activations quantized on
-  the fly; VNNI (and AMX) run its integer dot products natively.
+  the fly. fbgemm's int8 kernels need AVX2 and use VNNI (and AMX) where the CPU has it; on an
+  AVX2-only CPU without VNNI they still read a quarter of float32's weight bytes and ran 2.5-3x
+  float32 (docs/benchmarks.md), so int8 pays on any CPU with AVX2.
 
 The fidelity of bfloat16 and int8 against float32 is in docs/benchmarks.md (bench/fidelity.py).
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
-NATIVE_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")  # ... and with int8 dot products (VNNI)
+FAST_INT8 = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8")  # ... and with fbgemm's int8 kernels
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,11 @@ def choose(requested: str, device: str, flags: frozenset[str] | set[str]) -> Pre
 
 def faster_options(precision: Precision, device: str, flags: frozenset[str] | set[str]) -> list[str]:
     """The precisions faster than `precision` that this hardware runs natively: on a CPU running
-    float32, bfloat16 where the CPU has native bf16 and int8 where it has VNNI."""
+    float32, bfloat16 where the CPU has native bf16 and int8 where fbgemm's int8 kernels run (AVX2 on)."""
     if torch.device(device).type != "cpu" or precision.name != "float32":
         return []
     return [name for name, native in (("bfloat16", has_native_bf16(flags)),
-                                      ("int8", bool(set(NATIVE_INT8) & set(flags)))) if native]
+                                      ("int8", bool(set(FAST_INT8) & set(flags)))) if native]
 
 
 def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:

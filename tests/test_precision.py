@@ -69,7 +69,8 @@ def test_faster_options_are_what_the_cpu_runs_natively():
     f32 = precision.Precision("float32", torch.float32)
     assert precision.faster_options(f32, "cpu", ZEN4) == ["bfloat16", "int8"]
     assert precision.faster_options(f32, "cpu", AVX512_VNNI) == ["int8"]
-    assert precision.faster_options(f32, "cpu", AVX2) == []
+    assert precision.faster_options(f32, "cpu", AVX2) == ["int8"]  # fbgemm's AVX2 kernels: 2.5-3x float32
+    assert precision.faster_options(f32, "cpu", {"sse4_2"}) == []  # fbgemm has no int8 kernels there
     assert precision.faster_options(precision.choose("bfloat16", "cpu", ZEN4), "cpu", ZEN4) == []
     assert precision.faster_options(f32, "cuda:0", ZEN4) == []
 
@@ -152,7 +153,14 @@ def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypa
     (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
     assert advice.faster_dtypes == {"bfloat16": None, "int8": None} and "not measured" in advice.getMessage()
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)  # fbgemm's int8 kernels, no bf16
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="processor"):
+        run_one(processor.build_engine(spec("float32"), "cpu", None))
+    (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
+    assert set(advice.faster_dtypes) == {"int8"}
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"sse4_2"}))  # neither
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
