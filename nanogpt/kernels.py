@@ -50,9 +50,11 @@ OWN = (GEMV,)
 # served 1-1024 rows as fast as packed for each count (measured; MKL packed for 8 is slow at 32+).
 PACK_ROWS = 64
 # Row counts timed when choosing; each stands for the rows up to the geometric mean with the
-# next (1: 1-2, 8: 3-22, 64: 23-128, 256: the rest), i.e. one sequence, a small batch, a large
-# batch, a prefill chunk (the engine feeds at most 256 prompt tokens a step).
-TIMED_ROWS = (1, 8, 64, 256)
+# next (1: 1-2, 4: 3-5, 8: 6-22, 64: 23-128, 256: the rest), i.e. one sequence, a few, a small
+# batch, a large batch, a prefill chunk (the engine feeds at most 256 prompt tokens a step). 4 has
+# its own timing because the GEMV's lead over the packed kernels is largest there on some CPUs
+# (1.3-1.4x oneDNN at 4 rows on an AVX2 EPYC, 1.2-1.5x at 8: docs/benchmarks.md).
+TIMED_ROWS = (1, 4, 8, 64, 256)
 # The sample of the model's weights timed: the first layers in module order up to this size or
 # twice the CPU's last-level cache, whichever is larger (`sample_bytes`), so that the timed weights
 # stream from memory as in a real step rather than sit in the cache.
