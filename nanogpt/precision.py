@@ -8,7 +8,7 @@ hardware does natively.
 - float16: on GPUs; CPUs run float32 (PyTorch's CPU float16 matmuls are emulated).
 - int8: CPUs only: float32 with the Linear weights quantized to int8 and activations quantized on
   the fly. fbgemm's int8 kernels need AVX2 and use VNNI (and AMX) where the CPU has it; on an
-  AVX2-only CPU without VNNI they still read a quarter of float32's weight bytes and ran 2.5-3x
+  AVX2-only CPU without VNNI they still read a quarter of float32's weight bytes and ran 2.4-3.0x
   float32 (docs/benchmarks.md), so int8 pays on any CPU with AVX2.
 
 The fidelity of bfloat16 and int8 against float32 is in docs/benchmarks.md (bench/fidelity.py).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
-FAST_INT8 = ("avx2", "avx512_vnni", "avx_vnni", "amx_int8")  # ... and with fbgemm's int8 kernels
+FAST_INT8 = "avx2"  # ... and with fbgemm's int8 kernels (every CPU with VNNI or AMX has AVX2 too)
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,12 @@ def choose(requested: str, device: str, flags: frozenset[str] | set[str]) -> Pre
 
 
 def faster_options(precision: Precision, device: str, flags: frozenset[str] | set[str]) -> list[str]:
-    """The precisions faster than `precision` that this hardware runs natively: on a CPU running
+    """The precisions faster than `precision` that this hardware runs: on a CPU running
     float32, bfloat16 where the CPU has native bf16 and int8 where fbgemm's int8 kernels run (AVX2 on)."""
     if torch.device(device).type != "cpu" or precision.name != "float32":
         return []
     return [name for name, native in (("bfloat16", has_native_bf16(flags)),
-                                      ("int8", bool(set(FAST_INT8) & set(flags)))) if native]
+                                      ("int8", FAST_INT8 in flags)) if native]
 
 
 def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:
