@@ -19,14 +19,22 @@ namespace {
 
 using namespace nanoserve;
 
+// MB: rows of x per pass over a tile of weights, their sums in registers. NT: weight rows per tile;
+// a tile stays in the core's cache while every block of MB rows of x passes over it, so that the
+// weights stream from memory once whatever the row count. NT is a multiple of every block of
+// weight rows below (8, 4, 3, 2).
 #if defined(__AVX512F__)
-constexpr int MB = 8;  // rows of x per pass over a tile of weights: MB accumulators in registers
-#else
-constexpr int MB = 4;
-#endif
-// Weight rows per tile: a tile stays in the core's cache while every block of MB rows of x
-// passes over it, so that the weights stream from memory once whatever the row count.
+constexpr int MB = 8;
 constexpr int64_t NT = 16;
+#else
+// AVX2's 16 registers hold 12 sums: six rows of x by two weight rows, or four (and three) by three.
+// GPT-2 small's 49 float32 decode matmuls on an AVX2-only EPYC, 2 threads, medians of 9 alternating
+// passes, four rows a pass by two weight rows -> this: 6 rows 38.0 -> 33.4 ms, 8 rows 42.8 -> 40.9,
+// 12 rows 58.0 -> 49.2, 16 rows 66.1 -> 58.8, 24 rows 84.1 -> 73.8; 1 to 4 rows within 4%
+// (docs/benchmarks.md).
+constexpr int MB = 6;
+constexpr int64_t NT = 24;
+#endif
 
 // Each load of NB weight rows also asks for the same bytes of the next NB rows (the next block, NB
 // * K elements on): the hardware's prefetcher alone left the cores waiting on memory. GPT-2 small's
@@ -58,7 +66,12 @@ void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n
       // ms without, 18.3-20.7 with)
       if constexpr (M > 1 || !std::is_same_v<T, float>) prefetch_next_block<T, NB>(w, K, n, k);
       for (int m = 0; m < M; ++m) {
-        const vf xv = load(x + m * K + k);
+        vf xv = load(x + m * K + k);
+#if !defined(__AVX512F__)
+        // x loaded once into a register for its NB multiply-adds: GCC otherwise folds a load of it
+        // into each one, and on AVX2 the loads, not the multiplies, set the pace
+        asm("" : "+x"(xv));
+#endif
         for (int j = 0; j < NB; ++j) acc[j][m] += wv[j] * xv;
       }
     }
@@ -83,7 +96,7 @@ void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1,
 #if defined(__AVX512F__)
   constexpr int NB = M <= 2 ? 8 : M <= 4 ? 4 : 2;
 #else
-  constexpr int NB = M == 1 ? 8 : M == 2 ? 4 : 2;
+  constexpr int NB = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 3 : 2;
 #endif
   const int64_t n_blocked = n0 + (n1 - n0) / NB * NB;
   dots<T, M, NB>(w, x, K, n0, n_blocked, out);
@@ -168,9 +181,9 @@ void dots_rows(int rows, const T* w, const float* x, int64_t K, int64_t n0, int6
     case 2: return dots_blocked<T, 2>(w, x, K, n0, n1, out);
     case 3: return dots_blocked<T, 3>(w, x, K, n0, n1, out);
     case 4: return dots_blocked<T, 4>(w, x, K, n0, n1, out);
-#if defined(__AVX512F__)
     case 5: return dots_blocked<T, 5>(w, x, K, n0, n1, out);
     case 6: return dots_blocked<T, 6>(w, x, K, n0, n1, out);
+#if defined(__AVX512F__)
     case 7: return dots_blocked<T, 7>(w, x, K, n0, n1, out);
     case 8: return dots_blocked<T, 8>(w, x, K, n0, n1, out);
 #endif
