@@ -21,8 +21,8 @@ using namespace nanoserve;
 
 // MB: rows of x per pass over a tile of weights, their sums in registers. NT: weight rows per tile;
 // a tile stays in the core's cache while every block of MB rows of x passes over it, so that the
-// weights stream from memory once whatever the row count. NT is a multiple of every block of
-// weight rows below (8, 4, 3, 2).
+// weights stream from memory once whatever the row count. NT is a multiple of the build's blocks of
+// weight rows (dots_blocked: 8, 4, 2 on AVX-512; 8, 4, 3, 2 on AVX2), so no tile ends in single rows.
 #if defined(__AVX512F__)
 constexpr int MB = 8;
 constexpr int64_t NT = 16;
