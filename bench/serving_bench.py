@@ -22,6 +22,8 @@ Per rate (the definitions of vLLM's benchmark_serving):
 - TPOT: (end-to-end - TTFT) / (completion tokens - 1), per request;
 - ITL: the gaps between successive text chunks, all requests' pooled;
 - E2E: end-to-end latency of the request;
+- TPOT p99 / alone: against the server's single-sequence decode step, the median TPOT of requests
+  of the workload's mean lengths sent one at a time before the rates (`solo`);
 - p50 and p99 of each (nearest rank), request throughput (completed requests / duration) and output
   token throughput (completion tokens / duration), where the duration runs from the first arrival
   to the last request's end.
@@ -56,6 +58,9 @@ from bench.loadgen import Sample, Send, completion_body, openai_sender, percenti
 PROMPT_TOKENS = (16, 384)
 NEW_TOKENS = (16, 128)
 PERCENTILES = (50, 99)
+# The single-sequence decode step a server's TPOT is held against: requests sent one at a time, alone
+# on the server, with the workload's mean lengths (their median TPOT).
+SOLO_REQUESTS = 5
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,26 @@ def report(requests: list[Request], sent: list[float], samples: list[Sample], ra
     return out
 
 
+def solo(send: Send, requests: list[Request], logit_bias=None) -> dict:
+    """The server's single-sequence decode step: SOLO_REQUESTS requests one after another, each alone,
+    with the workload's mean prompt length and mean new tokens (rounded down: within the longest
+    request's context); their TPOTs and median."""
+    length = sum(r.prompt_tokens for r in requests) // len(requests)
+    new_tokens = max(2, sum(r.max_tokens for r in requests) // len(requests))
+    tpots = []
+    for i in range(SOLO_REQUESTS):
+        s = send(completion_body(-1_000 - i, length, new_tokens, logit_bias))
+        if s.error or s.ttft is None or s.completion_tokens < 2:
+            raise RuntimeError(f"solo request failed: {s.error or 'no tokens streamed'}")
+        tpots.append((s.latency - s.ttft) / (s.completion_tokens - 1))
+    return {"prompt_tokens": length, "max_tokens": new_tokens, "tpot_s": tpots,
+            "tpot_median_s": percentile(tpots, 50)}
+
+
 def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int = 0, logit_bias=None,
-          gate=None, log=print) -> list[dict]:
-    """One run per rate against one server, after warm-up requests at both prompt-length extremes."""
+          gate=None, log=print) -> tuple[list[dict], dict]:
+    """One run per rate against one server, after warm-up requests at both prompt-length extremes
+    and the single-sequence run (`solo`); (the rates' reports, the solo run)."""
     from bench.machine import Gate
 
     gate = gate or Gate()
@@ -147,6 +169,9 @@ def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int 
         warm = send(completion_body(-1 - length, length, 4, logit_bias))
         if warm.error:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
+    alone = solo(send, requests, logit_bias)
+    log(f"alone: TPOT median {_ms(alone['tpot_median_s'])} ({len(alone['tpot_s'])} requests of "
+        f"{alone['prompt_tokens']} + {alone['max_tokens']} tokens)")
     reports = []
     for position, rate in enumerate(rates):
         r = gate.measure(lambda: run_rate(send, requests, rate, seed=seed, prompt_offset=(position + 1) * 100_000,
@@ -155,8 +180,9 @@ def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int 
         log(f"rate {rate:g}/s: {r['completed']}/{r['requests']} done in {r['duration_s']:.1f} s, "
             f"{r['output_throughput']:.1f} tok/s, TTFT p50 {_ms(r['ttft_p50_s'])} p99 {_ms(r['ttft_p99_s'])}, "
             f"TPOT p50 {_ms(r['tpot_p50_s'])} p99 {_ms(r['tpot_p99_s'])}, E2E p50 {_s(r['e2e_p50_s'])}, "
-            f"wrong length {r['wrong_length']}, others {r['foreign_cores']:.2f} cores")
-    return reports
+            f"wrong length {r['wrong_length']}, others {r['foreign_cores']:.2f} cores, "
+            f"TPOT p99 {r['tpot_p99_s'] / alone['tpot_median_s']:.1f}x alone")
+    return reports, alone
 
 
 # ---- the servers -----------------------------------------------------------------------------
@@ -216,14 +242,15 @@ def run_benchmark(servers: list[str], model: str, requests: list[Request], rates
 
     context_length = max(r.prompt_tokens + r.max_tokens for r in requests)
     results = {"model": model, "rates": rates, "seed": seed, "max_concurrency": max_concurrency,
-               "workload": _describe(requests), "servers": {}, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
+               "workload": _describe(requests), "servers": {}, "solo": {}, "cpu": cpu_name(), "cpu_flags": cpu_flags(),
                "cores": os.cpu_count(), "load_average_before": os.getloadavg()}
     for spec in servers:
         log(f"== {spec}")
         with tempfile.TemporaryDirectory(prefix="nanoserve-serving-bench-") as tmp, \
                 server(spec, model, max_concurrency, context_length, Path(tmp), model_dir) as base_url:
             send = openai_sender(base_url, model_name or model, stream=True)
-            results["servers"][spec] = sweep(send, requests, rates, seed=seed, gate=gate, log=log)
+            results["servers"][spec], results["solo"][spec] = sweep(send, requests, rates, seed=seed, gate=gate,
+                                                                    log=log)
     results["load_average_after"] = os.getloadavg()
     return results
 
@@ -245,14 +272,16 @@ def _s(seconds: float | None) -> str:
 
 def markdown(results: dict) -> str:
     lines = ["| server | rate (req/s) | req/s done | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
-             "ITL p50 / p99 (ms) | E2E p50 / p99 (s) | errors | wrong length | others' cores |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "TPOT p99 / alone | ITL p50 / p99 (ms) | E2E p50 / p99 (s) | errors | wrong length | others' cores |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    solo_tpot = {spec: run["tpot_median_s"] for spec, run in results.get("solo", {}).items()}
     for rate_index, rate in enumerate(results["rates"]):
         for spec, reports in results["servers"].items():
             r = reports[rate_index]
+            alone = f"{r['tpot_p99_s'] / solo_tpot[spec]:.1f}x" if spec in solo_tpot and r["tpot_p99_s"] else "–"
             lines.append(
                 f"| {spec} | {rate:g} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
-                f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])} | "
+                f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])} | {alone} | "
                 f"{_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} | {_s(r['e2e_p50_s'])} / {_s(r['e2e_p99_s'])} | "
                 f"{r['errors']} | {r['wrong_length']} | {r.get('foreign_cores', 0):.2f} |")
     w = results["workload"]
@@ -261,6 +290,9 @@ def markdown(results: dict) -> str:
               f"{min(w['max_tokens'])}–{max(w['max_tokens'])} new tokens "
               f"(mean {sum(w['max_tokens']) / len(w['max_tokens']):.0f}), Poisson arrivals (seed {results['seed']}), "
               f"at most {results['max_concurrency']} sequences batched per server; model {results['model']}. "
+              + "".join(f"{spec} alone (one request at a time, {run['prompt_tokens']} + {run['max_tokens']} tokens): "
+                        f"TPOT median {_ms(run['tpot_median_s'])}. " for spec, run in results.get("solo", {}).items())
+              + 
               f"CPU: {results['cpu']}, {results['cores']} cores (flags: {' '.join(results['cpu_flags'])}); "
               f"load average {results['load_average_before'][0]:.2f} before, "
               f"{results['load_average_after'][0]:.2f} after."]

@@ -66,9 +66,17 @@ def test_serving_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
         assert report["output_throughput"] == report["completion_tokens"] / report["duration_s"]
         assert report["request_throughput"] == 6 / report["duration_s"]
     assert serving_bench.arrivals(5, 1) == serving_bench.arrivals(5, 1.0)  # a rate typed either way
+    # the single-sequence step the TPOTs are held against: requests alone, of the workload's mean lengths
+    alone = results["solo"]["nanoserve:float32"]
+    assert alone["prompt_tokens"] == int(statistics.fmean(r.prompt_tokens for r in requests))
+    assert alone["max_tokens"] == int(statistics.fmean(r.max_tokens for r in requests))
+    assert len(alone["tpot_s"]) == serving_bench.SOLO_REQUESTS and all(t > 0 for t in alone["tpot_s"])
+    assert alone["tpot_median_s"] == sorted(alone["tpot_s"])[serving_bench.SOLO_REQUESTS // 2]
 
     table = serving_bench.markdown(results)
     assert table.count("| nanoserve:float32 |") == 2 and results["cpu"] in table
+    ratio = reports[0]["tpot_p99_s"] / alone["tpot_median_s"]
+    assert f"| {ratio:.1f}x |" in table and "alone (one request at a time" in table
     serving_bench.plot(results, tmp_path / "serving.png")
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(results)  # the results are plain JSON
