@@ -28,7 +28,9 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
 # 6 was measured under the serving benchmark (docs/benchmarks.md): against 2, TTFT p99 fell 2-5x and
 # TPOT p50 did not rise, since prompts that start sooner leave fewer mixed steps to share; likewise
-# 128 against 32 for BESIDE_CHUNK (int8, whose layers have no timed plan).
+# 128 against 32 for BESIDE_CHUNK (where no plan was timed). A smoother spread (ratio 1.25, chunks
+# from 4 tokens) lost at 1 request/s in int8: a step that feeds a prompt runs eagerly, so more such
+# steps cost its decoding rows their compiled step more often (docs/benchmarks.md).
 STEP_RATIO = 6.0
 MIN_CHUNK = 16
 BESIDE_CHUNK = 128
