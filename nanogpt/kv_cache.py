@@ -141,7 +141,10 @@ class CacheWindow(Window):
     position + 1) saves a host sync when the caller knows it.
     """
 
-    def __init__(self, slots, start_pos, lengths, T: int, max_len: int, span: int | None = None):
+    def __init__(self, slots, start_pos, lengths, T: int, max_len: int, span: int | None = None,
+                 own_kernel: bool = False):
+        """own_kernel (a cache KVCache.own_attention): a batch of one token a row attends by the
+        project's decode kernel (nanogpt/decode_attention.py) rather than SDPA over a mask."""
         device = slots.device
         self.positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
         self.query_positions = self.positions
@@ -184,6 +187,10 @@ class CacheWindow(Window):
             if last - first + 1 > B:
                 self.pick = slots - first  # each row's place in the slot range
         self.mask = self._spread(self.keys <= self.positions[:, None, :, None])  # (B, 1, T, span): key pos <= query pos
+        # Eagerly, at every row count: the kernel reads each row's keys and values once, in place,
+        # where SDPA also applies a mask built per forward (docs/benchmarks.md: a step's decoding
+        # rows beside a prompt chunk run eagerly)
+        self.decode_rows = (slots, self.positions[:, 0]) if own_kernel and T == 1 and self.dense else None
 
     def _spread(self, mask: torch.Tensor) -> torch.Tensor:
         """A (B, 1, T, span) mask laid out on the rows attention reads (the slot range, when read in place)."""
@@ -209,6 +216,10 @@ class CacheWindow(Window):
     def update(self, cache_layer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write new (B, nh, T, hs) into cache_layer (max_slots, nh, max_len, hs); return the rows'
         slots (or their slot range) up to the batch's furthest position, (B or range, nh, span, hs)."""
+        self._write(cache_layer, new)
+        return cache_layer[self.rows, :, :self.span]
+
+    def _write(self, cache_layer: torch.Tensor, new: torch.Tensor) -> None:
         for b, slot, start, n in self.runs:
             cache_layer[slot, :, start:start + n] = new[b, :, :n]  # copy_ casts to the cache's dtype
         slot, pos = self.write_at
@@ -216,7 +227,6 @@ class CacheWindow(Window):
             cache_layer[slot, :, pos] = self.real(new.transpose(1, 2)).to(cache_layer.dtype)  # (N, nh, hs)
         elif len(slot):
             cache_layer[slot, :, pos] = new.transpose(1, 2)[self.scattered].to(cache_layer.dtype)
-        return cache_layer[self.rows, :, :self.span]
 
     def _additive(self, dtype: torch.dtype, local: int | None) -> torch.Tensor:
         """The mask as attention adds it (0 where allowed, -inf elsewhere, in the cache's dtype),
@@ -230,8 +240,15 @@ class CacheWindow(Window):
         """Store this batch's k, v (B, nh, T, hs) and attend q (B, nh, T, hs) to the cache: (B, nh, T, hs)
         in q's dtype, computed in the cache's (cache_dtype). scale: of q·k (default 1/sqrt(hs));
         local: attend only to the last `local` positions."""
-        k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
         dtype, q = q.dtype, q.to(cache_k.dtype)
+        if self.decode_rows is not None:
+            self._write(cache_k, k)
+            self._write(cache_v, v)
+            slots, positions = self.decode_rows
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, slots, positions, self.span, scale, local)
+            return out[:, :, None].to(dtype)  # (B, nh, 1, hs)
+        k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
         mask = self._additive(q.dtype, local)
         if self.pick is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).to(dtype)

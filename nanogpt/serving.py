@@ -84,7 +84,7 @@ class ServingModel(nn.Module):
         (logits, float32 last hidden states of every position (B, T, width)).
         """
         T = tokens.shape[1]
-        window = CacheWindow(slots, start_pos, lengths, T, cache.max_len, span)
+        window = CacheWindow(slots, start_pos, lengths, T, cache.max_len, span, own_kernel=cache.own_attention)
         if window.span > self.config.block_size:
             raise ValueError(f"batch reaches position {window.span - 1}, the model's context is "
                              f"{self.config.block_size} positions")
@@ -104,8 +104,8 @@ class ServingModel(nn.Module):
         forward_cached takes them (every length at least 1): their real tokens are packed into one
         row, so each weight matmul runs once over all of them (PackedWindow). Returns each batch's
         float32 logits of its rows' last real tokens (B, V), as forward_cached would."""
-        parts = [CacheWindow(slots, start_pos, lengths, tokens.shape[1], cache.max_len, span)
-                 for tokens, lengths, slots, start_pos, span in batches]
+        parts = [CacheWindow(slots, start_pos, lengths, tokens.shape[1], cache.max_len, span,
+                             own_kernel=cache.own_attention) for tokens, lengths, slots, start_pos, span in batches]
         if max(part.span for part in parts) > self.config.block_size:
             raise ValueError(f"batch reaches position {max(part.span for part in parts) - 1}, the model's "
                              f"context is {self.config.block_size} positions")
