@@ -115,13 +115,17 @@ def run_rate(send: Send, requests: list[Request], rate: float, *, seed: int = 0,
     return report(requests, sent, samples, rate)
 
 
+def tpot_of(sample: Sample) -> float:
+    """Time per output token after the first: (end-to-end - TTFT) / (completion tokens - 1)."""
+    return (sample.latency - sample.ttft) / (sample.completion_tokens - 1)
+
+
 def report(requests: list[Request], sent: list[float], samples: list[Sample], rate: float) -> dict:
     """The rate's metrics from each request's send time (seconds from the first) and sample."""
     ok = [(r, s) for r, s in zip(requests, samples) if s.error is None]
     duration = max(t + s.latency for t, s in zip(sent, samples))
     ttft = [s.ttft for _, s in ok if s.ttft is not None]
-    tpot = [(s.latency - s.ttft) / (s.completion_tokens - 1) for _, s in ok
-            if s.ttft is not None and s.completion_tokens > 1]
+    tpot = [tpot_of(s) for _, s in ok if s.ttft is not None and s.completion_tokens > 1]
     itl = [b - a for _, s in ok for a, b in zip(s.chunk_times, s.chunk_times[1:])]
     e2e = [s.latency for _, s in ok]
     tokens = sum(s.completion_tokens for _, s in ok)
@@ -153,7 +157,7 @@ def solo(send: Send, requests: list[Request], logit_bias=None) -> dict:
         s = send(completion_body(-1_000 - i, length, new_tokens, logit_bias))
         if s.error or s.ttft is None or s.completion_tokens < 2:
             raise RuntimeError(f"solo request failed: {s.error or 'no tokens streamed'}")
-        tpots.append((s.latency - s.ttft) / (s.completion_tokens - 1))
+        tpots.append(tpot_of(s))
     return {"prompt_tokens": length, "max_tokens": new_tokens, "tpot_s": tpots,
             "tpot_median_s": percentile(tpots, 50)}
 

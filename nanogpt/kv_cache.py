@@ -186,11 +186,12 @@ class CacheWindow(Window):
             self.rows = slice(first, last + 1)
             if last - first + 1 > B:
                 self.pick = slots - first  # each row's place in the slot range
-        self.mask = self._spread(self.keys <= self.positions[:, None, :, None])  # (B, 1, T, span): key pos <= query pos
         # Eagerly, at every row count: the kernel reads each row's keys and values once, in place,
         # where SDPA also applies a mask built per forward (docs/benchmarks.md: a step's decoding
-        # rows beside a prompt chunk run eagerly)
+        # rows beside a prompt chunk run eagerly); such a window builds no mask
         self.decode_rows = (slots, self.positions[:, 0]) if own_kernel and T == 1 and self.dense else None
+        if self.decode_rows is None:
+            self.mask = self._spread(self.keys <= self.positions[:, None, :, None])  # (B, 1, T, span): key pos <= query pos
 
     def _spread(self, mask: torch.Tensor) -> torch.Tensor:
         """A (B, 1, T, span) mask laid out on the rows attention reads (the slot range, when read in place)."""

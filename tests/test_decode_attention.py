@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from nanogpt import decode_attention, extension
-from nanogpt.kv_cache import DecodeWindow, KVCache
+from nanogpt.kv_cache import CacheWindow, DecodeWindow, KVCache
 
 pytestmark = pytest.mark.skipif(not extension.available(), reason="the project's kernels cannot be built here")
 
@@ -88,3 +88,27 @@ def test_a_cache_says_whether_its_decode_step_attends_by_the_kernel():
     assert KVCache(config, 2, 16).own_attention and KVCache(config, 2, 16, dtype=torch.bfloat16).own_attention
     assert not KVCache(config, 2, 16, dtype=torch.float16).own_attention
     assert not KVCache(GPTConfig(block_size=16, vocab_size=10, n_layer=1, n_head=2, n_embd=40), 2, 16).own_attention
+
+
+@pytest.mark.parametrize("local", [None, 3])
+@pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2]], ids=["in-place", "any-order"])
+def test_an_eager_decode_batch_attends_by_the_kernel_as_sdpa_does(slots, local):
+    """CacheWindow (the eager forwards: steps feeding prompt chunks, eager workers) sends a batch of
+    one token a row to the kernel where the cache allows it; same cache writes, same output as SDPA."""
+    torch.manual_seed(0)
+    B, heads, hs, max_len = 3, 4, 64, 24
+    slots, start_pos, lengths = torch.tensor(slots), torch.tensor([5, 11, 0]), torch.ones(3, dtype=torch.long)
+    q, k, v = (torch.randn(B, heads, 1, hs) for _ in range(3))
+    cache = [torch.randn(5, heads, max_len, hs) for _ in range(2)]
+    outs = {}
+    for own in (False, True):
+        window = CacheWindow(slots, start_pos, lengths, 1, max_len, own_kernel=own)
+        assert (window.decode_rows is not None) == own
+        cache_k, cache_v = (c.clone() for c in cache)
+        outs[own] = window.attend(q, k, v, cache_k, cache_v, local=local), cache_k, cache_v
+    (want, want_k, want_v), (got, got_k, got_v) = outs[False], outs[True]
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # a window with padding (a row of length 0) or more than one token a row keeps SDPA
+    assert CacheWindow(slots, start_pos, torch.tensor([1, 0, 1]), 1, max_len, own_kernel=True).decode_rows is None
+    assert CacheWindow(slots, start_pos, lengths * 2, 2, max_len, own_kernel=True).decode_rows is None
