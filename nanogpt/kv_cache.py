@@ -291,9 +291,11 @@ class PackedWindow(Window):
 
 class DecodeWindow(Window):
     """The decode step's window (one new token per row, T = 1), written for torch.compile: no host
-    syncs, and every shape fixed but the span. Row b writes slot slots[b] at positions[b] (slots
-    distinct, except padding rows, which may share a spare slot) and attends to its slot's
-    positions <= its own among `keys` = arange(span).
+    syncs, and every shape fixed but the span. Row b writes slot slots[b] at positions[b] and
+    attends to its slot's positions <= its own among `keys` = arange(span). Rows may share a slot
+    at distinct positions: every row writes before any attends, so the tokens of a prompt chunk fed
+    as rows (worker/runner.py `_run_mixed`) see each other causally; padding rows may share a spare
+    slot and position.
 
     With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends batches of
     decode_attention.ROWS rows or more (nanogpt/decode_attention.py); else attention is spelled

@@ -119,15 +119,16 @@ class ServingModel(nn.Module):
         return list(logits.split([len(lengths) for _, lengths, *_ in batches]))
 
     @torch.no_grad()
-    def forward_decode(self, tokens, slots, positions, cache: KVCache, keys):
+    def forward_decode(self, tokens, slots, positions, cache: KVCache, keys, out=None):
         """The decode step alone, for torch.compile: one new token per row, no host syncs, no
-        padding logic (see DecodeWindow). tokens, slots, positions (B,) long; keys = arange(span)
-        with span > every position (and <= the context). Returns float32 logits (B, V)."""
+        padding logic (see DecodeWindow; rows of one slot at consecutive positions are a prompt
+        chunk). tokens, slots, positions (B,) long; keys = arange(span) with span > every position
+        (and <= the context). Returns float32 logits (B, V), or of the rows `out` (R,) only."""
         window = DecodeWindow(slots, positions, keys, own_kernel=cache.own_attention)
         x = self.embed(tokens[:, None], positions[:, None])  # (B, 1, n_embd)
         for i, block in enumerate(self.blocks):
             x = block(x, (cache.k[i], cache.v[i], window))
-        return self.head(x[:, 0]).float()
+        return self.head(x[:, 0] if out is None else x[out, 0]).float()
 
 
 def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

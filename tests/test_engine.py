@@ -17,6 +17,8 @@ from nanogpt.quantize import quantize_int8
 from worker.engine import Engine
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
+from worker.runner import MIXED_ATTENTION
+from worker.scheduler import Prefill
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
 _ids = itertools.count()
@@ -477,6 +479,7 @@ def test_span_buckets_cover_every_span_within_the_cache():
 
 def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     import torch._inductor.config as inductor
+    from torch._dynamo.utils import counters
 
     checkpoint = str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False))
     small = load_model(checkpoint)
@@ -500,8 +503,9 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert [r["choices"][0]["text"] for r in run_all(engine, eight())] == \
         [r["choices"][0]["text"] for r in run_all(eager_engine, eight())]
 
-    # a prompt that arrives while others decode is fed beside them in one eager packed forward;
-    # the decode-only steps around it run the compiled graph
+    # a prompt that arrives while others decode is fed beside them: its tokens as rows of the
+    # compiled graph where the project's kernel attends the cache (Runner.mixed), else in one
+    # eager packed forward; the decode-only steps around it run the compiled graph
     def staggered(engine):
         first = [engine.submit(j) for j in [job(tok, [p], max_tokens=10) for p in PROMPTS[:2]]]
         for _ in range(3):
@@ -512,14 +516,26 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
         return [h.result()["choices"][0]["text"] for h in first + [late]]
 
     expected = staggered(make_engine(load_model(checkpoint), tok)[0])
-    calls = {"forward_packed": 0, "_decode_step": 0}
-    for target, name in ((small, "forward_packed"), (engine.runner, "_decode_step")):
+    calls = {"forward_packed": 0, "_decode_step": 0, "_run_mixed": 0}
+    for target, name in ((small, "forward_packed"), (engine.runner, "_decode_step"), (engine.runner, "_run_mixed")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
             calls[_name] += 1
             return _run(*args, **kwargs)
         setattr(target, name, counted)
+    graphs = counters["stats"]["unique_graphs"]
     assert staggered(engine) == expected
-    assert calls["forward_packed"] >= 1 and calls["_decode_step"] >= 3
+    assert counters["stats"]["unique_graphs"] == graphs  # all compiled before the engine ran: no stall
+    assert engine.runner.mixed == engine.runner.cache.own_attention
+    if engine.runner.mixed:
+        assert calls["_run_mixed"] >= 1 and calls["forward_packed"] == 0
+    else:
+        assert calls["forward_packed"] >= 1 and calls["_run_mixed"] == 0
+    assert calls["_decode_step"] >= 3 + calls["_run_mixed"]
+    # chunks whose attention would cost more than the kernel saves go through the eager forward
+    unit = Prefill([], list(range(300)), None)
+    assert 256 * 256 == MIXED_ATTENTION and engine.runner._mixes([(unit, 256)]) == engine.runner.mixed
+    unit.fed = 1
+    assert not engine.runner._mixes([(unit, 256)])
 
 
 @pytest.mark.slow
@@ -549,22 +565,25 @@ def test_compiled_decode_in_the_other_precisions_stays_close_to_eager(tok, tmp_p
 
 def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
     """chunk_beside: from matmul timings that are flat up to 8 rows, then grow with the rows, the
-    prompt tokens that keep a step within STEP_RATIO times its decode rows alone."""
+    prompt tokens that keep a step within STEP_RATIO (or another ratio) times its decode rows alone."""
     from worker.scheduler import BESIDE_CHUNK, MIN_CHUNK, STEP_RATIO, chunk_beside
 
     costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}  # rows -> seconds: flat to 8 rows, then linear
-    assert STEP_RATIO == 6.0
-    assert chunk_beside(1, costs) == 95  # 6 s reach 64 + (6 - 4) / 12 * 192 = 96 rows: 95 more than 1
-    assert chunk_beside(8, costs) == 95 - 7  # the same 6 s
-    assert chunk_beside(64, costs) == 320  # 24 s: past the timings, 384 rows
-    assert chunk_beside(512, costs) == 5 * 512  # past the timings, in proportion
+    assert STEP_RATIO == 1.6
+    assert chunk_beside(1, costs) == 18  # 1.6 s reach 8 + 0.6 / 3 * 56 = 19.2 rows: 18 more than 1
+    assert chunk_beside(8, costs) == 19 - 8  # the same 1.6 s
+    assert chunk_beside(64, costs) == 38  # 6.4 s: 64 + 2.4 / 12 * 192 = 102.4 rows
+    assert chunk_beside(512, costs) == 819 - 512  # past the timings, in proportion: 51.2 s
+    assert chunk_beside(1, costs, ratio=6.0) == 95  # 6 s reach 64 + 2 / 12 * 192 = 96 rows
     assert chunk_beside(8, {1: 1.0, 8: 0.9, 64: 100.0, 256: 400.0}) == MIN_CHUNK  # noisy, steep: the floor
     assert chunk_beside(8, None) == BESIDE_CHUNK
+    assert chunk_beside(8, None, ratio=2 * STEP_RATIO) == 2 * BESIDE_CHUNK
 
 
 def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok, monkeypatch):
-    """With more sequences decoding than prompts waiting, a prompt goes in chunks of chunk_beside
-    tokens, each in the same forward as their decode; otherwise in chunks of prefill_chunk."""
+    """Beside decoding sequences a prompt goes in chunks of chunk_beside tokens, each in the same
+    forward as their decode; once the oldest prompt has waited PROMPT_WAIT, in chunks that grow
+    with its wait (here at once: whole chunks of prefill_chunk)."""
     from worker import scheduler
 
     BESIDE_CHUNK = 32
@@ -581,11 +600,12 @@ def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, to
         long = engine.submit(job(tok, [[464] * 100], max_tokens=2))
         while not long.done:
             engine.step()
-        burst = [engine.submit(job(tok, [[318] * 70], max_tokens=2)) for _ in range(2)]  # 2 prompts, 2 running
-        while not (running.done and all(h.done for h in burst)):
+        monkeypatch.setattr(scheduler, "PROMPT_WAIT", 1e-9)  # every prompt from here on waited long
+        late = engine.submit(job(tok, [[318] * 70], max_tokens=2))
+        while not (running.done and late.done):
             engine.step()
     finally:
         del model.forward_packed
     beside = [[2, BESIDE_CHUNK]] * 3 + [[2, 100 - 3 * BESIDE_CHUNK]]
-    assert fed[:5] == beside + [[2, 64]]  # the burst: whole chunks
+    assert fed[:5] == beside + [[2, 64]]  # the late prompt: whole chunks
     assert long.result()["usage"]["prompt_tokens"] == 100 and running.result()["usage"]["completion_tokens"] == 40

@@ -323,6 +323,40 @@ def test_the_decode_step_matches_transformers(family):
             assert_close(logits[b], ref[p], **TOL)
 
 
+def test_prompt_tokens_as_rows_of_the_decode_step_match_transformers(family):
+    """The compiled engine's mixed step (worker/runner.py `_run_mixed`), uncompiled: decoding rows
+    and prompt chunks' tokens side by side as rows of forward_decode, each token at its own slot and
+    position, logits only for the decoding rows and each chunk's last token (`out`). Each chunk's
+    tokens attend to each other causally, past GPT-Neo's local window and through the rotary
+    angles, and the cache they wrote then serves plain decode. Attended by the project's kernel
+    where it is built (eight rows or more), else by DecodeWindow's own ops."""
+    cache = KVCache(family.ours.config, max_slots=5, max_len=CONTEXT)
+    seqs = dict(zip("abcd", (random_seq(40, seed) for seed in (31, 32, 33, 34))))
+    refs = {name: family.reference(seq) for name, seq in seqs.items()}
+    slot_of = dict(a=3, b=0, c=1, d=4)
+    done = dict(a=20, b=9, c=0, d=6)
+    cached_call(family.ours, cache, [(slot_of[name], seqs[name], 0, done[name]) for name in "abd"])
+
+    def step(*fed):
+        """fed: (name, tokens), decoding rows first; returns nothing, checks every `out` row."""
+        rows = [(name, p) for name, n in fed for p in range(done[name], done[name] + n)]
+        ends = torch.tensor([n for _, n in fed]).cumsum(0) - 1
+        logits = family.ours.forward_decode(torch.tensor([seqs[name][p] for name, p in rows]),
+                                            torch.tensor([slot_of[name] for name, _ in rows]),
+                                            torch.tensor([p for _, p in rows]), cache,
+                                            torch.arange(max(p for _, p in rows) + 1), out=ends)
+        assert logits.shape[0] == len(fed)
+        for (name, n), got in zip(fed, logits):
+            assert_close(got, refs[name][done[name] + n - 1], **TOL)
+            done[name] += n
+
+    step(("a", 1), ("b", 1), ("c", 7), ("d", 12))  # two prompts beside two decoding rows
+    step(("b", 1), ("a", 1), ("d", 1), ("c", 13))  # a chunk past the local window
+    for name in "abcd":
+        step((name, 1))  # plain decode, one row (DecodeWindow's own ops)
+    step(*((name, 1) for name in "dcab"))
+
+
 def test_bfloat16_is_close(family):
     model = load_model(family.directory, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16

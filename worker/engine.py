@@ -8,7 +8,7 @@ Each step reads like vLLM's, one module per stage:
      decode's measured cost, so a long prompt slows them for a few steps, never stalls them for
      its whole length);
   2. run (runner.py): one forward for every running sequence (T = 1) and the prefill chunk,
-     packed together; sequences whose prefill completed start (output.py: echo, a resumed history); every
+     packed together (compiled, where the decode step is); sequences whose prefill completed start (output.py: echo, a resumed history); every
      sequence with logits draws a token, all brought to the host with one `.tolist()`;
   3. output (output.py): decode text, match stops, finish sequences (the scheduler frees their
      slots); hand all of the step's events to `event_sink` at once, which answers with the job
@@ -87,8 +87,9 @@ class Engine:
         machine has for it (nanogpt/kernels.py, in place on the model; a prepacked kernel holds as
         much memory again as those weights).
         compile: torch.compile the decode step (GPT.forward_decode), one graph per batch size of
-        runner.BATCH_BUCKETS (the batch is padded up to one), all compiled here before the engine
-        runs (nanogpt/compile.py).
+        runner.BATCH_BUCKETS (the batch is padded up to one), and on a CPU one more whose rows
+        vary, for steps that feed prompt tokens beside decoding rows (Runner._run_mixed), all
+        compiled here before the engine runs (nanogpt/compile.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/cuda_graphs.py)."""
         config = model.config

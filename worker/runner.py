@@ -5,7 +5,10 @@ their tokens packed into one row so that the weights are read once for both; pre
 their context (echo with logprobs, or a resumed job's logprobs) run in a forward of their own, which
 keeps every position's logits. Where nothing prefills, or the decode carries contrastive candidates,
 the decode runs alone: compiled, when the engine compiles it, and on a GPU replayed from CUDA
-graphs (nanogpt/cuda_graphs.py), the batch padded to a bucket size in both; a step that feeds prompt chunks runs the packed forward eagerly, compiled or not. A completed
+graphs (nanogpt/cuda_graphs.py), the batch padded to a bucket size in both. A step that feeds
+prompt chunks beside decoding rows runs them through the compiled graph too where the project's
+attention kernel serves the cache (each prompt token a row of the decode step, `_run_mixed`),
+else the packed forward eagerly. A completed
 prefill's keys and values are copied from its leader's slot to those of the prompt's other copies
 (`n`/`best_of` share one prefill). Every row that has logits then draws its token (sampling.py)
 and is scored (logprobs.py), and all of it comes to the host in one `.tolist()`: the step's one
@@ -24,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanogpt import decode_attention
 from nanogpt.compile import compile_decode
 from nanogpt.cuda_graphs import GraphedDecode
 from nanogpt.kv_cache import KVCache, model_cache_dtype
@@ -39,6 +43,13 @@ log = logging.getLogger(__name__)
 # compiled decode pads its batch to one of these sizes (then to multiples of the last), bounding
 # recompilation to one graph per bucket
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The attention work (sum over a step's chunks of tokens x positions reached) up to which the
+# compiled mixed step runs a step's prompt chunks: the kernel attends each prompt token on its own,
+# rereading its slot's keys, where SDPA's blocks share them, so long chunks far into a context
+# attend faster eagerly. int8 on the AVX2 EPYC, 4 decoding rows beside one chunk: compiled
+# against eager 152 vs 189 ms at 128 tokens from position 0, 202 vs 235 from 300, 249 vs 240
+# from 700; 256 tokens: 316 vs 345 from 0, 377 vs 375 from 300 (docs/benchmarks.md).
+MIXED_ATTENTION = 1 << 16
 
 
 class Draw(NamedTuple):
@@ -78,6 +89,10 @@ class Runner:
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.compiled, self.graphs = compile, None
+        # steps that feed prompt tokens beside decoding rows run the compiled graph too where the
+        # project's attention kernel serves the cache (on a CPU): its per-row attention is what
+        # lets a chunk's tokens be rows of the decode step (`_run_mixed`)
+        self.mixed = compile and self.cache.own_attention
         self._decode_step = model.forward_decode
         if compile:
             self._decode_step = compile_decode(model)
@@ -88,7 +103,7 @@ class Runner:
                 self._warm_up()
             except Exception:  # e.g. no C++ compiler for inductor's CPU kernels: serve uncompiled
                 log.exception("compiling the decode step failed; the engine runs it uncompiled")
-                self.compiled, self._decode_step = False, model.forward_decode
+                self.compiled, self.mixed, self._decode_step = False, False, model.forward_decode
         if graphed:
             self._record_graphs(max_len)
 
@@ -118,7 +133,11 @@ class Runner:
         if not rows or searching or not plain:
             return (self.decode(rows, searching) if rows or searching else None), self.prefill(chunks)
         self.batch_sizes[len(rows)] += 1
-        decoded, last = self.model.forward_packed([self._decode_batch(rows), self._prefill_batch(plain)], self.cache)
+        if self._mixes(plain):
+            logits = self._run_mixed(rows, plain)
+            decoded, last = logits[:len(rows)], logits[len(rows):]
+        else:
+            decoded, last = self.model.forward_packed([self._decode_batch(rows), self._prefill_batch(plain)], self.cache)
         done = self._fed(plain, last, all_logits=False)
         return decoded, self._completed(done + self._prefill_groups([c for c in chunks if c not in plain]))
 
@@ -267,21 +286,56 @@ class Runner:
         with torch.no_grad():
             return self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(max(span, 2), device=self.device))
 
-    def _decode(self, tokens, slots, positions, cache, keys) -> torch.Tensor:
+    def _decode(self, tokens, slots, positions, cache, keys, out=None) -> torch.Tensor:
         """The decode step, compiled or not; the span (keys) is the compiled graph's one dynamic
         size (never 1, which would specialize; a longer span is masked). Marked `maybe`: a size
         that specializes anyway compiles a graph of its own rather than failing the step (the
-        cache's spare position keeps the span from ever being the whole cache, which did)."""
+        cache's spare position keeps the span from ever being the whole cache, which did). With
+        `out` (a mixed step, `_run_mixed`) the rows and `out` are dynamic too: one graph for
+        every step that feeds prompt tokens beside decoding rows."""
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(keys, 0)
             for row in (tokens, slots, positions):
-                torch._dynamo.mark_static(row, 0)
-        return self._decode_step(tokens, slots, positions, cache, keys)
+                (torch._dynamo.mark_static if out is None else torch._dynamo.maybe_mark_dynamic)(row, 0)
+            if out is not None:
+                torch._dynamo.maybe_mark_dynamic(out, 0)
+        return self._decode_step(tokens, slots, positions, cache, keys, out)
+
+    # ---- the mixed step: prompt tokens as rows of the compiled decode ----
+
+    def _mixes(self, chunks: list[tuple[Prefill, int]]) -> bool:
+        """Whether these chunks go beside the decoding rows through the compiled decode graph
+        (`_run_mixed`) rather than the eager packed forward: where the project's attention kernel
+        serves the cache, and while the chunks' attention work stays small enough for it."""
+        return (self.mixed and sum(n * (unit.fed + n) for unit, n in chunks) <= MIXED_ATTENTION)
+
+    def _run_mixed(self, rows: list[Sequence], chunks: list[tuple[Prefill, int]]) -> torch.Tensor:
+        """One compiled forward of the decoding rows and the chunks' prompt tokens, each token a
+        row of the decode step at its own (slot, position): every row writes its keys and values
+        before any attends, so a chunk's tokens see each other causally. Returns the logits of the
+        decoding rows, then of each chunk's last token ((len(rows) + len(chunks), V))."""
+        tokens = [s.tokens[-1] for s in rows] + [t for unit, n in chunks for t in unit.context[unit.fed:unit.fed + n]]
+        slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in chunks for _ in range(n)]
+        positions = [s.position for s in rows] + [p for unit, n in chunks for p in range(unit.fed, unit.fed + n)]
+        ends = len(rows) - 1 + torch.tensor([n for _, n in chunks]).cumsum(0)  # each chunk's last token
+        out = torch.cat([torch.arange(len(rows)), ends])
+        span = max(positions) + 1
+        pad = max(0, decode_attention.ROWS - len(tokens))  # rows enough for the kernel: one graph
+        rows_ = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad], device=self.device)
+        keys = torch.arange(max(span, 2), device=self.device)
+        return self._decode(rows_[0], rows_[1], rows_[2], self.cache, keys, out.to(self.device))
 
     def _warm_up(self) -> None:
-        """Compile the decode step for every batch bucket this engine can run, on padding rows only."""
+        """Compile the decode step for every batch bucket this engine can run, and the mixed step,
+        on padding rows only."""
         for bucket in self._buckets():
             self._run_padded([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
+        if self.mixed:
+            rows = torch.tensor([[0] * decode_attention.ROWS, [self.slots] * decode_attention.ROWS,
+                                 [0] * decode_attention.ROWS], device=self.device)
+            with torch.no_grad():  # as the engine steps: grad mode is part of the graph's guards
+                self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(2, device=self.device),
+                             torch.tensor([0, 1], device=self.device))
 
     def _record_graphs(self, max_len: int) -> None:
         """The decode step's CUDA graphs, every batch and span bucket, recorded before serving:

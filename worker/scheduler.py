@@ -10,6 +10,7 @@ step) -> decoding (one token per step) -> finished (its slot freed for the next 
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import chain
@@ -26,13 +27,16 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # Beside decoding sequences, a step's prompt tokens are held to what keeps its weight matmuls within
 # STEP_RATIO times those of their decode alone (decode and prefill share one forward, runner.py), and
 # at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
-# 6 was measured under the serving benchmark (docs/benchmarks.md): against 2, TTFT p99 fell 2-5x and
-# TPOT p50 did not rise, since prompts that start sooner leave fewer mixed steps to share; likewise
-# 128 against 32 for BESIDE_CHUNK (where no plan was timed). A smoother spread (ratio 1.25, chunks
-# from 4 tokens) lost at 1 request/s in int8: a step that feeds a prompt runs eagerly, so more such
-# steps cost its decoding rows their compiled step more often (docs/benchmarks.md).
-STEP_RATIO = 6.0
-MIN_CHUNK = 16
+# Once the oldest prompt has waited PROMPT_WAIT seconds, the ratio grows with its wait, so that a
+# queue of prompts (a burst, a rate the machine cannot keep up with) is still drained.
+# 1.6 and 4 were measured under the serving benchmark's load at 1 request/s in int8 on the AVX2
+# EPYC, where a step that feeds prompt tokens runs compiled (runner.py `_run_mixed`) and a small chunk
+# costs its decoding rows little: TPOT p99 1.67x the single sequence's step against 2.5x at ratio 2
+# and 1.8x at 1.3 (whose prompts fell behind: TTFT p99 8.1 s); 6 with whole chunks during bursts, the
+# policy while such a step ran eagerly, gave 4-5x (docs/benchmarks.md).
+STEP_RATIO = 1.6
+MIN_CHUNK = 4
+PROMPT_WAIT = 2.0
 BESIDE_CHUNK = 128
 
 Event = tuple[str, str, dict]  # (job id, event type, data): see worker/protocol.py
@@ -112,6 +116,7 @@ class Prefill:
     def __init__(self, seqs: list[Sequence], context: list[int], score_from: int | None):
         self.seqs, self.context, self.score_from = seqs, context, score_from
         self.fed = 0
+        self.queued = time.monotonic()  # when its request came in (a split keeps its head's)
         self.scores: list[tuple[float, list[tuple[int, float]]]] = []
         self.ranks: list[int] = []
 
@@ -257,6 +262,7 @@ class Scheduler:
             if len(head.seqs) > len(self.free_slots):
                 take = len(self.free_slots)
                 unit = Prefill(head.seqs[:take], head.context, head.score_from)
+                unit.queued = head.queued
                 head.seqs = head.seqs[take:]
             else:
                 unit = self.waiting.popleft()
@@ -269,14 +275,14 @@ class Scheduler:
 
     def _chunks(self) -> list[tuple[Prefill, int]]:
         """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and
-        beside more decoding sequences than prompts waiting up to what keeps the step within
-        STEP_RATIO times their decode (`chunk_beside`), so a long prompt slows the running sequences
-        by a bounded factor for a few steps, never stalls them for its whole length."""
+        beside decoding sequences up to what keeps the step within STEP_RATIO times their decode
+        (`chunk_beside`; more once the oldest prompt has waited PROMPT_WAIT), so a long prompt slows
+        the running sequences by a bounded factor, never stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
-        # Held back only while the prompts are outnumbered by the sequences they would slow: when
-        # as many wait to start as run (a burst), whole chunks start them sooner.
-        if len(self.decoding) > len(self.prefilling) + len(self.waiting):
-            budget = min(budget, chunk_beside(len(self.decoding), self.row_costs))
+        if self.decoding and self.prefilling:
+            waited = time.monotonic() - min(u.queued for u in chain(self.prefilling, self.waiting))
+            ratio = STEP_RATIO * max(1.0, waited / PROMPT_WAIT)
+            budget = min(budget, chunk_beside(len(self.decoding), self.row_costs, ratio))
         for unit in self.prefilling:
             if budget <= 0:
                 break
@@ -293,16 +299,17 @@ class Scheduler:
             seq.slot, seq.scratch, seq.search = None, [], None
 
 
-def chunk_beside(decoding: int, row_costs: dict[int, float] | None) -> int:
+def chunk_beside(decoding: int, row_costs: dict[int, float] | None, ratio: float = STEP_RATIO) -> int:
     """The prompt tokens to feed in one forward with `decoding` rows: the most whose rows cost, by
     `row_costs` (linear between the measured row counts, proportional to the rows past the last),
-    at most STEP_RATIO times the decoding rows alone; at least MIN_CHUNK."""
+    at most `ratio` times the decoding rows alone; at least MIN_CHUNK. Without measured costs,
+    BESIDE_CHUNK tokens at STEP_RATIO, in proportion at another ratio."""
     if not row_costs:
-        return BESIDE_CHUNK
+        return int(BESIDE_CHUNK * ratio / STEP_RATIO)
     rows, costs = zip(*sorted(row_costs.items()))
     costs = np.maximum.accumulate(costs)  # more rows never cost less (timings are noisy)
     last_rows, last_cost = rows[-1], costs[-1]
     cost = last_cost * decoding / last_rows if decoding > last_rows else np.interp(decoding, rows, costs)
-    limit = STEP_RATIO * cost
+    limit = ratio * cost
     most = last_rows * limit / last_cost if limit > last_cost else np.interp(limit, costs, rows)
     return max(MIN_CHUNK, int(most) - decoding)
