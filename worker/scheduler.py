@@ -33,7 +33,9 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # EPYC, where a step that feeds prompt tokens runs compiled (runner.py `_run_mixed`) and a small chunk
 # costs its decoding rows little: TPOT p99 1.67x the single sequence's step against 2.5x at ratio 2
 # and 1.8x at 1.3 (whose prompts fell behind: TTFT p99 8.1 s); 6 with whole chunks during bursts, the
-# policy while such a step ran eagerly, gave 4-5x (docs/benchmarks.md).
+# policy while such a step ran eagerly, gave 4-5x (docs/benchmarks.md). PROMPT_WAIT at 0.5 s
+# instead gave int8 5.2x at 1 request/s (against 2.9x) but float32, whose prompts cost twice as
+# much, TTFT p99 3.4 s against 5.6 at 0.5 request/s (docs/benchmarks.md).
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
 PROMPT_WAIT = 2.0
