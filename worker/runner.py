@@ -307,7 +307,7 @@ class Runner:
         """Whether these chunks go beside the decoding rows through the compiled decode graph
         (`_run_mixed`) rather than the eager packed forward: where the project's attention kernel
         serves the cache, and while the chunks' attention work stays small enough for it."""
-        return (self.mixed and sum(n * (unit.fed + n) for unit, n in chunks) <= MIXED_ATTENTION)
+        return self.mixed and sum(n * (unit.fed + n) for unit, n in chunks) <= MIXED_ATTENTION
 
     def _run_mixed(self, rows: list[Sequence], chunks: list[tuple[Prefill, int]]) -> torch.Tensor:
         """One compiled forward of the decoding rows and the chunks' prompt tokens, each token a

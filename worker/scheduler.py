@@ -29,11 +29,12 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
 # Once the oldest prompt has waited PROMPT_WAIT seconds, the ratio grows with its wait, so that a
 # queue of prompts (a burst, a rate the machine cannot keep up with) is still drained.
-# 1.6 and 4 were measured under the serving benchmark's load at 1 request/s in int8 on the AVX2
-# EPYC, where a step that feeds prompt tokens runs compiled (runner.py `_run_mixed`) and a small chunk
-# costs its decoding rows little: TPOT p99 1.67x the single sequence's step against 2.5x at ratio 2
-# and 1.8x at 1.3 (whose prompts fell behind: TTFT p99 8.1 s); 6 with whole chunks during bursts, the
-# policy while such a step ran eagerly, gave 4-5x (docs/benchmarks.md). PROMPT_WAIT at 0.5 s
+# 1.6 and 4 were measured on an in-process int8 engine under the serving benchmark's workload at
+# 1 request/s on the AVX2 EPYC, where a step that feeds prompt tokens runs compiled (runner.py
+# `_run_mixed`) and a small chunk costs its decoding rows little: TPOT p99 1.67x the single
+# sequence's step against 2.5x at ratio 2 and 1.8x at 1.3 (whose prompts fell behind: TTFT p99
+# 8.1 s); through the whole stack 2.9x, where 6 with whole chunks during bursts, the policy while
+# such a step ran eagerly, gave 4-5x (docs/benchmarks.md). PROMPT_WAIT at 0.5 s
 # instead gave int8 5.2x at 1 request/s (against 2.9x) but float32, whose prompts cost twice as
 # much, TTFT p99 3.4 s against 5.6 at 0.5 request/s (docs/benchmarks.md).
 STEP_RATIO = 1.6
