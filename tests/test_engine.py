@@ -580,10 +580,51 @@ def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
     assert chunk_beside(8, None, ratio=2 * STEP_RATIO) == 2 * BESIDE_CHUNK
 
 
+def test_step_cost_between_and_past_the_measured_rows():
+    from worker.scheduler import step_cost
+
+    costs = {1: 1.0, 8: 0.9, 64: 4.0, 256: 16.0}
+    assert step_cost(1, costs) == step_cost(8, costs) == 1.0  # 8 rows never cost less than 1
+    assert step_cost(36, costs) == 2.5  # half way from 8 to 64
+    assert step_cost(512, costs) == 32.0  # past the timings, in proportion
+    assert step_cost(3, None) == step_cost(300, None) == 1.0  # nothing measured: every step alike
+
+
+def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
+    """The ratio doubles while, at the measured pace, the waiting prompts would not all be fed
+    within PROMPT_DEADLINE of arriving; prompts queued behind count after the ones before them."""
+    from worker.scheduler import MAX_RATIO, PROMPT_DEADLINE, STEP_RATIO, Prefill, Scheduler, chunk_beside
+
+    costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}
+    s = Scheduler(slots=8, prefill_chunk=256, row_costs=costs)
+    s.decoding = [object()] * 2
+    first = Prefill([], [0] * 200, None)
+    s.prefilling = [first]
+    assert chunk_beside(2, costs) == 17  # at 1.6: 17 tokens a step, 19 rows cost 1.589
+    assert chunk_beside(2, costs, 2 * STEP_RATIO) == 47  # at 3.2: 49 rows cost 3.196
+    assert s._chunks() == [(first, 17)]  # no step timed yet: in time
+    # 200 tokens at 1.6 take 12 steps of 1.589 = 19.07 units, at 3.2 5 of 3.196 = 15.98: a pace
+    # of deadline / 17 a unit misses the deadline at 1.6 and makes it at 3.2
+    s.pace.append(PROMPT_DEADLINE / 17)
+    assert s._chunks() == [(first, 47)]
+    s.pace[0] = PROMPT_DEADLINE / 20  # 19.07 / 20 of the deadline: in time at 1.6
+    assert s._chunks() == [(first, 17)]
+    behind = Prefill([], [0] * 100, None)  # no slot yet: 300 tokens to feed for it to start
+    s.waiting.append(behind)
+    # 300 tokens: 18 steps at 1.6 (28.6 units) and 7 at 3.2 (22.4) miss; 3 of 6.375 at 6.4 make it
+    assert chunk_beside(2, costs, 4 * STEP_RATIO) == 100
+    assert s._chunks() == [(first, 100)]
+    behind.queued -= PROMPT_DEADLINE  # it has waited its whole deadline: no ratio is in time
+    assert MAX_RATIO == 4 * STEP_RATIO
+    assert s._chunks() == [(first, 100)]  # MAX_RATIO's chunk, not the whole 200: the rows keep moving
+    s.prefill_chunk = 64
+    assert s._chunks() == [(first, 64)]  # below MAX_RATIO's chunk, prefill_chunk is the bound
+
+
 def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok, monkeypatch):
     """Beside decoding sequences a prompt goes in chunks of chunk_beside tokens, each in the same
-    forward as their decode; once the oldest prompt has waited PROMPT_WAIT, in chunks that grow
-    with its wait (here at once: whole chunks of prefill_chunk)."""
+    forward as their decode; a prompt that would miss PROMPT_DEADLINE at the pace the engine
+    measured goes in larger chunks (here, one that missed it at once: whole chunks of prefill_chunk)."""
     from worker import scheduler
 
     BESIDE_CHUNK = 32
@@ -600,7 +641,8 @@ def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, to
         long = engine.submit(job(tok, [[464] * 100], max_tokens=2))
         while not long.done:
             engine.step()
-        monkeypatch.setattr(scheduler, "PROMPT_WAIT", 1e-9)  # every prompt from here on waited long
+        assert engine.scheduler.pace  # every step so far timed
+        monkeypatch.setattr(scheduler, "PROMPT_DEADLINE", 1e-9)  # every prompt from here on is late
         late = engine.submit(job(tok, [[318] * 70], max_tokens=2))
         while not (running.done and late.done):
             engine.step()

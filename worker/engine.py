@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import torch
 
@@ -261,6 +262,7 @@ class Engine:
         """One engine iteration: schedule -> run -> output (see the module docstring). Never
         raises for a request's sake."""
         events: list[Event] = []
+        started = time.perf_counter()
         batch = self.scheduler.schedule(events)
         try:
             with torch.no_grad():
@@ -276,6 +278,7 @@ class Engine:
             self.scheduler.complete(req, completion)
         self._steps += 1
         self.scheduler.cancels.extend(self._emit(events))
+        self.scheduler.timed(batch, time.perf_counter() - started)
 
     def _run(self, batch: Batch) -> None:
         """Forward the decoding sequences and the prefill chunk; start the sequences whose

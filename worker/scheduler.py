@@ -27,20 +27,23 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # Beside decoding sequences, a step's prompt tokens are held to what keeps its weight matmuls within
 # STEP_RATIO times those of their decode alone (decode and prefill share one forward, runner.py), and
 # at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
-# Once the oldest prompt has waited PROMPT_WAIT seconds, the ratio grows with its wait, so that a
-# queue of prompts (a burst, a rate the machine cannot keep up with) is still drained.
 # 1.6 and 4 were measured on an in-process int8 engine under the serving benchmark's workload at
 # 1 request/s on the AVX2 EPYC, where a step that feeds prompt tokens runs compiled (runner.py
 # `_run_mixed`) and a small chunk costs its decoding rows little: TPOT p99 1.67x the single
 # sequence's step against 2.5x at ratio 2 and 1.8x at 1.3 (whose prompts fell behind: TTFT p99
 # 8.1 s); through the whole stack 2.9x, where 6 with whole chunks during bursts, the policy while
-# such a step ran eagerly, gave 4-5x (docs/benchmarks.md). PROMPT_WAIT at 0.5 s
-# instead gave int8 5.2x at 1 request/s (against 2.9x) but float32, whose prompts cost twice as
-# much, TTFT p99 3.4 s against 5.6 at 0.5 request/s (docs/benchmarks.md).
+# such a step ran eagerly, gave 4-5x (docs/benchmarks.md).
+# The ratio doubles, up to MAX_RATIO, while at the pace of the steps measured so far the prompts
+# waiting would not all see their first token within PROMPT_DEADLINE seconds of arriving:
+# a prompt's cost differs by precision (float32's is twice int8's on the AVX2 EPYC), so a fixed
+# wait before prompts speed up left float32's TTFT p99 at 5.6 s where int8's was 1.5
+# (docs/benchmarks.md).
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
-PROMPT_WAIT = 2.0
 BESIDE_CHUNK = 128
+PROMPT_DEADLINE = 1.5
+MAX_RATIO = 4 * STEP_RATIO
+PACE_STEPS = 64  # the steps whose pace (seconds per unit of row cost) estimates the next ones'
 
 Event = tuple[str, str, dict]  # (job id, event type, data): see worker/protocol.py
 
@@ -145,6 +148,7 @@ class Scheduler:
         self.slots = slots
         self.prefill_chunk = max(1, prefill_chunk)
         self.row_costs = row_costs
+        self.pace: deque[float] = deque(maxlen=PACE_STEPS)  # seconds per unit of step_cost, last steps
         # a heap: sequences take the lowest free slot, so the running ones tend to fill slots
         # 0..n-1 and, taken in slot order, read the KV cache in place (see schedule)
         self.free_slots = list(range(slots))
@@ -188,6 +192,12 @@ class Scheduler:
         for s in chain(rows, (s for unit in prefilled for s in unit.seqs)):
             if s.finish_reason is not None:
                 self._release(s)
+
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A step ran `batch` in `seconds`: the pace that `_in_time` expects of the next steps."""
+        rows = len(batch.decoding) + sum(n for _, n in batch.chunks)
+        if rows:
+            self.pace.append(seconds / step_cost(rows, self.row_costs))
 
     def complete(self, req: Request, completion: dict) -> None:
         """A request that ended: hand its completion to the caller."""
@@ -279,12 +289,14 @@ class Scheduler:
     def _chunks(self) -> list[tuple[Prefill, int]]:
         """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and
         beside decoding sequences up to what keeps the step within STEP_RATIO times their decode
-        (`chunk_beside`; more once the oldest prompt has waited PROMPT_WAIT), so a long prompt slows
-        the running sequences by a bounded factor, never stalls them for its whole length."""
+        (`chunk_beside`; more where the waiting prompts would miss PROMPT_DEADLINE), so a long
+        prompt slows the running sequences by a bounded factor, never stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
         if self.decoding and self.prefilling:
-            waited = time.monotonic() - min(u.queued for u in chain(self.prefilling, self.waiting))
-            ratio = STEP_RATIO * max(1.0, waited / PROMPT_WAIT)
+            ratio = STEP_RATIO
+            while ratio < MAX_RATIO and chunk_beside(len(self.decoding), self.row_costs, ratio) < budget \
+                    and not self._in_time(ratio):
+                ratio *= 2
             budget = min(budget, chunk_beside(len(self.decoding), self.row_costs, ratio))
         for unit in self.prefilling:
             if budget <= 0:
@@ -295,6 +307,22 @@ class Scheduler:
             budget -= n
         return chunks
 
+    def _in_time(self, ratio: float) -> bool:
+        """Whether, in chunks of `chunk_beside` at `ratio` and steps at the median pace measured,
+        every prompt waiting (in arrival order, each behind the ones before it) is fed within
+        PROMPT_DEADLINE seconds of its arrival. Nothing measured yet: in time."""
+        if not self.pace:
+            return True
+        decoding = len(self.decoding)
+        chunk = min(self.prefill_chunk, chunk_beside(decoding, self.row_costs, ratio))
+        step = float(np.median(self.pace)) * step_cost(decoding + chunk, self.row_costs)
+        now, behind = time.monotonic(), 0
+        for unit in chain(self.prefilling, self.waiting):
+            behind += len(unit.context) - unit.fed
+            if now - unit.queued + -(-behind // chunk) * step > PROMPT_DEADLINE:
+                return False
+        return True
+
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
             for slot in [seq.slot, *seq.scratch]:
@@ -302,17 +330,30 @@ class Scheduler:
             seq.slot, seq.scratch, seq.search = None, [], None
 
 
+def step_cost(rows: int, row_costs: dict[int, float] | None) -> float:
+    """The cost of a forward of `rows` rows by `row_costs` (linear between the measured row counts,
+    proportional to the rows past the last; more rows never cost less, timings being noisy); 1.0
+    at any rows without measured costs (a GPU, whose small steps wait on their launches)."""
+    if not row_costs:
+        return 1.0
+    rows_at, costs = _costs(row_costs)
+    if rows > rows_at[-1]:
+        return costs[-1] * rows / rows_at[-1]
+    return float(np.interp(rows, rows_at, costs))
+
+
 def chunk_beside(decoding: int, row_costs: dict[int, float] | None, ratio: float = STEP_RATIO) -> int:
     """The prompt tokens to feed in one forward with `decoding` rows: the most whose rows cost, by
-    `row_costs` (linear between the measured row counts, proportional to the rows past the last),
-    at most `ratio` times the decoding rows alone; at least MIN_CHUNK. Without measured costs,
-    BESIDE_CHUNK tokens at STEP_RATIO, in proportion at another ratio."""
+    `step_cost`, at most `ratio` times the decoding rows alone; at least MIN_CHUNK. Without
+    measured costs, BESIDE_CHUNK tokens at STEP_RATIO, in proportion at another ratio."""
     if not row_costs:
         return int(BESIDE_CHUNK * ratio / STEP_RATIO)
-    rows, costs = zip(*sorted(row_costs.items()))
-    costs = np.maximum.accumulate(costs)  # more rows never cost less (timings are noisy)
-    last_rows, last_cost = rows[-1], costs[-1]
-    cost = last_cost * decoding / last_rows if decoding > last_rows else np.interp(decoding, rows, costs)
-    limit = ratio * cost
-    most = last_rows * limit / last_cost if limit > last_cost else np.interp(limit, costs, rows)
+    rows_at, costs = _costs(row_costs)
+    limit = ratio * step_cost(decoding, row_costs)
+    most = rows_at[-1] * limit / costs[-1] if limit > costs[-1] else np.interp(limit, costs, rows_at)
     return max(MIN_CHUNK, int(most) - decoding)
+
+
+def _costs(row_costs: dict[int, float]) -> tuple[tuple[int, ...], np.ndarray]:
+    rows, costs = zip(*sorted(row_costs.items()))
+    return rows, np.maximum.accumulate(costs)
