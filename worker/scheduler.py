@@ -31,13 +31,16 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # 1 request/s on the AVX2 EPYC, where a step that feeds prompt tokens runs compiled (runner.py
 # `_run_mixed`) and a small chunk costs its decoding rows little: TPOT p99 1.67x the single
 # sequence's step against 2.5x at ratio 2 and 1.8x at 1.3 (whose prompts fell behind: TTFT p99
-# 8.1 s); through the whole stack 2.9x, where 6 with whole chunks during bursts, the policy while
-# such a step ran eagerly, gave 4-5x (docs/benchmarks.md).
+# 8.1 s); through the whole stack 2.9x (with a fixed 2 s wait before prompts sped up), where 6 with
+# whole chunks during bursts, the policy while such a step ran eagerly, gave 4-5x.
 # The ratio doubles, up to MAX_RATIO, while at the pace of the steps measured so far the prompts
 # waiting would not all see their first token within PROMPT_DEADLINE seconds of arriving:
 # a prompt's cost differs by precision (float32's is twice int8's on the AVX2 EPYC), so a fixed
-# wait before prompts speed up left float32's TTFT p99 at 5.6 s where int8's was 1.5
-# (docs/benchmarks.md).
+# wait before prompts speed up left float32's TTFT p99 at 5.6 s where int8's was 1.5; with the
+# deadline, through the whole stack at 0.5 request/s, float32 2.1 s (llama.cpp f32 2.0) and int8
+# 1.5 s. At 1 request/s int8 pays for its 1.6 s (was 3.5) with TPOT p99 4.3x the single step (was
+# 2.9x). The cap: uncapped, the late prompts of a burst took large chunks in turn (in-process,
+# 2 s: TPOT p99 7.3x). Measurements in docs/benchmarks.md.
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
 BESIDE_CHUNK = 128
