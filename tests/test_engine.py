@@ -4,6 +4,7 @@ determinism under batching, resume."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -532,7 +533,7 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
         assert calls["forward_packed"] >= 1 and calls["_run_mixed"] == 0
     assert calls["_decode_step"] >= 3 + calls["_run_mixed"]
     # chunks whose attention would cost more than the kernel saves go through the eager forward
-    unit = Prefill([], list(range(300)), None)
+    unit = Prefill([], list(range(300)), None, time.monotonic())
     assert 256 * 256 == MIXED_ATTENTION and engine.runner._mixes([(unit, 256)]) == engine.runner.mixed
     unit.fed = 1
     assert not engine.runner._mixes([(unit, 256)])
@@ -598,7 +599,7 @@ def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
     costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}
     s = Scheduler(slots=8, prefill_chunk=256, row_costs=costs)
     s.decoding = [object()] * 2
-    first = Prefill([], [0] * 200, None)
+    first = Prefill([], [0] * 200, None, time.monotonic())
     s.prefilling = [first]
     assert chunk_beside(2, costs) == 17  # at 1.6: 17 tokens a step, 19 rows cost 1.589
     assert chunk_beside(2, costs, 2 * STEP_RATIO) == 47  # at 3.2: 49 rows cost 3.196
@@ -609,7 +610,7 @@ def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
     assert s._chunks() == [(first, 47)]
     s.pace[0] = PROMPT_DEADLINE / 20  # 19.07 / 20 of the deadline: in time at 1.6
     assert s._chunks() == [(first, 17)]
-    behind = Prefill([], [0] * 100, None)  # no slot yet: 300 tokens to feed for it to start
+    behind = Prefill([], [0] * 100, None, time.monotonic())  # no slot yet: 300 tokens to feed for it to start
     s.waiting.append(behind)
     # 300 tokens: 18 steps at 1.6 (28.6 units) and 7 at 3.2 (22.4) miss; 3 of 6.375 at 6.4 make it
     assert chunk_beside(2, costs, 4 * STEP_RATIO) == 100
@@ -619,6 +620,24 @@ def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
     assert s._chunks() == [(first, 100)]  # MAX_RATIO's chunk, not the whole 200: the rows keep moving
     s.prefill_chunk = 64
     assert s._chunks() == [(first, 64)]  # below MAX_RATIO's chunk, prefill_chunk is the bound
+
+
+def test_a_prompt_s_deadline_counts_from_the_gateway(model, tok):
+    """A prompt's wait starts when the gateway took its request (`received`), so the time its job
+    spent queued counts; a gateway clock ahead of this one's counts as no wait."""
+    from worker.scheduler import arrival
+
+    engine = Engine(model, tok, max_batch=4)
+    queued = job(tok, ["Hello"], max_tokens=2)
+    queued.received -= 30.0  # 30 s in the queue
+    engine.submit(queued)
+    engine.scheduler.schedule([])
+    [unit] = engine.scheduler.prefilling
+    assert 29.9 < time.monotonic() - unit.queued < 31.0
+    ahead = job(tok, ["Hello"], max_tokens=2)
+    ahead.received += 5.0
+    before = time.monotonic()
+    assert before <= arrival(ahead) <= time.monotonic()  # taken now
 
 
 def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, tok, monkeypatch):

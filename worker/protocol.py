@@ -60,6 +60,9 @@ class CompletionJob(BaseModel):
     id: str
     model: str
     created: int = Field(default_factory=lambda: int(time.time()))
+    # when the gateway took the request (unix seconds): the engine's prompt deadline counts from
+    # here, so the time a job spent in the queue counts against it
+    received: float = Field(default_factory=time.time)
     prompts: list[list[int]]
     max_tokens: int | None = 16  # None: generate up to the end of the context
     temperature: float = 1.0

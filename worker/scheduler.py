@@ -122,10 +122,10 @@ class Prefill:
     `scores[i]` is (logprob, top) of context[score_from + i] when logprobs of the context are needed,
     `ranks[i]` that token's rank in its distribution (1: the most likely)."""
 
-    def __init__(self, seqs: list[Sequence], context: list[int], score_from: int | None):
+    def __init__(self, seqs: list[Sequence], context: list[int], score_from: int | None, queued: float):
         self.seqs, self.context, self.score_from = seqs, context, score_from
         self.fed = 0
-        self.queued = time.monotonic()  # when its request came in (a split keeps its head's)
+        self.queued = queued  # time.monotonic() when its request reached the gateway (`arrival`)
         self.scores: list[tuple[float, list[tuple[int, float]]]] = []
         self.ranks: list[int] = []
 
@@ -246,17 +246,18 @@ class Scheduler:
         a resumed sequence feeds its own prompt + emitted tokens."""
         echo_scores = (req.wants_logprobs and req.job.echo) or req.job.prompt_logprobs is not None
         score_from = 1 if echo_scores else None  # logprobs of the prompt's tokens, from the second
+        queued = arrival(req.job)
         for p, prompt in enumerate(req.job.prompts):
             seqs = req.seqs[p * req.best_of:(p + 1) * req.best_of]
             fresh = [s for s in seqs if not s.history]
             if fresh and all(s.max_new == 0 for s in fresh) and score_from is None:
-                self.ready.append(Prefill(fresh, prompt, None))  # nothing to compute: the (echoed) prompt alone
+                self.ready.append(Prefill(fresh, prompt, None, queued))  # nothing to compute: the (echoed) prompt alone
             elif fresh:
-                self.waiting.append(Prefill(fresh, prompt, score_from))
+                self.waiting.append(Prefill(fresh, prompt, score_from, queued))
             for s in seqs:
                 if s.history:  # its emitted tokens need their logprobs again for `done`
                     from_ = 1 if echo_scores else len(prompt) if req.wants_logprobs else None
-                    self.waiting.append(Prefill([s], prompt + s.history, from_))
+                    self.waiting.append(Prefill([s], prompt + s.history, from_, queued))
 
     def _take_cancels(self, events: list[Event]) -> None:
         while self.cancels:
@@ -277,8 +278,7 @@ class Scheduler:
                 break
             if len(head.seqs) > len(self.free_slots):
                 take = len(self.free_slots)
-                unit = Prefill(head.seqs[:take], head.context, head.score_from)
-                unit.queued = head.queued
+                unit = Prefill(head.seqs[:take], head.context, head.score_from, head.queued)
                 head.seqs = head.seqs[take:]
             else:
                 unit = self.waiting.popleft()
@@ -331,6 +331,12 @@ class Scheduler:
             for slot in [seq.slot, *seq.scratch]:
                 heapq.heappush(self.free_slots, slot)
             seq.slot, seq.scratch, seq.search = None, [], None
+
+
+def arrival(job: protocol.CompletionJob) -> float:
+    """When `job` reached the gateway, on this process's time.monotonic() clock: its age by the
+    wall clock, never negative (the gateway's clock may run ahead of this machine's)."""
+    return time.monotonic() - max(0.0, time.time() - job.received)
 
 
 def step_cost(rows: int, row_costs: dict[int, float] | None) -> float:
