@@ -34,7 +34,8 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # 8.1 s); through the whole stack 2.9x (with a fixed 2 s wait before prompts sped up), where 6 with
 # whole chunks during bursts, the policy while such a step ran eagerly, gave 4-5x.
 # The ratio doubles, up to MAX_RATIO, while at the pace of the steps measured so far the prompts
-# waiting would not all see their first token within PROMPT_DEADLINE seconds of arriving:
+# waiting would not all see their first token within PROMPT_DEADLINE seconds of reaching the
+# gateway (the time a job spends queued counts):
 # a prompt's cost differs by precision (float32's is twice int8's on the AVX2 EPYC), so a fixed
 # wait before prompts speed up left float32's TTFT p99 at 5.6 s where int8's was 1.5; with the
 # deadline, through the whole stack at 0.5 request/s, float32 2.1 s (llama.cpp f32 2.0) and int8
@@ -313,7 +314,7 @@ class Scheduler:
     def _in_time(self, ratio: float) -> bool:
         """Whether, in chunks of `chunk_beside` at `ratio` and steps at the median pace measured,
         every prompt waiting (in arrival order, each behind the ones before it) is fed within
-        PROMPT_DEADLINE seconds of its arrival. Nothing measured yet: in time."""
+        PROMPT_DEADLINE seconds of its arrival (`arrival`). Nothing measured yet: in time."""
         if not self.pace:
             return True
         decoding = len(self.decoding)
