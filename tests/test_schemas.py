@@ -3,6 +3,8 @@ rejection (a 400 naming its param), and the job a valid request becomes (pure: n
 The schema is the only place these ranges are checked: the worker runs the job it is given."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from models.registry import ModelSpec
@@ -176,8 +178,10 @@ def test_a_valid_request_becomes_its_job():
     assert (job.stream, job.include_usage) == (False, False)
     streamed = parse(prompt="x", stream=True, stream_options={"include_usage": True}).to_job(spec, [[1]], seed=1)
     assert (streamed.stream, streamed.include_usage, streamed.max_tokens, streamed.n) == (True, True, 16, 1)
-    # every job field is set from the request (none left at the job's own default by omission)
-    assert set(protocol.CompletionJob.model_fields) - {"created"} <= set(job.model_dump(exclude_unset=True))
+    # every job field is set from the request (none left at the job's own default by omission),
+    # but its timestamps, which the job takes when the gateway makes it
+    assert set(protocol.CompletionJob.model_fields) - {"created", "received"} <= set(job.model_dump(exclude_unset=True))
+    assert time.time() - 60 < job.received <= time.time() and int(job.received) in (job.created, job.created + 1)
 
 
 # ---- vLLM's extras and transformers' options ----
