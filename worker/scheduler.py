@@ -38,9 +38,10 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # gateway (the time a job spends queued counts):
 # a prompt's cost differs by precision (float32's is twice int8's on the AVX2 EPYC), so a fixed
 # wait before prompts speed up left float32's TTFT p99 at 5.6 s where int8's was 1.5; with the
-# deadline, through the whole stack at 0.5 request/s, float32 2.1 s (llama.cpp f32 2.0) and int8
-# 1.5 s. At 1 request/s int8 pays for its 1.6 s (was 3.5) with TPOT p99 4.3x the single step (was
-# 2.9x). The cap: uncapped, the late prompts of a burst took large chunks in turn (in-process,
+# deadline, through the whole stack at 0.5 request/s, float32 2.1 and 2.2 s in two runs (llama.cpp
+# f32 2.0 and 1.9: one burst of long prompts, priced too cheaply by the weight matmuls alone) and
+# int8 1.5 s. At 1 request/s int8 pays for its 1.5-1.6 s (was 3.5) with TPOT p99 3.2x and 4.3x the
+# single step (was 2.9x). The cap: uncapped, the late prompts of a burst took large chunks in turn (in-process,
 # 2 s: TPOT p99 7.3x). Measurements in docs/benchmarks.md.
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
