@@ -592,9 +592,10 @@ def test_step_cost_between_and_past_the_measured_rows():
 
 
 def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
-    """The ratio doubles while, at the measured pace, the waiting prompts would not all be fed
-    within PROMPT_DEADLINE of arriving; prompts queued behind count after the ones before them."""
-    from worker.scheduler import MAX_RATIO, PROMPT_DEADLINE, STEP_RATIO, Prefill, Scheduler, chunk_beside
+    """The ratio doubles, as far as prefill_chunk, while at the measured pace the waiting prompts
+    would not all be fed within PROMPT_DEADLINE of arriving; prompts queued behind count after the
+    ones before them, those still waiting for a slot not at all."""
+    from worker.scheduler import PROMPT_DEADLINE, STEP_RATIO, Prefill, Scheduler, chunk_beside
 
     costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}
     s = Scheduler(slots=8, prefill_chunk=256, row_costs=costs)
@@ -610,16 +611,19 @@ def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
     assert s._chunks() == [(first, 47)]
     s.pace[0] = PROMPT_DEADLINE / 20  # 19.07 / 20 of the deadline: in time at 1.6
     assert s._chunks() == [(first, 17)]
-    behind = Prefill([], [0] * 100, None, time.monotonic())  # no slot yet: 300 tokens to feed for it to start
-    s.waiting.append(behind)
+    waiting = Prefill([], [0] * 100, None, time.monotonic() - 10 * PROMPT_DEADLINE)  # no slot: all taken
+    s.waiting.append(waiting)
+    assert s._chunks() == [(first, 17)]  # larger chunks would not give it a slot any sooner
+    behind = Prefill([], [0] * 100, None, time.monotonic())  # holding a slot: 300 tokens to feed for it to start
+    s.prefilling.append(behind)
     # 300 tokens: 18 steps at 1.6 (28.6 units) and 7 at 3.2 (22.4) miss; 3 of 6.375 at 6.4 make it
     assert chunk_beside(2, costs, 4 * STEP_RATIO) == 100
     assert s._chunks() == [(first, 100)]
     behind.queued -= PROMPT_DEADLINE  # it has waited its whole deadline: no ratio is in time
-    assert MAX_RATIO == 4 * STEP_RATIO
-    assert s._chunks() == [(first, 100)]  # MAX_RATIO's chunk, not the whole 200: the rows keep moving
+    assert chunk_beside(2, costs, 16 * STEP_RATIO) >= 256
+    assert s._chunks() == [(first, 200), (behind, 56)]  # the ratio grew as far as prefill_chunk
     s.prefill_chunk = 64
-    assert s._chunks() == [(first, 64)]  # below MAX_RATIO's chunk, prefill_chunk is the bound
+    assert s._chunks() == [(first, 64)]  # prefill_chunk is the bound
 
 
 def test_a_prompt_s_deadline_counts_from_the_gateway(model, tok):

@@ -33,21 +33,24 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # sequence's step against 2.5x at ratio 2 and 1.8x at 1.3 (whose prompts fell behind: TTFT p99
 # 8.1 s); through the whole stack 2.9x (with a fixed 2 s wait before prompts sped up), where 6 with
 # whole chunks during bursts, the policy while such a step ran eagerly, gave 4-5x.
-# The ratio doubles, up to MAX_RATIO, while at the pace of the steps measured so far the prompts
-# waiting would not all see their first token within PROMPT_DEADLINE seconds of reaching the
-# gateway (the time a job spends queued counts):
-# a prompt's cost differs by precision (float32's is twice int8's on the AVX2 EPYC), so a fixed
-# wait before prompts speed up left float32's TTFT p99 at 5.6 s where int8's was 1.5; with the
-# deadline, through the whole stack at 0.5 request/s, float32 2.1 and 2.2 s in two runs (llama.cpp
-# f32 2.0 and 1.9: one burst of long prompts, priced too cheaply by the weight matmuls alone) and
-# int8 1.5 s. At 1 request/s int8 pays for its 1.5-1.6 s (was 3.5) with TPOT p99 3.2x and 4.3x the
-# single step (was 2.9x). The cap: uncapped, the late prompts of a burst took large chunks in turn (in-process,
-# 2 s: TPOT p99 7.3x). Measurements in docs/benchmarks.md.
+# The ratio doubles, as far as prefill_chunk, while at the pace of the steps measured so far the
+# prompts holding slots would not all see their first token within PROMPT_DEADLINE seconds of
+# reaching the gateway (the time a job spends queued counts). A prompt's cost differs by precision
+# (float32's is twice int8's on the AVX2 EPYC), so a fixed wait before prompts sped up left
+# float32's TTFT p99 at 5.6 s where int8's was 1.5. A deadline of 1.5 s with the ratio capped at 6.4
+# planned each prompt to finish just in time: the first of a burst of long prompts went in small
+# chunks until the next ones arrived, and then even the cap's chunks fell behind (float32 at 0.5
+# request/s through the whole stack: TTFT p99 2.1 and 2.2 s against llama.cpp f32's 2.0 and 1.9).
+# Half the deadline and no cap: 1.39 s against llama.cpp's 1.83, TPOT p99 2.3x the single step;
+# int8 0.84 s at 0.5 request/s and 0.92-1.47 at 1 (was 1.5-1.6), TPOT p99 3.8-8.0x at 1 request/s
+# (was 3.2-4.3x; the host ran slower through the 8.0x run, llama.cpp's numbers too). A burst's big
+# chunks make its decoding rows wait longer for fewer tokens, which costs their mean TPOT little.
+# Prompts still waiting for a slot do not count: larger chunks would only delay the ends of the
+# sequences whose slots they wait for. Measurements in docs/benchmarks.md.
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
 BESIDE_CHUNK = 128
-PROMPT_DEADLINE = 1.5
-MAX_RATIO = 4 * STEP_RATIO
+PROMPT_DEADLINE = 0.75
 PACE_STEPS = 64  # the steps whose pace (seconds per unit of row cost) estimates the next ones'
 
 Event = tuple[str, str, dict]  # (job id, event type, data): see worker/protocol.py
@@ -294,13 +297,12 @@ class Scheduler:
     def _chunks(self) -> list[tuple[Prefill, int]]:
         """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and
         beside decoding sequences up to what keeps the step within STEP_RATIO times their decode
-        (`chunk_beside`; more where the waiting prompts would miss PROMPT_DEADLINE), so a long
+        (`chunk_beside`; more where the prompts holding slots would miss PROMPT_DEADLINE), so a long
         prompt slows the running sequences by a bounded factor, never stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
         if self.decoding and self.prefilling:
             ratio = STEP_RATIO
-            while ratio < MAX_RATIO and chunk_beside(len(self.decoding), self.row_costs, ratio) < budget \
-                    and not self._in_time(ratio):
+            while chunk_beside(len(self.decoding), self.row_costs, ratio) < budget and not self._in_time(ratio):
                 ratio *= 2
             budget = min(budget, chunk_beside(len(self.decoding), self.row_costs, ratio))
         for unit in self.prefilling:
@@ -314,15 +316,17 @@ class Scheduler:
 
     def _in_time(self, ratio: float) -> bool:
         """Whether, in chunks of `chunk_beside` at `ratio` and steps at the median pace measured,
-        every prompt waiting (in arrival order, each behind the ones before it) is fed within
-        PROMPT_DEADLINE seconds of its arrival (`arrival`). Nothing measured yet: in time."""
+        every prompt holding a slot (in arrival order, each behind the ones before it) is fed within
+        PROMPT_DEADLINE seconds of its arrival (`arrival`). Nothing measured yet: in time. Prompts
+        still waiting for a slot are not counted: admission runs before this, so they wait because
+        every slot is taken, and larger chunks would only slow the sequences whose ends free them."""
         if not self.pace:
             return True
         decoding = len(self.decoding)
         chunk = min(self.prefill_chunk, chunk_beside(decoding, self.row_costs, ratio))
         step = float(np.median(self.pace)) * step_cost(decoding + chunk, self.row_costs)
         now, behind = time.monotonic(), 0
-        for unit in chain(self.prefilling, self.waiting):
+        for unit in self.prefilling:
             behind += len(unit.context) - unit.fed
             if now - unit.queued + -(-behind // chunk) * step > PROMPT_DEADLINE:
                 return False
