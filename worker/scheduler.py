@@ -42,8 +42,8 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # chunks until the next ones arrived, and then even the cap's chunks fell behind (float32 at 0.5
 # request/s through the whole stack: TTFT p99 2.1 and 2.2 s against llama.cpp f32's 2.0 and 1.9).
 # Half the deadline and no cap: 1.39 s against llama.cpp's 1.83, TPOT p99 2.3x the single step;
-# int8 0.84 s at 0.5 request/s and 0.92-1.47 at 1 (was 1.5-1.6), TPOT p99 3.8-8.0x at 1 request/s
-# (was 3.2-4.3x; the host ran slower through the 8.0x run, llama.cpp's numbers too). A burst's big
+# int8 at 1 request/s 1.07 and 1.47 s in two runs (was 1.5-1.6), TPOT p99 5.3x and 8.0x (was
+# 3.2-4.3x; the host ran slower through the 8.0x run, llama.cpp's numbers too). A burst's big
 # chunks make its decoding rows wait longer for fewer tokens, which costs their mean TPOT little.
 # Prompts still waiting for a slot do not count: larger chunks would only delay the ends of the
 # sequences whose slots they wait for. Measurements in docs/benchmarks.md.
