@@ -592,8 +592,8 @@ def test_step_cost_between_and_past_the_measured_rows():
 
 
 def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
-    """The ratio doubles, as far as prefill_chunk, while at the measured pace the waiting prompts
-    would not all be fed within PROMPT_DEADLINE of arriving; prompts queued behind count after the
+    """The ratio doubles, as far as prefill_chunk, while at the measured pace the prompts holding
+    slots would not all be fed within PROMPT_DEADLINE of arriving; prompts queued behind count after the
     ones before them, those still waiting for a slot not at all."""
     from worker.scheduler import PROMPT_DEADLINE, STEP_RATIO, Prefill, Scheduler, chunk_beside
 

@@ -36,14 +36,14 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # The ratio doubles, as far as prefill_chunk, while at the pace of the steps measured so far the
 # prompts holding slots would not all see their first token within PROMPT_DEADLINE seconds of
 # reaching the gateway (the time a job spends queued counts). A prompt's cost differs by precision
-# (float32's is twice int8's on the AVX2 EPYC), so a fixed wait before prompts sped up left
-# float32's TTFT p99 at 5.6 s where int8's was 1.5. A deadline of 1.5 s with the ratio capped at 6.4
+# (in small chunks float32's is twice int8's on the AVX2 EPYC), so a fixed wait before prompts
+# sped up left float32's TTFT p99 at 5.6 s where int8's was 1.5. A deadline of 1.5 s with the ratio capped at 6.4
 # planned each prompt to finish just in time: the first of a burst of long prompts went in small
 # chunks until the next ones arrived, and then even the cap's chunks fell behind (float32 at 0.5
 # request/s through the whole stack: TTFT p99 2.1 and 2.2 s against llama.cpp f32's 2.0 and 1.9).
-# Half the deadline and no cap: 1.39 s against llama.cpp's 1.83, TPOT p99 2.3x the single step;
-# int8 at 1 request/s 1.07 and 1.47 s in two runs (was 1.5-1.6), TPOT p99 5.3x and 8.0x (was
-# 3.2-4.3x; the host ran slower through the 8.0x run, llama.cpp's numbers too). A burst's big
+# Half the deadline and no cap: 1.39 and 2.08 s against llama.cpp's 1.83 and 2.55 in two runs,
+# TPOT p99 2.3x and 3.9x the single step; int8 at 1 request/s 1.07 and 1.47 s in two runs (was
+# 1.5-1.6), TPOT p99 5.3x and 8.0x (was 3.2-4.3x; the host ran slower through the 8.0x run, llama.cpp's numbers too). A burst's big
 # chunks make its decoding rows wait longer for fewer tokens, which costs their mean TPOT little.
 # Prompts still waiting for a slot do not count: larger chunks would only delay the ends of the
 # sequences whose slots they wait for. Measurements in docs/benchmarks.md.
@@ -301,8 +301,8 @@ class Scheduler:
         prompt slows the running sequences by a bounded factor, never stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
         if self.decoding and self.prefilling:
-            ratio = STEP_RATIO
-            while chunk_beside(len(self.decoding), self.row_costs, ratio) < budget and not self._in_time(ratio):
+            ratio, pace = STEP_RATIO, float(np.median(self.pace)) if self.pace else None
+            while chunk_beside(len(self.decoding), self.row_costs, ratio) < budget and not self._in_time(ratio, pace):
                 ratio *= 2
             budget = min(budget, chunk_beside(len(self.decoding), self.row_costs, ratio))
         for unit in self.prefilling:
@@ -314,17 +314,17 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _in_time(self, ratio: float) -> bool:
-        """Whether, in chunks of `chunk_beside` at `ratio` and steps at the median pace measured,
+    def _in_time(self, ratio: float, pace: float | None) -> bool:
+        """Whether, in chunks of `chunk_beside` at `ratio` and steps at `pace` (the median measured),
         every prompt holding a slot (in arrival order, each behind the ones before it) is fed within
         PROMPT_DEADLINE seconds of its arrival (`arrival`). Nothing measured yet: in time. Prompts
         still waiting for a slot are not counted: admission runs before this, so they wait because
         every slot is taken, and larger chunks would only slow the sequences whose ends free them."""
-        if not self.pace:
+        if pace is None:
             return True
         decoding = len(self.decoding)
         chunk = min(self.prefill_chunk, chunk_beside(decoding, self.row_costs, ratio))
-        step = float(np.median(self.pace)) * step_cost(decoding + chunk, self.row_costs)
+        step = pace * step_cost(decoding + chunk, self.row_costs)
         now, behind = time.monotonic(), 0
         for unit in self.prefilling:
             behind += len(unit.context) - unit.fed
