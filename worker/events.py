@@ -43,10 +43,13 @@ class StreamWriter:
     - A job that is not streamed (the synchronous answer, a polled or batch job) is read whole at
       its end, so its tokens are written at most every `DEFER_S` (with any other job's events, and
       at once for its first token and its end); one who follows a polled job's stream
-      (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write woke Redis and the web thread reading
-      the stream, on the cores the decode step runs on. A worker killed meanwhile has its retry
-      compute those tokens again (the resumed attempt starts from what the stream holds, as always).
-      The cancel flags are read with every write.
+      (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
+      Redis and the web thread reading each stream it touches, on the cores the decode step runs
+      on: at 32 such jobs a write cost the step about 17 ms (docs/benchmarks.md), so writing them
+      once a second rather than every 0.1 s (every step of a 100 ms step) is what keeps the stack
+      near the engine alone. A worker killed meanwhile has its retry compute those tokens again
+      (the resumed attempt starts from what the stream holds, as always). The cancel flags are read
+      with every write: such a job is cancelled within `DEFER_S` and a step.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
       attempt, n counting the attempt's events), so a transaction sent again after its reply was
       lost (Redis restarting, redis-py retrying) is refused entry by entry instead of duplicated.
@@ -54,7 +57,7 @@ class StreamWriter:
       writing (a worker wrongly thought dead) is refused the same way.
     """
 
-    DEFER_S = 0.1  # how long the tokens of a job nobody reads token by token may wait
+    DEFER_S = 1.0  # how long the tokens of a job nobody reads token by token may wait
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
