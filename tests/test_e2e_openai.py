@@ -7,6 +7,7 @@ with a registered but idle worker it fills its queue for the 429.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -66,6 +67,15 @@ def test_the_worker_compiles_its_float32_cpu_decode_step_by_default(stack):
     assert compiles_by_default("cpu", "float32")  # this machine has the C++ compiler inductor needs
     assert '"compiled": true' in ready, ready
     assert '"cuda_graphs": 0' in ready, ready  # CUDA graphs: a GPU's only
+
+
+def test_the_worker_freezes_what_loading_built(stack):
+    """The loaded engine's objects are out of the collector's full passes (processor.freeze_heap):
+    a collection would otherwise walk them all, every thread of the worker stopped."""
+    logs = stack["worker"].logs().splitlines()
+    ready = next(i for i, line in enumerate(logs) if "engine ready" in line)
+    frozen = next(line for line in logs[ready:] if "loaded objects frozen" in line)
+    assert int(json.loads(frozen)["objects"]) > 10_000, frozen
 
 
 def greedy(client, prompt=PROMPT, **kw):
