@@ -30,24 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from nanogpt.kernels import busy_cpu_seconds
-
-
-def best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
-    """Best time of one call of fn over `repeats` timed batches (each long enough to time)."""
-    fn()  # warm up: allocation, thread pool, packing
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_seconds:
-        fn()
-        calls += 1
-    per_batch = max(1, calls)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(per_batch):
-            fn()
-        best = min(best, (time.perf_counter() - start) / per_batch)
-    return best
+from nanogpt.kernels import best_seconds, busy_cpu_seconds
 
 
 def matmul_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:

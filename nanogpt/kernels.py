@@ -30,7 +30,7 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -81,6 +81,9 @@ INT8_ENGINES = {INT8: "x86", "int8-onednn": "onednn"}
 # Timings of one kernel move by up to ~20% between runs on these machines: a measurement departs
 # from RULE only where another kernel was faster by more than that.
 MARGIN = 1.25
+# A GELU leaves the packed kernel's own pass only where that pass was this much slower (`gelu_fuses`):
+# fused saves an operator call and a pass over the output, which the timing of one layer ignores.
+GELU_MARGIN = 1.1
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,9 @@ class Plan:
     ranges: tuple[tuple[float, str], ...]
     seconds: dict = field(default_factory=dict, compare=False)
     source: str = field(default="measured", compare=False)
+    # whether `packed` applies a GELU in its own pass over the output (`project`), or the GELU
+    # runs after it as an operator of its own: measured (`gelu_fuses`)
+    fused_gelu: bool = True
 
     def describe(self) -> str:
         """e.g. "linear up to 2 rows, onednn above (measured)"."""
@@ -179,7 +185,8 @@ class Plan:
                 spans.append((most, name))
         words = [f"{name} up to {most} rows" for most, name in spans[:-1]]
         words.append(spans[-1][1] + (" above" if words else " at every row count"))
-        return f"{', '.join(words)} ({self.source})"
+        gelu = "" if self.fused_gelu or self.packed in (PLAIN, GEMV) else f", GELU after {self.packed}'s matmul"
+        return f"{', '.join(words)}{gelu} ({self.source})"
 
     @property
     def plain(self) -> bool:
@@ -262,11 +269,13 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     if type(layer) is Int8Linear and layer._handle is not None and post is not None:
         return torch.ops.nanoserve.int8_linear(x, layer._handle, layer.out_features, post[0], post[2])
     if type(layer) is KernelLinear and torch.compiler.is_compiling():
-        if post is not None and layer._plan is not None and not layer._plan.plain:
+        if post is not None and layer._plan is not None and not layer._plan.plain \
+                and _fuses(layer._plan, post, x.numel() // x.shape[-1]):
             return torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle, post[0], post[2])
     elif type(layer) is KernelLinear:
         kernel = layer.kernel(x)
-        if kernel is not None and post is not None and kernel.with_activation is not None:
+        if kernel is not None and post is not None and kernel.with_activation is not None \
+                and _fuses(layer._plan, post, x.numel() // x.shape[-1]):
             return kernel.with_activation(x, layer._packed, layer._parameters["weight"], layer._parameters["bias"], post)
         if kernel is not None and residual is not None and kernel.with_residual is not None \
                 and residual.dtype == x.dtype and residual.is_contiguous() \
@@ -277,6 +286,15 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     if activation is not None:
         y = activation(y)
     return y if residual is None else residual + y
+
+
+def _fuses(plan: Plan, post: tuple, rows) -> bool:
+    """Whether the kernel `plan` gives `rows` (an int, or a compiled graph's symbolic size: a
+    packed kernel's rows) applies the activation `post` in its own pass: all but a GELU in a packed
+    kernel whose plan measured that pass slower than a GELU of its own (`gelu_fuses`)."""
+    if plan.fused_gelu or post[0] != "gelu":
+        return True
+    return isinstance(rows, int) and plan.kernel_for(rows).name != plan.packed
 
 
 # Packed layers by handle: a compiled graph names a layer by its handle (a constant of the graph,
@@ -372,7 +390,8 @@ def pack_linears(model: nn.Module, kernel: str | None = None) -> int:
     count = 0
     for dtype in {m.weight.dtype for m in layers}:
         for group in _planned_together(model, [m for m in layers if m.weight.dtype == dtype]):
-            plan = Plan.only(_check(kernel, dtype)) if kernel else choose(group)
+            plan = Plan.only(_check(kernel, dtype)) if kernel else \
+                choose(group, gelu=getattr(model, "output_layer", None) not in group)
             for module in group:
                 if type(module) is nn.Linear:
                     module.__class__ = KernelLinear
@@ -438,10 +457,11 @@ def _check(name: str, dtype: torch.dtype) -> str:
 _plans: dict[tuple, Plan] = {}  # one measurement per weight shapes, dtype and thread count
 
 
-def choose(layers: list[nn.Module]) -> Plan:
+def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
     """Time every available kernel on a sample of `layers` (all float32, all bfloat16 or all int8)
     at TIMED_ROWS and choose from the timings (`plan_from`, `plan_int8`); timings taken while
-    other processes were busy give way to RULE (int8: INT8)."""
+    other processes were busy give way to RULE (int8: INT8). `gelu`: the layers include MLPs'
+    first layers, whose GELU the packed kernel may take into its pass (`gelu_fuses`)."""
     int8 = isinstance(layers[0], Int8Linear)
     # int8's kernels both read packed int8 weights, which a cached sample favours alike (the plans
     # from 32 MB and from every layer agreed), and each int8 layer timed costs a repacking: the
@@ -450,13 +470,15 @@ def choose(layers: list[nn.Module]) -> Plan:
     weights = [(m.weight().dequantize(), m.bias()) if int8 else
                (m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in sample]
     dtype = torch.qint8 if int8 else weights[0][0].dtype
-    key = (dtype, tuple(tuple(w.shape) for w, _ in weights), torch.get_num_threads())
+    key = (dtype, tuple(tuple(w.shape) for w, _ in weights), torch.get_num_threads(), gelu)
     if key not in _plans:
         others = OtherProcesses()
         seconds = time_kernels(weights, available(dtype), TIMED_ROWS)
         busy = others.cores()
         if busy <= QUIET_CORES:
             _plans[key] = plan_int8(seconds) if int8 else plan_from(seconds)
+            if gelu and not int8 and others.cores() <= QUIET_CORES:
+                _plans[key] = replace(_plans[key], fused_gelu=gelu_fuses(weights, _plans[key]))
         else:
             source = f"rule: other processes used {busy:.1f} cores while timing"
             packed = INT8 if int8 else next(name for name in RULE if name in seconds)
@@ -506,6 +528,44 @@ def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
     if all(name != packed for _, name in ranges):
         packed = PLAIN
     return Plan(packed, tuple(ranges), seconds)
+
+
+def gelu_fuses(weights: list[tuple[torch.Tensor, torch.Tensor | None]], plan: Plan) -> bool:
+    """Whether `plan`'s packed kernel should apply a GELU in its own pass over the output rather than
+    leave it to an operator of its own, timed on the widest of `weights` (an MLP's first layer) at
+    the TIMED_ROWS the kernel serves: fused unless that pass was GELU_MARGIN times slower. On an
+    AVX2-only AMD EPYC oneDNN's tanh-GELU post-op made GPT-2 small's 3072x768 layer 1.19x slower at
+    64 rows and 1.26x at 256 than the matmul and torch's GELU after it (docs/benchmarks.md)."""
+    kernel = KERNELS[plan.packed]
+    rows = [r for most, r in _row_ranges(plan.seconds) if plan.kernel_for(r).name == plan.packed] if plan.seconds else []
+    if kernel.with_activation is None or not rows:
+        return True
+    w, b = max(weights, key=lambda wb: (wb[0].shape[0] > wb[0].shape[1], wb[0].numel()))
+    packed, gelu = kernel.pack_of(w, b), ONEDNN_ACTIVATIONS[("GELU", "tanh")]
+    fused = separate = 0.0
+    with torch.no_grad():
+        for r in rows:
+            x = torch.randn(r, w.shape[1], dtype=w.dtype)
+            fused += best_seconds(lambda: kernel.with_activation(x, packed, w, b, gelu), 3, 0.01)
+            separate += best_seconds(lambda: F.gelu(kernel.linear(x, packed, w, b), approximate="tanh"), 3, 0.01)
+    return fused <= separate * GELU_MARGIN
+
+
+def best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
+    """Best time of one call of fn over `repeats` timed batches (each long enough to time)."""
+    fn()  # warm up: allocation, thread pool, packing
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_seconds:
+        fn()
+        calls += 1
+    per_batch = max(1, calls)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        best = min(best, (time.perf_counter() - start) / per_batch)
+    return best
 
 
 def plan_int8(seconds: dict[str, dict[int, float]]) -> Plan:

@@ -509,6 +509,82 @@ def test_a_compiled_activation_runs_in_the_layers_op(name, what, activation, _):
         assert ran.count("mkldnn::_linear_pointwise") == 1
 
 
+def onednn_layer_with_gelu_after(monkeypatch):
+    """A 64 -> 192 layer packed with oneDNN whose plan leaves GELU out of oneDNN's pass (gemv, where
+    built, at 1-2 rows), and the list of the epilogues its kernels run themselves."""
+    layer, calls = packed_with_counted_epilogues(monkeypatch, "onednn")
+    ranges = ((2, kernels.GEMV), (math.inf, "onednn")) if kernels.GEMV in FLOAT_KERNELS else ((math.inf, "onednn"),)
+    layer._plan = replace(layer._plan, ranges=ranges, fused_gelu=False)
+    return layer, calls
+
+
+@pytest.mark.skipif("onednn" not in FLOAT_KERNELS, reason="this torch build has no oneDNN prepacked linear")
+def test_a_gelu_the_packed_kernel_runs_slower_follows_it_as_an_operator(monkeypatch):
+    layer, calls = onednn_layer_with_gelu_after(monkeypatch)
+    assert layer._plan.describe().endswith("GELU after onednn's matmul (forced)")
+    gelu, x = torch.nn.GELU(approximate="tanh"), torch.randn(5, 64)
+    with torch.no_grad():
+        assert_close(kernels.project(layer, x, gelu), gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+        assert calls == []  # oneDNN's rows: the matmul, then GELU
+        assert_close(kernels.project(layer, x, torch.nn.ReLU()), F.linear(x, layer.weight, layer.bias).relu(),
+                     rtol=1e-5, atol=1e-5)
+        assert calls == ["with_activation"]  # any other activation stays in its pass
+        if kernels.GEMV in FLOAT_KERNELS:  # the GEMV's rows keep the GELU in its own pass
+            monkeypatch.setitem(kernels.KERNELS, kernels.GEMV, replace(
+                kernels.KERNELS[kernels.GEMV], with_activation=lambda *a: calls.append("gemv") or gemv_gelu(*a)))
+            one = x[:1]
+            assert_close(kernels.project(layer, one, gelu), gelu(F.linear(one, layer.weight, layer.bias)),
+                         rtol=1e-5, atol=1e-5)
+            assert calls[-1] == "gemv"
+
+
+def gemv_gelu(x, packed, w, b, activation):
+    from nanogpt import gemv
+
+    return gemv.linear(x, w, b, activation[0], activation[2])
+
+
+@pytest.mark.skipif("onednn" not in FLOAT_KERNELS, reason="this torch build has no oneDNN prepacked linear")
+def test_a_compiled_gelu_the_packed_kernel_runs_slower_is_an_operator_of_the_graph(monkeypatch):
+    layer, _ = onednn_layer_with_gelu_after(monkeypatch)
+    gelu, graphs = torch.nn.GELU(approximate="tanh"), []
+
+    def backend(gm, inputs):
+        graphs.append([node for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")])
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        got = torch.compile(lambda x: kernels.project(layer, x, gelu), backend=backend)(x)
+    assert_close(got, gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+    (ops,) = graphs
+    # the layer's op without an activation, then GELU as the graph's own operator
+    assert [op.target for op in ops] == [torch.ops.nanoserve.linear, F.gelu]
+    assert "gelu" not in ops[0].args[4:]
+
+
+def test_the_gelu_leaves_the_packed_kernels_pass_where_it_was_clearly_slower(monkeypatch):
+    """`gelu_fuses` times the packed kernel with its GELU against the kernel then torch's GELU, on the
+    widest layer, at the row counts the kernel serves."""
+    torch.manual_seed(0)
+    weights = [(torch.randn(48, 16), torch.randn(48)), (torch.randn(16, 48), torch.randn(16))]
+    plan = kernels.Plan("onednn", ((2, "linear"), (math.inf, "onednn")), {"linear": {1: 1.0, 8: 1.0}})
+    kernel, shapes = kernels.KERNELS["onednn"], []
+
+    def slow_epilogue(x, packed, w, b, activation):
+        shapes.append((x.shape[0], tuple(w.shape)))
+        time.sleep(0.002)
+        return kernel.with_activation(x, packed, w, b, activation)
+
+    monkeypatch.setitem(kernels.KERNELS, "onednn", replace(kernel, with_activation=slow_epilogue))
+    assert kernels.gelu_fuses(weights, plan) is False
+    assert set(shapes) == {(8, (48, 16))}  # onednn's timed rows only, on the widest layer
+    monkeypatch.setitem(kernels.KERNELS, "onednn", replace(kernel, linear=lambda *a: time.sleep(0.002) or kernel.linear(*a)))
+    assert kernels.gelu_fuses(weights, plan) is True
+    assert kernels.gelu_fuses(weights, replace(plan, packed="linear", ranges=((math.inf, "linear"),))) is True
+
+
 @pytest.mark.parametrize("name", FLOAT_KERNELS)
 def test_the_compiled_graphs_op_runs_the_layers_plan_at_every_row_count(name):
     """nanoserve::linear, as a compiled graph calls it, gives what the layer gives for every kernel,
