@@ -469,12 +469,9 @@ def test_compiled_packed_layers_call_their_kernel(checkpoint):
 ACTIVATIONS = [e for e in EPILOGUES if e[1] is not None and not e[2]]
 
 
-@pytest.mark.parametrize("name", FLOAT_KERNELS)
-@pytest.mark.parametrize("what, activation, _", ACTIVATIONS, ids=[e[0] for e in ACTIVATIONS])
-def test_a_compiled_activation_runs_in_the_layers_op(name, what, activation, _):
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 192).eval()
-    kernels.pack_linears(layer, kernel=name)
+def recording_backend():
+    """A torch.compile backend that runs each graph as traced, and the list it appends each graph's
+    operator nodes to (dynamo reset first, so nothing compiled earlier answers instead)."""
     graphs = []
 
     def backend(gm, inputs):
@@ -482,6 +479,16 @@ def test_a_compiled_activation_runs_in_the_layers_op(name, what, activation, _):
         return gm.forward
 
     torch._dynamo.reset()
+    return backend, graphs
+
+
+@pytest.mark.parametrize("name", FLOAT_KERNELS)
+@pytest.mark.parametrize("what, activation, _", ACTIVATIONS, ids=[e[0] for e in ACTIVATIONS])
+def test_a_compiled_activation_runs_in_the_layers_op(name, what, activation, _):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 192).eval()
+    kernels.pack_linears(layer, kernel=name)
+    backend, graphs = recording_backend()
     x = torch.randn(3, 64)
     with torch.no_grad():
         compiled = torch.compile(lambda x: kernels.project(layer, x, activation), backend=backend)
@@ -547,13 +554,7 @@ def gemv_gelu(x, packed, w, b, activation):
 @pytest.mark.skipif("onednn" not in FLOAT_KERNELS, reason="this torch build has no oneDNN prepacked linear")
 def test_a_compiled_gelu_the_packed_kernel_runs_slower_is_an_operator_of_the_graph(monkeypatch):
     layer, _ = onednn_layer_with_gelu_after(monkeypatch)
-    gelu, graphs = torch.nn.GELU(approximate="tanh"), []
-
-    def backend(gm, inputs):
-        graphs.append([node for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")])
-        return gm.forward
-
-    torch._dynamo.reset()
+    gelu, (backend, graphs) = torch.nn.GELU(approximate="tanh"), recording_backend()
     x = torch.randn(6, 64)
     with torch.no_grad():
         got = torch.compile(lambda x: kernels.project(layer, x, gelu), backend=backend)(x)
