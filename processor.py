@@ -147,11 +147,10 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
 
 def freeze_heap() -> None:
     """Keep what loading built out of the garbage collector's full passes. A loaded, compiled
-    engine leaves some 700,000 tracked objects (modules, compiled graphs, their guards), and a full
-    collection walks them all while holding the GIL: 500-660 ms on a 2-core AMD EPYC, every thread of
-    the worker (the engine's step included) stopped meanwhile; one came at the end of a start, as
-    the first requests arrived (docs/benchmarks.md). Collected once, then frozen, a full pass
-    walks only what serving allocates since."""
+    engine leaves hundreds of thousands of tracked objects (modules, compiled graphs, their
+    guards), and a full collection walks them all while holding the GIL, every thread of the
+    worker (the engine's step included) stopped for a good part of a second (docs/benchmarks.md).
+    Collected once, then frozen, a full pass walks only what serving allocates since."""
     gc.collect()
     gc.freeze()
     log.info("loaded objects frozen", extra={"objects": gc.get_freeze_count()})

@@ -476,9 +476,12 @@ def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
         seconds = time_kernels(weights, available(dtype), TIMED_ROWS)
         busy = others.cores()
         if busy <= QUIET_CORES:
-            _plans[key] = plan_int8(seconds) if int8 else plan_from(seconds)
-            if gelu and not int8 and others.cores() <= QUIET_CORES:
-                _plans[key] = replace(_plans[key], fused_gelu=gelu_fuses(weights, _plans[key]))
+            plan = plan_int8(seconds) if int8 else plan_from(seconds)
+            if gelu and not int8:
+                fused = gelu_fuses(weights, plan)
+                if others.cores() <= QUIET_CORES:  # still quiet while the GELU was timed
+                    plan = replace(plan, fused_gelu=fused)
+            _plans[key] = plan
         else:
             source = f"rule: other processes used {busy:.1f} cores while timing"
             packed = INT8 if int8 else next(name for name in RULE if name in seconds)
@@ -533,9 +536,8 @@ def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
 def gelu_fuses(weights: list[tuple[torch.Tensor, torch.Tensor | None]], plan: Plan) -> bool:
     """Whether `plan`'s packed kernel should apply a GELU in its own pass over the output rather than
     leave it to an operator of its own, timed on the widest of `weights` (an MLP's first layer) at
-    the TIMED_ROWS the kernel serves: fused unless that pass was GELU_MARGIN times slower. On an
-    AVX2-only AMD EPYC oneDNN's tanh-GELU post-op made GPT-2 small's 3072x768 layer 1.19x slower at
-    64 rows and 1.26x at 256 than the matmul and torch's GELU after it (docs/benchmarks.md)."""
+    the TIMED_ROWS the kernel serves: fused unless that pass was GELU_MARGIN times slower, as
+    oneDNN's tanh-GELU post-op was on an AVX2-only CPU (docs/benchmarks.md)."""
     kernel = KERNELS[plan.packed]
     rows = [r for most, r in _row_ranges(plan.seconds) if plan.kernel_for(r).name == plan.packed] if plan.seconds else []
     if kernel.with_activation is None or not rows:

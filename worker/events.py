@@ -45,9 +45,8 @@ class StreamWriter:
       at once for its first token and its end); one who follows a polled job's stream
       (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
       Redis and the web thread reading each stream it touches, on the cores the decode step runs
-      on: at 32 such jobs a write cost the step about 17 ms (docs/benchmarks.md), so writing them
-      once a second rather than every 0.1 s (every step of a 100 ms step) is what keeps the stack
-      near the engine alone. A worker killed meanwhile has its retry compute those tokens again
+      on: with 32 such jobs, writing every 0.1 s (every step, at 100-ms steps) slowed the stack
+      by a tenth against once a second (docs/benchmarks.md). A worker killed meanwhile has its retry compute those tokens again
       (the resumed attempt starts from what the stream holds, as always). The cancel flags are read
       with every write: such a job is cancelled within `DEFER_S` and a step.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
