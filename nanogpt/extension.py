@@ -1,5 +1,5 @@
-"""The project's own C++ kernels: the GEMV for one or two rows (nanogpt/gemv.cpp, served through
-nanogpt/gemv.py), the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
+"""The project's own C++ kernels: the GEMV for one or two rows (nanogpt/gemv.cpp) and the int8
+mode's for a few (nanogpt/int8_gemv.cpp), both served through nanogpt/gemv.py, the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
 through nanogpt/decode_attention.py) and each row's first maximum for the sampler
 (nanogpt/first_max.cpp), one module (nanogpt/extension.cpp) on PyTorch's own threads; it also gives
 the compiled graphs' ops their C++ CPU kernels (nanogpt/layer_ops.cpp).
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 ENV = "NANOSERVE_EXTENSIONS"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "first_max.cpp",
-           HERE / "layer_ops.cpp"]
-HEADERS = [HERE / "vec.h", HERE / "own_kernels.h"]
+           HERE / "layer_ops.cpp", HERE / "int8_gemv.cpp"]
+HEADERS = [HERE / "vec.h", HERE / "epilogue.h", HERE / "own_kernels.h"]
 # torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
          "AVX2": ["-mavx2", "-mfma"]}

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <type_traits>
 
+#include "epilogue.h"
 #include "vec.h"
 
 namespace {
@@ -190,25 +191,6 @@ void dots_rows(int rows, const T* w, const float* x, int64_t K, int64_t n0, int6
   }
 }
 
-enum class Activation { none, gelu_tanh, gelu_erf, relu };
-
-Activation activation_of(const std::string& name, const std::string& algorithm) {
-  if (name == "none") return Activation::none;
-  if (name == "relu") return Activation::relu;
-  if (name == "gelu") return algorithm == "tanh" ? Activation::gelu_tanh : Activation::gelu_erf;
-  TORCH_CHECK(false, "gemv: no activation ", name);
-}
-
-inline float activate(float v, Activation a) {
-  switch (a) {
-    case Activation::none: return v;
-    case Activation::relu: return v > 0.f ? v : 0.f;
-    case Activation::gelu_tanh: return gelu_tanh(v);
-    case Activation::gelu_erf: return 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
-  }
-  return v;
-}
-
 template <typename T>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                   Activation act, const c10::optional<torch::Tensor>& residual) {
@@ -233,12 +215,13 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::opt
         const int rows = static_cast<int>(std::min<int64_t>(MB, M - m0));
         dots_rows(rows, wp, xp + m0 * K, K, n0, n1, tile);
         for (int m = 0; m < rows; ++m) {
+          float* sums = tile + m * NT;
+          if (bp)
+            for (int64_t n = n0; n < n1; ++n) sums[n - n0] += scalar(bp[n]);
+          activate(sums, n1 - n0, act);
           for (int64_t n = n0; n < n1; ++n) {
-            float v = tile[m * NT + (n - n0)] + (bp ? scalar(bp[n]) : 0.f);
-            v = activate(v, act);
             const int64_t at = (m0 + m) * N + n;
-            if (rp) v += scalar(rp[at]);
-            yp[at] = static_cast<T>(v);
+            yp[at] = static_cast<T>(rp ? sums[n - n0] + scalar(rp[at]) : sums[n - n0]);
           }
         }
       }

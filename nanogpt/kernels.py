@@ -39,13 +39,14 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt import extension, gemv
-from nanogpt.quantize import Int8Linear, quantize_int8, quantized_engine
+from nanogpt.quantize import Int8Linear, quantize_weight, quantized_engine
 
 PLAIN = "linear"
 GEMV = "gemv"
+INT8_GEMV = "int8-gemv"  # the int8 mode's (nanogpt/int8_gemv.cpp)
 # The kernels that are not PyTorch's: left out of the benchmarks' ceiling, which the issue's
 # targets define as the fastest kernel PyTorch offers
-OWN = (GEMV,)
+OWN = (GEMV, INT8_GEMV)
 # The packed kernels lay a weight out for a row count they are told; packed for 64 rows, both
 # served 1-1024 rows as fast as packed for each count (measured; MKL packed for 8 is slow at 32+).
 PACK_ROWS = 64
@@ -67,15 +68,17 @@ ENV = "NANOSERVE_KERNEL"  # force one kernel at every row count (benchmarks, dia
 # AVX-512 + BF16 CPU oneDNN's prepacked linear measured fastest at 1-1024 rows in float32 and
 # bfloat16, ahead of MKL's packed GEMM, itself ahead of F.linear from 8 rows on an AVX-512 Xeon.
 RULE = ("onednn", "mkl", PLAIN)
-# ... except at up to gemv.ROWS rows, which the project's own GEMV serves where it is built.
+# ... except at up to gemv.ROWS rows, which the project's own GEMV serves where it is built (int8:
+# its int8 GEMV, before INT8).
 # A 2-thread matmul waits for its second thread at every call when another process holds a core,
 # which slows some kernels tenfold at one row and others hardly: timings taken while other
 # processes used more than this many cores are not trusted.
 QUIET_CORES = 0.3
 # The int8 mode's kernels: torch.ao's dynamically quantized linear (x quantized on the fly) with
-# its weight packed by one of PyTorch's quantized engines. INT8, fbgemm's (through the "x86"
-# engine), is what every int8 layer holds; oneDNN's runs the same int8 products on AMX's tiles
-# where the CPU has them (int8 layers pack for it where their plan gives it rows).
+# its weight packed by one of PyTorch's quantized engines, and the project's int8 GEMV, which
+# computes what fbgemm's does. INT8, fbgemm's (through the "x86" engine), is what every int8 layer
+# holds; oneDNN's runs the same int8 products on AMX's tiles where the CPU has them (int8 layers
+# pack for the others where their plan gives them rows).
 INT8 = "int8-dynamic"
 INT8_ENGINES = {INT8: "x86", "int8-onednn": "onednn"}
 # Timings of one kernel move by up to ~20% between runs on these machines: a measurement departs
@@ -112,25 +115,26 @@ def _has_onednn(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _int8_pack(weight: torch.Tensor, bias: torch.Tensor | None, engine: str):
-    """A linear layer of the weight quantized as the engine's int8 mode quantizes (nanogpt/quantize.py),
-    packed for the quantized engine `engine`."""
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    with torch.no_grad():
-        layer.weight.copy_(weight)
-        if bias is not None:
-            layer.bias.copy_(bias)
-    layer = quantize_int8(nn.Sequential(layer))[0]
-    if engine != INT8_ENGINES[INT8]:
-        with quantized_engine(engine):
-            layer._packed_params._packed_params = torch.ops.quantized.linear_prepack(*layer._weight_bias())
-    return layer
+def int8_pack(name: str, weight: torch.Tensor, bias: torch.Tensor | None):
+    """An int8 layer's quantized weight and float bias (nanogpt/quantize.py) packed for the int8 kernel
+    `name`: for a quantized engine's kernel, its packed parameters; for the int8 GEMV, what it reads."""
+    if name == INT8_GEMV:
+        return gemv.int8_pack(weight, bias)
+    with quantized_engine(INT8_ENGINES[name]):
+        return torch.ops.quantized.linear_prepack(weight, bias)
 
 
-def _int8_kernel(name: str) -> Kernel:
+def _int8_kernel(name: str, available: Callable[[torch.dtype], bool], linear: Callable,
+                 with_activation: Callable | None = None) -> Kernel:
+    """An int8 kernel, which `pack`s a float weight (a sample timed) as the int8 mode quantizes it."""
+    return Kernel(name, (torch.qint8,), available, lambda w, b: int8_pack(name, quantize_weight(w), b), linear,
+                  with_activation)
+
+
+def _engine_kernel(name: str) -> Kernel:
     engine = INT8_ENGINES[name]
-    return Kernel(name, (torch.qint8,), lambda dtype: engine in torch.backends.quantized.supported_engines,
-                  lambda w, b: _int8_pack(w, b, engine), lambda x, packed, w, b: packed(x))
+    return _int8_kernel(name, lambda dtype: engine in torch.backends.quantized.supported_engines,
+                        lambda x, packed, w, b: torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True))
 
 
 KERNELS = {kernel.name: kernel for kernel in [
@@ -148,9 +152,11 @@ KERNELS = {kernel.name: kernel for kernel in [
            lambda x, packed, w, b: gemv.linear(x, w, b),
            lambda x, packed, w, b, activation: gemv.linear(x, w, b, activation[0], activation[2]),
            lambda x, packed, w, b, residual: gemv.linear(x, w, b, residual=residual)),
-    # The int8 mode's (INT8_ENGINES). Weight-only int8 (aten._weight_int8pack_mm) is left out: 6
-    # tok/s for GPT-2 small's decode matmuls.
-    *[_int8_kernel(name) for name in INT8_ENGINES],
+    # The int8 mode's (INT8_ENGINES, as torch.ao's dynamic linear calls them, and the int8 GEMV).
+    # Weight-only int8 (aten._weight_int8pack_mm) is left out: 6 tok/s for GPT-2 small's decode matmuls.
+    *[_engine_kernel(name) for name in INT8_ENGINES],
+    _int8_kernel(INT8_GEMV, lambda dtype: gemv.available(), lambda x, packed, w, b: gemv.int8_linear(x, packed),
+                 lambda x, packed, w, b, activation: gemv.int8_linear(x, packed, activation[0], activation[2])),
 ]}
 
 
@@ -490,8 +496,9 @@ def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
 
 
 def _rule(names, packed: str, rows: int) -> str:
-    """The kernel RULE gives `rows` where `names` are available and `packed` is packed."""
-    return GEMV if GEMV in names and rows <= gemv.ROWS else packed
+    """The kernel RULE gives `rows` where `names` are available and `packed` is packed (INT8: int8's)."""
+    own = INT8_GEMV if packed == INT8 else GEMV
+    return own if own in names and rows <= gemv.ROWS else packed
 
 
 def _timed_rows(seconds: dict[str, dict[int, float]]) -> list[int]:
@@ -570,13 +577,14 @@ def best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
 
 
 def plan_int8(seconds: dict[str, dict[int, float]]) -> Plan:
-    """The plan measured times {int8 kernel: {rows: seconds}} give: INT8, whose pack every int8
-    layer holds, unless at some row count another int8 kernel was MARGIN times faster (it serves
-    those rows, from a pack of its own)."""
+    """The plan measured times {int8 kernel: {rows: seconds}} give: RULE's (INT8, whose pack every
+    int8 layer holds, and the int8 GEMV up to gemv.ROWS rows) unless at some row count another int8
+    kernel was MARGIN times faster (it serves those rows, from a pack of its own)."""
     ranges = []
     for most, r in _row_ranges(seconds):
+        rule = _rule(seconds, INT8, r)
         fastest = min(seconds, key=lambda name: seconds[name][r])
-        ranges.append((most, fastest if seconds[fastest][r] * MARGIN < seconds[INT8][r] else INT8))
+        ranges.append((most, fastest if seconds[fastest][r] * MARGIN < seconds[rule][r] else rule))
     return Plan(INT8, tuple(ranges), seconds)
 
 

@@ -21,12 +21,14 @@
 
 namespace {
 
-enum class Kind { Plain, Mkl, Onednn, Gemv, Int8 };
+enum class Kind { Plain, Mkl, Onednn, Gemv, Int8, Int8Gemv };
 
 struct Range {
   double most;  // the most rows it serves
   Kind kind;
-  c10::IValue pack;  // the packed weight (a tensor, or an int8 kernel's packed parameters); none for Plain, Gemv
+  // the packed weight (a tensor, an int8 engine's packed parameters, or the int8 GEMV's tuple of its
+  // weight's values, their row sums, its scale and the bias: nanogpt/gemv.py int8_pack); none for Plain, Gemv
+  c10::IValue pack;
 };
 
 struct Layer {
@@ -44,6 +46,7 @@ Kind kind_of(const std::string& name) {
   if (name == "mkl") return Kind::Mkl;
   if (name == "onednn") return Kind::Onednn;
   if (name == "gemv") return Kind::Gemv;
+  if (name == "int8-gemv") return Kind::Int8Gemv;
   if (name.rfind("int8", 0) == 0) return Kind::Int8;
   TORCH_CHECK(false, "nanoserve: no kernel named ", name);
 }
@@ -123,6 +126,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, int64_t handle, int64_t out_fe
                           c10::string_view activation, c10::string_view algorithm) {
   c10::optional<Range> range = range_for(handle, x.numel() / x.size(-1), nullptr);
   TORCH_CHECK(range.has_value(), "nanoserve: int8 layer ", handle, " is not registered");
+  if (range->kind == Kind::Int8Gemv) {
+    const auto& pack = range->pack.toTupleRef().elements();
+    return int8_linear_rows(x, pack[0].toTensor(), pack[1].toTensor(), pack[2].toDouble(),
+                            pack[3].toOptional<torch::Tensor>(), std::string(activation), std::string(algorithm));
+  }
   return post_op(call("quantized::linear_dynamic", "", {x, range->pack, true}), std::string(activation),
                  std::string(algorithm));
 }

@@ -13,6 +13,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& cach
                                double scale, int64_t local);  // nanogpt/decode_attention.cpp
 bool decode_attention_serves(int64_t head_size);
 
+torch::Tensor int8_linear_rows(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& row_sums,
+                               double weight_scale, const c10::optional<torch::Tensor>& bias,
+                               const std::string& activation, const std::string& algorithm);  // nanogpt/int8_gemv.cpp
+
 torch::Tensor first_max(const torch::Tensor& x);  // nanogpt/first_max.cpp
 
 void set_layer(int64_t handle, const c10::optional<torch::Tensor>& weight, const std::vector<double>& most,

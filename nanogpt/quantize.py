@@ -24,10 +24,10 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
     """torch.ao's dynamically quantized linear layer, packed for the default engine (fbgemm), which
 
     - runs, for the row counts its plan (`set_plan`, nanogpt/kernels.py) gives another int8 kernel,
-      the same int8 weight packed for that kernel's engine: oneDNN's, with AMX's int8 tiles, is
-      up to twice fbgemm's speed at a batch or a prompt's rows on CPUs that have them, and slower
-      at one row. Both quantize x alike and sum int8 products exactly, so the outputs agree to
-      float32 rounding;
+      the same int8 weight packed for that kernel: oneDNN's engine, with AMX's int8 tiles, is up
+      to twice fbgemm's speed at a batch or a prompt's rows on CPUs that have them, and slower at
+      one row; the project's int8 GEMV is faster at a few rows. All quantize x alike and sum int8
+      products exactly, so the outputs agree to float32 rounding (the GEMV's: to the bit);
     - is called by a compiled graph as one opaque op (`nanoserve::int8_linear`) running the same
       kernels: dynamo cannot put a packed weight (a TorchScript object) into a graph."""
 
@@ -37,13 +37,10 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
     _packed_from = None  # the default pack the others were made from: another means the weight changed
 
     def set_plan(self, plan) -> None:
-        from nanogpt.kernels import INT8, INT8_ENGINES, publish
+        from nanogpt.kernels import INT8, int8_pack, publish
 
         weight, bias = self._weight_bias()
-        packs = {}
-        for name in {name for _, name in plan.ranges} - {INT8}:
-            with quantized_engine(INT8_ENGINES[name]):
-                packs[name] = torch.ops.quantized.linear_prepack(weight, bias)
+        packs = {name: int8_pack(name, weight, bias) for name in {name for _, name in plan.ranges} - {INT8}}
         self._plan, self._packs, self._packed_from = plan, packs, self._packed_params._packed_params
         publish(self, plan, {INT8: self._packed_from, **packs})
 
@@ -65,9 +62,10 @@ class Int8Linear(torch.ao.nn.quantized.dynamic.Linear):
         if torch.compiler.is_compiling() and self._handle is not None:
             return torch.ops.nanoserve.int8_linear(x, self._handle, self.out_features)
         if self._packs and self._packed_from is self._packed_params._packed_params:
-            packed = self._packs.get(self._plan.kernel_for(x.numel() // x.shape[-1]).name)
-            if packed is not None:  # as the default's forward (torch.ao's Linear, version 4) calls it
-                return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=True).to(x.dtype)
+            kernel = self._plan.kernel_for(x.numel() // x.shape[-1])
+            packed = self._packs.get(kernel.name)
+            if packed is not None:
+                return kernel.linear(x, packed, None, None).to(x.dtype)
         return super().forward(x)
 
 
@@ -89,6 +87,15 @@ def quantize_int8(model):
             layer._handle = register(layer)
             publish(layer, Plan.only(INT8, "default"), {INT8: layer._packed_params._packed_params})
     return model
+
+
+def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight quantized as quantize_int8 quantizes a layer's: by the observer of torch.ao's
+    default dynamic qconfig (per tensor, symmetric, int8)."""
+    observer = torch.ao.quantization.default_dynamic_qconfig.weight()
+    observer(weight.detach().float())
+    scale, zero_point = observer.calculate_qparams()
+    return torch.quantize_per_tensor(weight.detach().float(), float(scale), int(zero_point), torch.qint8)
 
 
 def is_int8(model) -> bool:

@@ -447,20 +447,23 @@ def test_int8_model_serves_close_to_float32(model, tok, hf_checkpoint):
 
 
 def test_int8_tokens_do_not_depend_on_the_int8_kernel(tok, hf_checkpoint, monkeypatch):
-    """fbgemm's and oneDNN's int8 kernels (nanogpt/kernels.py) sum the same int8 products exactly:
-    the engine's tokens and logprobs are the same whichever serves a step's rows (many prompts at
-    once: decode steps of several rows, a packed prefill)."""
+    """fbgemm's, oneDNN's and the project's int8 kernels (nanogpt/kernels.py) sum the same int8
+    products exactly: the engine's tokens and logprobs are the same whichever serves a step's rows
+    (many prompts at once: decode steps of several rows, a packed prefill)."""
+    from nanogpt import kernels
+
     served = {}
-    for kernel in ("int8-dynamic", "int8-onednn"):
+    for kernel in kernels.available(torch.qint8):
         monkeypatch.setenv("NANOSERVE_KERNEL", kernel)  # the engine's own pack_linears then forces it
         quantized = quantize_int8(load_model(str(hf_checkpoint)))
         served[kernel] = run_all(make_engine(quantized, tok)[0], [job(tok, [p], max_tokens=10, logprobs=0)
                                                                     for p in PROMPTS * 2])
         assert {m._plan.describe() for m in quantized.modules() if hasattr(m, "_packs")} == {f"{kernel} at every row count (forced)"}
-    for a, b in zip(*served.values()):
-        a, b = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
-        assert a["tokens"] == b["tokens"]
-        assert_close(b["token_logprobs"], a["token_logprobs"], atol=1e-4, rtol=0)
+    for kernel, results in served.items():
+        for a, b in zip(served["int8-dynamic"], results):
+            a, b = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+            assert a["tokens"] == b["tokens"], kernel
+            assert_close(b["token_logprobs"], a["token_logprobs"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

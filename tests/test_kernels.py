@@ -14,12 +14,13 @@ from torch.nn import functional as F
 from torch.testing import assert_close
 
 from conftest import make_hf_checkpoint
-from nanogpt import kernels
+from nanogpt import gemv, kernels
 from nanogpt.checkpoint import load_model
 from nanogpt.kv_cache import KVCache
 
 FLOAT_KERNELS = kernels.available(torch.float32)
 BF16_KERNELS = kernels.available(torch.bfloat16)
+INT8_KERNELS = kernels.available(torch.qint8)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_this_torch_build_offers_the_packed_kernels():
     # silently lose the fast paths, so say so here rather than skip their tests
     assert {"linear", "mkl", "onednn"} <= set(FLOAT_KERNELS)
     assert "mkl" not in BF16_KERNELS  # MKL's packed GEMM is float32 only
-    assert kernels.available(torch.qint8) == ["int8-dynamic", "int8-onednn"]
+    assert INT8_KERNELS[:2] == ["int8-dynamic", "int8-onednn"]
 
 
 def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
@@ -43,8 +44,9 @@ def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
     from nanogpt import extension
 
     expected = torch.backends.cpu.get_cpu_capability() in extension.FLAGS and shutil.which("c++") is not None
-    assert expected == ("gemv" in FLOAT_KERNELS) == ("gemv" in BF16_KERNELS)
-    assert kernels.OWN == ("gemv",)
+    assert expected == ("gemv" in FLOAT_KERNELS) == ("gemv" in BF16_KERNELS) \
+        == ("int8-gemv" in INT8_KERNELS)
+    assert kernels.OWN == ("gemv", "int8-gemv")
     if expected:  # built with the CPU's bfloat16 dot products where it has them, and only there
         from nanogpt.precision import cpu_flags
 
@@ -644,6 +646,84 @@ def test_the_int8_plan_follows_the_timings():
     assert kernels.plan_int8(seconds).describe() == "int8-dynamic at every row count (measured)"
 
 
+def test_the_int8_plan_gives_the_int8_gemv_one_or_two_rows_unless_clearly_slower():
+    seconds = {"int8-dynamic": {1: 1.0, 4: 1.1, 8: 2.0, 64: 7.0},
+               "int8-onednn": {1: 1.4, 4: 1.5, 8: 1.9, 64: 4.6},
+               "int8-gemv": {1: 1.1, 4: 0.7, 8: 2.5, 64: 20.0}}
+    plan = kernels.plan_int8(seconds)  # by rule at one row though slower there; at 4 clearly faster
+    assert plan.describe() == "int8-gemv up to 5 rows, int8-dynamic up to 22 rows, int8-onednn above (measured)"
+    seconds["int8-dynamic"][1] = 0.8  # fbgemm clearly faster than the GEMV at one row: it serves it
+    assert kernels.plan_int8(seconds).ranges[0] == (2, "int8-dynamic")
+
+
+@pytest.mark.skipif("int8-gemv" not in INT8_KERNELS, reason="the int8 gemv cannot be built here")
+def test_the_int8_gemv_computes_what_fbgemm_computes_to_the_bit():
+    """x quantized as fbgemm's dynamic linear quantizes it (one scale over all rows, 7-bit), the
+    products summed exactly, the same float epilogue: equal outputs at every row count the kernel
+    blocks (1-4) and beyond, a reduction length that is no multiple of its 32 bytes, no bias,
+    inputs all positive or all zero; the activation applied to that output."""
+    from nanogpt import gemv
+    from nanogpt.quantize import quantize_weight
+
+    torch.manual_seed(0)
+    for out_features, in_features in ((37, 70), (50, 3), (96, 768), (24, 3072)):
+        weight, bias = quantize_weight(torch.randn(out_features, in_features) * 0.1), torch.randn(out_features)
+        for with_bias in (bias, None):
+            fbgemm = torch.ops.quantized.linear_prepack(weight, with_bias)
+            pack = gemv.int8_pack(weight, with_bias)
+            for rows in (*range(1, 10), 17):
+                for x in (torch.randn(rows, in_features) * 3 + 0.5, torch.rand(rows, in_features),
+                          torch.zeros(rows, in_features)):
+                    want = torch.ops.quantized.linear_dynamic(x, fbgemm, reduce_range=True)
+                    assert torch.equal(gemv.int8_linear(x, pack), want)
+                for activation, algorithm, f in (("gelu", "tanh", lambda y: F.gelu(y, approximate="tanh")),
+                                                 ("gelu", "none", F.gelu), ("relu", "", F.relu)):
+                    assert_close(gemv.int8_linear(x * 8, pack, activation, algorithm),
+                                 f(torch.ops.quantized.linear_dynamic(x * 8, fbgemm, reduce_range=True)),
+                                 rtol=0, atol=2e-6)
+    x = torch.randn(2, 3, 70)  # leading dimensions kept
+    weight = quantize_weight(torch.randn(37, 70))
+    assert torch.equal(gemv.int8_linear(x, gemv.int8_pack(weight, None)),
+                       torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(weight, None), True))
+    per_channel = torch.quantize_per_channel(torch.randn(8, 32), torch.rand(8) + 0.1, torch.zeros(8, dtype=torch.long),
+                                             0, torch.qint8)
+    with pytest.raises(ValueError, match="per tensor"):
+        gemv.int8_pack(per_channel, None)
+
+
+@pytest.mark.skipif("int8-gemv" not in INT8_KERNELS, reason="the int8 gemv cannot be built here")
+def test_an_int8_layer_and_the_compiled_graphs_op_run_the_int8_gemv_where_planned(checkpoint):
+    """The rows its plan gives the int8 GEMV are served from its pack, eagerly and through
+    nanoserve::int8_linear (with and without a post-op), with fbgemm's outputs to the bit."""
+    from nanogpt.quantize import Int8Linear
+
+    model, layers = _int8_model(checkpoint)
+    layer = layers[0]
+    x = {rows: torch.randn(rows, layer.in_features) for rows in (1, 4, 5, 64)}
+    want = {rows: layer(x) for rows, x in x.items()}  # the default pack's (fbgemm)
+    layer.set_plan(kernels.Plan("int8-dynamic", ((4, "int8-gemv"), (math.inf, "int8-dynamic"))))
+    assert set(layer._packs) == {"int8-gemv"}
+
+    def op(x, activation="none", algorithm=""):
+        return torch.ops.nanoserve.int8_linear(x, layer._handle, layer.out_features, activation, algorithm)
+
+    for rows in x:
+        assert torch.equal(layer(x[rows]), want[rows]) and torch.equal(op(x[rows]), want[rows])
+        assert_close(op(x[rows], "gelu", "tanh"), F.gelu(want[rows], approximate="tanh"), rtol=0, atol=2e-6)
+    # the rows up to 4 are served from the GEMV's pack: a pack of another weight shows it
+    weight, bias = layer._weight_bias()
+    negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
+    layer._packs["int8-gemv"] = gemv.int8_pack(negated, bias)
+    kernels.publish(layer, layer._plan, {"int8-dynamic": layer._packed_from, **layer._packs})
+    for rows, served in ((4, False), (5, True)):
+        assert torch.equal(layer(x[rows]), want[rows]) == served
+        assert torch.equal(op(x[rows]), want[rows]) == served
+    fresh = Int8Linear(layer.in_features, layer.out_features)  # a new weight: a new pack of it
+    fresh.set_weight_bias(negated, bias)
+    layer.load_state_dict(fresh.state_dict())
+    assert torch.equal(layer(x[1]), fresh(x[1])) and torch.equal(op(x[1]), fresh(x[1]))
+
+
 def _int8_model(checkpoint):
     from nanogpt.quantize import Int8Linear, quantize_int8
 
@@ -728,20 +808,24 @@ def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypat
     model, layers = _int8_model(checkpoint)
     assert kernels.pack_linears(model) == len(layers)  # measured here
     plan, head = layers[0]._plan, model.lm_head._plan
-    assert set(plan.seconds) == {"int8-dynamic", "int8-onednn"} and plan.packed == "int8-dynamic"
+    assert set(plan.seconds) == set(INT8_KERNELS) and plan.packed == "int8-dynamic"
     assert all(m._plan is plan for m in layers if m is not model.lm_head)
     assert set(head.seconds) == set(plan.seconds) and head.packed == "int8-dynamic"
     assert kernels.describe(model) == f"int8: {plan.describe()}; int8 head: {head.describe()}"
     assert kernels.row_costs(model) == {r: plan.seconds[plan.kernel_for(r).name][r] for r in kernels.TIMED_ROWS}
     kernels.pack_linears(model, kernel="int8-onednn")
     assert all(m._plan == kernels.Plan.only("int8-onednn") and set(m._packs) == {"int8-onednn"} for m in layers)
-    with pytest.raises(ValueError, match="available: int8-dynamic, int8-onednn"):
+    with pytest.raises(ValueError, match="available: " + ", ".join(INT8_KERNELS)):
         kernels.pack_linears(model, kernel="onednn")  # a float kernel
     monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
     monkeypatch.setattr(kernels, "_plans", {})
     kernels.pack_linears(model)
-    assert layers[0]._plan.describe().startswith("int8-dynamic at every row count (rule: other processes used")
-    assert all(m._packs == {} for m in layers)  # no second pack where fbgemm's serves every row
+    if "int8-gemv" in INT8_KERNELS:  # the int8 GEMV serves one or two rows by rule, fbgemm the rest
+        assert layers[0]._plan.describe().startswith("int8-gemv up to 2 rows, int8-dynamic above (rule: other processes")
+        assert all(set(m._packs) == {"int8-gemv"} for m in layers)
+    else:
+        assert layers[0]._plan.describe().startswith("int8-dynamic at every row count (rule: other processes used")
+        assert all(m._packs == {} for m in layers)  # no second pack where fbgemm's serves every row
 
 
 def test_bfloat16_and_int8_models_on_a_cpu_cache_in_the_dtype_its_attention_runs_fastest_in(monkeypatch):
