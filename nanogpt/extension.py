@@ -30,7 +30,7 @@ ENV = "NANOSERVE_EXTENSIONS"
 HERE = Path(__file__).parent
 SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "first_max.cpp",
            HERE / "layer_ops.cpp", HERE / "int8_gemv.cpp"]
-HEADERS = [HERE / "vec.h", HERE / "epilogue.h", HERE / "own_kernels.h"]
+HEADERS = [HERE / "vec.h", HERE / "gemv.h", HERE / "own_kernels.h"]
 # torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
          "AVX2": ["-mavx2", "-mfma"]}

@@ -13,7 +13,7 @@
 #include <immintrin.h>
 #include <type_traits>
 
-#include "epilogue.h"
+#include "gemv.h"
 #include "vec.h"
 
 namespace {
@@ -207,23 +207,16 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, const c10::opt
   const T* rp = r.defined() ? r.data_ptr<T>() : nullptr;
   const X* xp = xf.template data_ptr<X>();
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
-    float tile[MB * NT];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * NT, n1 = std::min(N, n0 + NT);
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int rows = static_cast<int>(std::min<int64_t>(MB, M - m0));
-        dots_rows(rows, wp, xp + m0 * K, K, n0, n1, tile);
-        for (int m = 0; m < rows; ++m) {
-          float* sums = tile + m * NT;
-          if (bp)
-            for (int64_t n = n0; n < n1; ++n) sums[n - n0] += scalar(bp[n]);
-          activate(sums, n1 - n0, act);
-          for (int64_t n = n0; n < n1; ++n) {
-            const int64_t at = (m0 + m) * N + n;
-            yp[at] = static_cast<T>(rp ? sums[n - n0] + scalar(rp[at]) : sums[n - n0]);
-          }
-        }
+  for_each_block<MB, NT, float>(N, M, [&](int64_t m0, int rows, int64_t n0, int64_t n1, float* tile) {
+    dots_rows(rows, wp, xp + m0 * K, K, n0, n1, tile);
+    for (int m = 0; m < rows; ++m) {
+      float* sums = tile + m * NT;
+      if (bp)
+        for (int64_t n = n0; n < n1; ++n) sums[n - n0] += scalar(bp[n]);
+      activate(sums, n1 - n0, act);
+      for (int64_t n = n0; n < n1; ++n) {
+        const int64_t at = (m0 + m) * N + n;
+        yp[at] = static_cast<T>(rp ? sums[n - n0] + scalar(rp[at]) : sums[n - n0]);
       }
     }
   });

@@ -18,14 +18,13 @@
 #include <cstdint>
 #include <immintrin.h>
 
-#include "epilogue.h"
+#include "gemv.h"
 
 namespace {
 
 using namespace nanoserve;
 
-// MB: rows of x per pass over a tile of NT weight rows, which stays in the core's cache while the
-// blocks of MB rows pass over it, so that the weights stream from memory once whatever the rows.
+// MB: rows of x per pass over a tile of NT weight rows (for_each_block)
 constexpr int MB = 4;
 constexpr int64_t NT = 32;
 constexpr int64_t V = 32;  // int8 in an AVX2 register
@@ -144,22 +143,15 @@ torch::Tensor int8_linear_rows(const torch::Tensor& x, const torch::Tensor& weig
   const torch::Tensor b = bias ? bias->contiguous() : torch::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
-    int32_t tile[MB * NT];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * NT, n1 = std::min(N, n0 + NT);
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int rows = static_cast<int>(std::min<int64_t>(MB, M - m0));
-        dots_rows(rows, wp, xq.data() + m0 * K, K, n0, n1, tile);
-        for (int m = 0; m < rows; ++m) {
-          float* out = yp + (m0 + m) * N;
-          for (int64_t n = n0; n < n1; ++n) {
-            const float sum = static_cast<float>(tile[m * NT + (n - n0)] - zero_point * sums[n]);
-            out[n] = bp ? std::fmaf(sum, multiplier, bp[n]) : sum * multiplier;
-          }
-          activate(out + n0, n1 - n0, act);
-        }
+  for_each_block<MB, NT, int32_t>(N, M, [&](int64_t m0, int rows, int64_t n0, int64_t n1, int32_t* tile) {
+    dots_rows(rows, wp, xq.data() + m0 * K, K, n0, n1, tile);
+    for (int m = 0; m < rows; ++m) {
+      float* out = yp + (m0 + m) * N;
+      for (int64_t n = n0; n < n1; ++n) {
+        const float sum = static_cast<float>(tile[m * NT + (n - n0)] - zero_point * sums[n]);
+        out[n] = bp ? std::fmaf(sum, multiplier, bp[n]) : sum * multiplier;
       }
+      activate(out + n0, n1 - n0, act);
     }
   });
   return y;

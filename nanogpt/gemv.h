@@ -1,14 +1,33 @@
-// The activations the project's matmuls apply as each output leaves them (nanogpt/gemv.cpp,
-// nanogpt/int8_gemv.cpp), named as oneDNN's post-ops name them.
+// What the project's two GEMVs (nanogpt/gemv.cpp, nanogpt/int8_gemv.cpp) share: their pass over the
+// weights, and the activations they apply as each output leaves them, named as oneDNN's post-ops
+// name them.
 #pragma once
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "vec.h"
 
 namespace nanoserve {
+
+// Tiles of NT weight rows split among PyTorch's threads, and per tile each block of up to MB rows of
+// x in turn, so that the tile stays in the core's cache while the blocks pass over it and the weights
+// stream from memory once whatever the row count: `block(m0, rows, n0, n1, tile)` computes and
+// writes the outputs of x's rows [m0, m0 + rows) for the weight rows [n0, n1), `tile` its scratch
+// of MB * NT sums.
+template <int MB, int64_t NT, typename Sum, typename Block>
+void for_each_block(int64_t N, int64_t M, const Block& block) {
+  at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
+    Sum tile[MB * NT];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NT, n1 = std::min(N, n0 + NT);
+      for (int64_t m0 = 0; m0 < M; m0 += MB) block(m0, static_cast<int>(std::min<int64_t>(MB, M - m0)), n0, n1, tile);
+    }
+  });
+}
 
 enum class Activation { none, gelu_tanh, gelu_erf, relu };
 
