@@ -49,8 +49,8 @@ inline float activate(float v, Activation a) {
 }
 
 // activation(p[0..n)) in place, GPT-2's GELU by its vector form (nanogpt/vec.h): with one std::tanh
-// per output, the GELU added 0.5-0.6 ms to GPT-2 small's 12 MLP layers at one row and 1.0-1.3 ms at
-// two (the float GEMV, 2 threads, AVX2 EPYC), 0.2-0.3 ms this way
+// per output, the GELU added 0.5-0.6 ms to GPT-2 small's 12 MLP layers at one row and 1.0-1.2 ms at
+// two (the float GEMV, 2 threads, AVX2 EPYC), 0.3 ms or less this way
 inline void activate(float* p, int64_t n, Activation a) {
   if (a == Activation::none) return;
   int64_t i = 0;

@@ -1,6 +1,7 @@
 """The engine's event sink (worker/events.py StreamWriter) against a real redis-server: a streamed
 job's every step is written as it is made; a job read whole at its end has its tokens written at
-most every DEFER_S, its first token and its end at once, and its cancel flag read with each write."""
+most every DEFER_S, its first token and its end at once, and its cancel flag read with each write
+and at least every CHECK_S between writes."""
 from __future__ import annotations
 
 import time
@@ -71,9 +72,23 @@ def test_a_streamed_jobs_step_takes_the_waiting_tokens_of_the_others_along(clien
     assert (length(client, "w"), length(client, "s")) == (3, 1)
 
 
+def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_within_check_s_though_no_write_is_due(client):
+    writer = StreamWriter(client)
+    writer.DEFER_S, writer.CHECK_S = 60.0, 0.2
+    writer.track("w", streamed=False)
+    assert writer([delta("w", 0)]) == set()  # its first token: written
+    client.set(protocol.cancel_key("w"), 1)
+    assert writer([delta("w", 1)]) == set()  # read within CHECK_S of the write: not yet
+    time.sleep(writer.CHECK_S)
+    assert writer([delta("w", 2)]) == {"w"}  # read, though its tokens still wait
+    assert length(client, "w") == 1
+    assert writer([delta("w", 3)]) == set()  # and not again within CHECK_S
+
+
 def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_with_the_next_write(client):
     writer = StreamWriter(client)
     writer.DEFER_S = 0.3
+    writer.CHECK_S = 60.0  # only the writes read the flags here
     writer.track("w", streamed=False)
     writer.track("s", streamed=True)
     assert writer([delta("w", 0)]) == set()

@@ -48,8 +48,10 @@ class StreamWriter:
       on: with 32 such jobs, writing every 0.1 s (every step, at 100-ms steps) slowed the stack
       by a tenth against once a second (docs/benchmarks.md). A worker killed meanwhile has its
       retry compute those tokens again (the resumed attempt starts from what the stream holds, as
-      always). The cancel flags are read with every write: such a job is cancelled within
-      `DEFER_S` and a step.
+      always).
+    - The cancel flags of the running jobs are read with every write, and between writes at least
+      every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within `CHECK_S` and
+      a step, however long a job's tokens wait.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
       attempt, n counting the attempt's events), so a transaction sent again after its reply was
       lost (Redis restarting, redis-py retrying) is refused entry by entry instead of duplicated.
@@ -58,12 +60,14 @@ class StreamWriter:
     """
 
     DEFER_S = 1.0  # how long the tokens of a job nobody reads token by token may wait
+    CHECK_S = 0.1  # how long a cancel may wait to be seen between writes
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
         self.max_pending = max_pending
         self._streamed: set[str] = set()  # jobs whose every step is written at once
         self._written_at = 0.0  # time.monotonic() of the last write
+        self._checked_at = 0.0  # ... and of the last read of the cancel flags
         self._pending: list[tuple[str, str, dict[str, Any], str]] = []  # events with their entry ids
         self._next_id: dict[str, list[int]] = {}  # job id -> [ms, n] of its next entry
         self._active: set[str] = set()  # jobs whose cancel flag is read with every write
@@ -114,9 +118,13 @@ class StreamWriter:
                     ended.set()
                 if terminal:
                     self._next_id.pop(job_id, None)
-            if not urgent and time.monotonic() - self._written_at < self.DEFER_S:
+            now = time.monotonic()
+            deferred = not urgent and now - self._written_at < self.DEFER_S
+            if deferred and (now - self._checked_at < self.CHECK_S or not self._active):
                 return set()
             active = sorted(self._active)
+        if deferred:
+            return self._check(active)
         try:
             cancelled = self._flush(active)
         except redis.RedisError as exc:
@@ -148,6 +156,19 @@ class StreamWriter:
         next_id[1] += 1
         return entry_id
 
+    def _check(self, active: list[str]) -> set[str]:
+        """The jobs of `active` whose cancel flag is set (none while Redis is unreachable: the next
+        write says so)."""
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for job_id in active:
+                    pipe.exists(protocol.cancel_key(job_id))
+                flags = pipe.execute()
+        except redis.RedisError:
+            return set()
+        self._checked_at = time.monotonic()
+        return {job_id for job_id, flag in zip(active, flags) if flag}
+
     def _flush(self, active: list[str]) -> set[str]:
         events = self._pending
         with self.client.pipeline(transaction=True) as pipe:
@@ -158,7 +179,7 @@ class StreamWriter:
             for job_id in active:
                 pipe.exists(protocol.cancel_key(job_id))
             replies = pipe.execute(raise_on_error=False)
-        self._written_at = time.monotonic()
+        self._written_at = self._checked_at = time.monotonic()
         self._pending = []
         refused = [(event[0], reply) for event, reply in zip(events, replies) if isinstance(reply, Exception)]
         if refused:  # already written (a resent step), or a newer attempt owns the stream
