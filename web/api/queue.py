@@ -15,6 +15,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
+from web.api.stream_hub import StreamHub
 from web.settings import Settings
 from worker import protocol
 from worker.protocol import APIError
@@ -36,6 +37,7 @@ class JobQueue:
         # XREAD BLOCK waits up to one keepalive period; its socket must outlast that.
         self.blocking_redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                                    socket_timeout=settings.keepalive_s + 10)
+        self.hub = StreamHub(settings.redis_url)
 
     def queue(self, model_id: str) -> Queue:
         return Queue(protocol.queue_name(model_id), connection=self.redis)

@@ -32,7 +32,9 @@ class Event:
 
 def follow(jq: JobQueue, job_id: str, after: str = "0-0", tick_s: float = 15.0,
            deadline: float | None = None) -> Iterator[Event | None]:
-    """The job's events after entry `after`, up to and including its terminal event.
+    """The job's events after entry `after`, up to and including its terminal event, read through
+    the process's stream hub (web/api/stream_hub.py), or on this thread's own connection where the
+    hub already follows the job for another reader.
 
     Yields None whenever `tick_s` passes without an event (the caller's chance to send a keepalive
     or give up at `deadline`, a `time.monotonic()` value). At each such pause the rq job is checked:
@@ -41,24 +43,42 @@ def follow(jq: JobQueue, job_id: str, after: str = "0-0", tick_s: float = 15.0,
     """
     key = protocol.stream_key(job_id)
     last = after
-    while True:
-        block_s = tick_s if deadline is None else min(tick_s, deadline - time.monotonic())
-        reply = jq.blocking_redis.xread({key: last}, block=max(1, int(block_s * 1000)))  # BLOCK 0: forever
-        if not reply:
-            if jq.status(job_id) in _WAITING:
-                yield None
-                continue
-            # The job is over for rq; take what it wrote meanwhile, else conclude it here.
-            reply = jq.redis.xread({key: last})
-            if not reply:
-                yield _concluded(jq, job_id)
-                return
-        for entry_id, fields in reply[0][1]:
-            event = _decode(entry_id, fields)
-            last = event.id
-            yield event
-            if event.type in protocol.TERMINAL_EVENTS:
-                return
+    follower = jq.hub.follow(key, after, jq.redis)
+    try:
+        while True:
+            block_s = tick_s if deadline is None else min(tick_s, deadline - time.monotonic())
+            if follower is not None:
+                entries = follower.read(block_s)
+            else:
+                reply = jq.blocking_redis.xread({key: last}, block=max(1, int(block_s * 1000)))  # BLOCK 0: forever
+                entries = reply[0][1] if reply else []
+            if not entries:
+                if jq.status(job_id) in _WAITING:
+                    yield None
+                    continue
+                # The job is over for rq; take what it wrote meanwhile, else conclude it here.
+                reply = jq.redis.xread({key: last})
+                if not reply:
+                    yield _concluded(jq, job_id)
+                    return
+                entries = reply[0][1]
+            for entry_id, fields in entries:
+                if not _newer(entry_id, last):  # the hub's copy of what the direct read above took
+                    continue
+                event = _decode(entry_id, fields)
+                last = event.id
+                yield event
+                if event.type in protocol.TERMINAL_EVENTS:
+                    return
+    finally:
+        if follower is not None:
+            jq.hub.leave(follower)
+
+
+def _newer(entry_id: bytes, last: str) -> bool:
+    ms, _, n = entry_id.partition(b"-")
+    last_ms, _, last_n = last.partition("-")
+    return (int(ms), int(n)) > (int(last_ms), int(last_n))
 
 
 def _decode(entry_id: bytes, fields: dict) -> Event:

@@ -1,0 +1,131 @@
+"""One reader for every job stream a web process follows: a single XREAD BLOCK over all of them,
+its entries handed to the request threads that wait on each.
+
+A request thread reading its own job's stream pays a Redis round trip for every step of the
+engine (its XREAD BLOCK, parsed by redis-py, and Redis waking it): with many streams open, the
+same step's events cost as many round trips, all on the cores the decode step runs on. The worker
+writes a step's events of every job in one transaction, so one XREAD over every followed stream
+takes them all at once (docs/benchmarks.md measures both).
+
+A stream has one follower through the hub; a second reader of the same job (a resumed
+`GET /v1/jobs/<id>/stream` beside the first) reads on its own (`follow` returns None). The hub's
+thread starts with its first follower and ends when it has had none for a whole blocking read.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+
+import redis
+
+Entries = list  # [(entry_id: bytes, fields: dict)], as redis-py's XREAD returns them
+
+
+class Follower:
+    """One stream's place in the hub: the entries read for it, in order, or the error that ended
+    the hub's read."""
+
+    def __init__(self, key: str, after: str):
+        self.key = key
+        self.last = after  # the id of the last entry handed over (the hub's read position)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read(self, timeout_s: float) -> Entries:
+        """The entries that arrived, waiting up to `timeout_s` for the first ([] if none came);
+        a Redis error of the hub's read is raised here."""
+        try:
+            got = [self._queue.get(timeout=max(0.0, timeout_s))]
+        except queue.Empty:
+            return []
+        while not self._queue.empty():
+            got.append(self._queue.get_nowait())
+        entries = []
+        for item in got:
+            if isinstance(item, Exception):
+                raise item
+            entries += item
+        return entries
+
+    def _put(self, item: Entries | Exception) -> None:
+        self._queue.put(item)
+
+
+class StreamHub:
+    RETRY_S = 0.5  # after a failed read, before the next (its followers got the error)
+    WAKE_TTL_S = 3600  # the wake stream outlives a process that died without cleaning up
+
+    def __init__(self, redis_url: str, block_s: float = 10.0):
+        self.block_s = block_s
+        # its own connection: a read blocks for up to block_s, and the socket must outlast that
+        self._redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=block_s + 10)
+        # a stream of this hub's own that a new follower writes to, so a blocked read returns and
+        # the next one includes the new stream (written after the follower is added: never missed)
+        self._wake_key = f"nanoserve:web-hub:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._wake_last = "0-0"
+        self._lock = threading.Lock()
+        self._followers: dict[str, Follower] = {}
+        self._thread: threading.Thread | None = None
+
+    def follow(self, key: str, after: str, client: redis.Redis) -> Follower | None:
+        """Follow stream `key` from entry `after` (None when the hub already follows it). `client`
+        (an ordinary connection) wakes the hub's read."""
+        with self._lock:
+            if key in self._followers:
+                return None
+            follower = self._followers[key] = Follower(key, after)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stream-hub", daemon=True)
+                self._thread.start()
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_key, {"key": key}, maxlen=1)
+                pipe.expire(self._wake_key, self.WAKE_TTL_S)
+                pipe.execute()
+        except redis.RedisError:
+            self.leave(follower)
+            raise
+        return follower
+
+    def leave(self, follower: Follower) -> None:
+        with self._lock:
+            if self._followers.get(follower.key) is follower:
+                del self._followers[follower.key]
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                streams = {key: f.last for key, f in self._followers.items()}
+            streams[self._wake_key] = self._wake_last
+            try:
+                reply = self._redis.xread(streams, block=int(self.block_s * 1000))
+            except redis.RedisError as exc:
+                with self._lock:
+                    failed, self._followers = list(self._followers.values()), {}
+                for follower in failed:
+                    follower._put(exc)
+                time.sleep(self.RETRY_S)
+                continue
+            if not reply:
+                with self._lock:
+                    if not self._followers:  # none for a whole read: end (the next follower starts anew)
+                        self._thread = None
+                        return
+                continue
+            self._hand_over(reply)
+
+    def _hand_over(self, reply) -> None:
+        with self._lock:
+            for key, entries in reply:
+                key = key.decode() if isinstance(key, bytes) else key
+                last = entries[-1][0].decode()
+                if key == self._wake_key:
+                    self._wake_last = last
+                    continue
+                follower = self._followers.get(key)
+                if follower is not None:  # else it left while the read was out
+                    follower.last = last
+                    follower._put(entries)
