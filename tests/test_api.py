@@ -23,6 +23,7 @@ from rq.job import Job, JobStatus
 from models.tokenizer import load_tokenizer
 from tests.conftest import write_gpt2_tokenizer
 from web.access import keys
+from web.api.queue import job_queue
 from web.app import create_app
 from web.dev.local_redis import free_port
 from worker import protocol
@@ -482,6 +483,25 @@ def test_job_cancel_while_queued(client, r):
     assert r.exists(protocol.cancel_key(job_id))
     assert Job.fetch(job_id, connection=r).get_status() == JobStatus.CANCELED
     assert Queue("completions:tiny", connection=r).count == 0
+
+
+def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, monkeypatch):
+    """A batch's cancel and its dispatcher (or two web processes) may cancel one queued job at once:
+    the one that comes second finds it cancelled under it and must not turn that into a 500."""
+    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()
+    job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
+    with app.app_context():
+        jq = job_queue()
+        fetch = jq.fetch
+
+        def fetch_then_lose_the_race(job_id):
+            stale = fetch(job_id)  # still says queued...
+            Job.fetch(job_id, connection=r).cancel()  # ...when the other canceller wins
+            return stale
+
+        monkeypatch.setattr(jq, "fetch", fetch_then_lose_the_race)
+        assert jq.cancel(job_id) is True
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.CANCELED and r.exists(protocol.cancel_key(job_id))
 
 
 def test_unknown_job_is_404(client):

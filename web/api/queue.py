@@ -11,7 +11,7 @@ from __future__ import annotations
 import redis
 from flask import Flask, current_app
 from rq import Queue, Retry
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
@@ -111,10 +111,13 @@ class JobQueue:
         still waiting in the queue is taken out of it. Returns whether it was still queued."""
         self.redis.set(protocol.cancel_key(job_id), 1, ex=self.settings.cancel_ttl_s)
         job = self.fetch(job_id)
-        if job is not None and job.get_status(refresh=False) == JobStatus.QUEUED:
+        if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
+            return False
+        try:
             job.cancel()
-            return True
-        return False
+        except InvalidJobOperation:  # cancelled since the fetch, by another thread or process: done
+            pass
+        return True
 
 
 def init_app(app: Flask, settings: Settings) -> JobQueue:
