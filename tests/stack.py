@@ -66,7 +66,7 @@ class Service:
     info: dict = field(default_factory=dict)
     ready: Callable[[], bool] | None = None  # what "started" means for this service
 
-    def wait_ready(self, timeout: float = 120.0) -> "Service":
+    def wait_ready(self, timeout: float = 240.0) -> "Service":
         """Wait until `ready()` holds (for a service spawned with `wait=False`)."""
         _wait_until(self, self.ready, timeout, "readiness")
         return self
@@ -155,7 +155,7 @@ def registered_workers(redis_url: str, model_id: str) -> set[str]:
 def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | None = None,
                     concurrency: int | None = None, device: str | None = None, heartbeat: float | None = None,
                     compile: bool | None = False, extra_args: list[str] = (), env: dict[str, str] | None = None,
-                    log_dir: Path | None = None, timeout: float = 120.0, wait: bool = True) -> Service:
+                    log_dir: Path | None = None, timeout: float = 240.0, wait: bool = True) -> Service:
     """Start `processor.py` and wait until all its rq workers are registered on every model's queue
     (with `wait=False`, return at once; `service.wait_ready()` waits later). `compile`: the
     worker's --compile / --no-compile, None for its default (uncompiled unless asked: most tests
