@@ -48,16 +48,52 @@ def test_a_job_read_at_its_end_writes_its_tokens_every_defer_s_and_its_first_and
     assert time.monotonic() - started < writer.DEFER_S
     assert length(client, "w") == 1  # waiting with the job's next tokens
     writer([("w", "usage", {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5})])
-    assert length(client, "w") == 5  # any other event takes the waiting tokens with it, in order
+    # any other event takes the waiting tokens with it, in order, as one delta
+    assert events(client, "w")[1:] == [("delta", {"index": 0, "text": "<1><2><3>", "token_ids": [1, 2, 3]}),
+                                       ("usage", {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5})]
     writer([delta("w", 4)])
-    assert length(client, "w") == 5
+    assert length(client, "w") == 3
     time.sleep(writer.DEFER_S)
     writer([delta("w", 5)])
-    assert length(client, "w") == 7  # DEFER_S after the last write, the next step writes
+    assert length(client, "w") == 4  # DEFER_S after the last write, the next step writes
     writer([delta("w", 6)])
     writer([("w", "done", {"completion": {}})])
-    assert length(client, "w") == 9  # its end at once
+    assert length(client, "w") == 6  # its end at once
     assert read_history(client, "w").tokens == {0: list(range(7))}
+
+
+def events(client, job_id: str) -> list[tuple[str, dict]]:
+    return [protocol.decode_event(fields) for _, fields in client.xrange(protocol.stream_key(job_id))]
+
+
+def test_waiting_deltas_join_per_choice_with_their_logprobs(client):
+    def scored(index: int, token: int):
+        lists = {"tokens": [f"<{token}>"], "token_logprobs": [-token / 10], "top_logprobs": [{f"<{token}>": -token / 10}],
+                 "text_offset": [3 * token]}
+        return ("w", "delta", {"index": index, "text": f"<{token}>", "token_ids": [token], "logprobs": lists})
+
+    writer = StreamWriter(client)
+    writer.DEFER_S = 60.0
+    writer.track("w", streamed=False)
+    writer.track("s", streamed=True)
+    writer([scored(0, 0), scored(1, 0)])  # the first step is written at once
+    for token in range(1, 4):
+        writer([scored(0, token), scored(1, 10 + token)])
+    writer([delta("s", 0)])  # a streamed job's step writes at once, and takes the waiting deltas along
+    writer([delta("s", 1)])
+    assert length(client, "s") == 2  # never joined
+    written = events(client, "w")
+    assert [data["index"] for _, data in written] == [0, 1, 0, 1]
+    assert written[2][1] == {"index": 0, "text": "<1><2><3>", "token_ids": [1, 2, 3], "logprobs": {
+        "tokens": ["<1>", "<2>", "<3>"], "token_logprobs": [-0.1, -0.2, -0.3],
+        "top_logprobs": [{"<1>": -0.1}, {"<2>": -0.2}, {"<3>": -0.3}], "text_offset": [3, 6, 9]}}
+    assert written[3][1]["token_ids"] == [11, 12, 13] and written[3][1]["logprobs"]["text_offset"] == [33, 36, 39]
+    # a choice's end closes its waiting delta: nothing after it joins what came before it
+    writer([scored(0, 4)])
+    writer([("w", "delta", {"index": 0, "text": "", "token_ids": [], "finish_reason": "length", "stop_reason": None})])
+    writer([scored(0, 5)])
+    writer([("w", "done", {"completion": {}})])
+    assert [data.get("token_ids") for _, data in events(client, "w")[4:]] == [[4], [], [5], None]
 
 
 def test_a_streamed_jobs_step_takes_the_waiting_tokens_of_the_others_along(client):
@@ -69,7 +105,8 @@ def test_a_streamed_jobs_step_takes_the_waiting_tokens_of_the_others_along(clien
     writer([delta("w", 1)])
     assert length(client, "w") == 1
     writer([delta("w", 2), delta("s", 0)])
-    assert (length(client, "w"), length(client, "s")) == (3, 1)
+    assert (length(client, "w"), length(client, "s")) == (2, 1)  # the first token, then 1 and 2 as one
+    assert read_history(client, "w").tokens == {0: [0, 1, 2]}
 
 
 def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_within_check_s_though_no_write_is_due(client):

@@ -46,9 +46,11 @@ class StreamWriter:
       (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
       Redis and the web thread reading each stream it touches, on the cores the decode step runs
       on: with 32 such jobs, writing every 0.1 s (every step, at 100-ms steps) slowed the stack
-      by a tenth against once a second (docs/benchmarks.md). A worker killed meanwhile has its
-      retry compute those tokens again (the resumed attempt starts from what the stream holds, as
-      always).
+      by a tenth against once a second (docs/benchmarks.md). The token deltas of one of its
+      choices that wait together are written as one delta (their text, token ids and logprobs
+      joined in order): one XADD a choice a write instead of one a step. A worker killed meanwhile
+      has its retry compute those tokens again (the resumed attempt starts from what the stream
+      holds, as always).
     - The cancel flags of the running jobs are read with every write, and between writes at least
       every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within `CHECK_S` and
       a step, however long a job's tokens wait.
@@ -69,6 +71,7 @@ class StreamWriter:
         self._written_at = 0.0  # time.monotonic() of the last write
         self._checked_at = 0.0  # ... and of the last read of the cancel flags
         self._pending: list[tuple[str, str, dict[str, Any], str]] = []  # events with their entry ids
+        self._open: dict[str, dict[int, int]] = {}  # job id -> choice -> its waiting delta's place in _pending
         self._next_id: dict[str, list[int]] = {}  # job id -> [ms, n] of its next entry
         self._active: set[str] = set()  # jobs whose cancel flag is read with every write
         self._silenced: dict[str, threading.Event] = {}  # see `silence`
@@ -112,7 +115,8 @@ class StreamWriter:
                 ended = self._silenced.get(job_id)
                 if ended is None:
                     urgent = urgent or self._urgent(job_id, event_type)
-                    self._pending.append((job_id, event_type, data, self._entry_id(job_id)))
+                    if not self._joined(job_id, event_type, data):
+                        self._pending.append((job_id, event_type, data, self._entry_id(job_id)))
                 elif terminal:
                     del self._silenced[job_id]
                     ended.set()
@@ -128,6 +132,7 @@ class StreamWriter:
         try:
             cancelled = self._flush(active)
         except redis.RedisError as exc:
+            self._open = {}  # the events kept may be cut below: nothing joins them any more
             if self._failing_since is None:
                 self._failing_since = time.monotonic()
                 log.warning("event stream writes failing; keeping events until Redis answers",
@@ -147,6 +152,22 @@ class StreamWriter:
         streamed, and the first event of every attempt (the answer's first token, as web times it)."""
         next_id = self._next_id.get(job_id)
         return event_type != "delta" or job_id in self._streamed or next_id is None or next_id[1] == 0
+
+    def _joined(self, job_id: str, event_type: str, data: dict[str, Any]) -> bool:
+        """Whether this event, a token delta of a job read at its end, joined its choice's delta
+        still waiting to be written. Any other event of the job closes its waiting deltas: what
+        follows it is written after it."""
+        if event_type != "delta" or job_id in self._streamed or "finish_reason" in data:
+            self._open.pop(job_id, None)
+            return False
+        waiting = self._open.setdefault(job_id, {})
+        at = waiting.get(data["index"])
+        if at is None:
+            waiting[data["index"]] = len(self._pending)  # the place it is about to take
+            return False
+        joined_id, _, earlier, entry_id = self._pending[at]
+        self._pending[at] = (joined_id, "delta", _join(earlier, data), entry_id)
+        return True
 
     def _entry_id(self, job_id: str) -> str:
         next_id = self._next_id.get(job_id)
@@ -180,13 +201,23 @@ class StreamWriter:
                 pipe.exists(protocol.cancel_key(job_id))
             replies = pipe.execute(raise_on_error=False)
         self._written_at = self._checked_at = time.monotonic()
-        self._pending = []
+        self._pending, self._open = [], {}
         refused = [(event[0], reply) for event, reply in zip(events, replies) if isinstance(reply, Exception)]
         if refused:  # already written (a resent step), or a newer attempt owns the stream
             log.info("stream entries refused", extra={"count": len(refused), "job_id": refused[0][0],
                                                       "error": str(refused[0][1])})
         flags = replies[len(replies) - len(active):] if active else []
         return {job_id for job_id, flag in zip(active, flags) if flag}
+
+
+def _join(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """Two token deltas of one choice as one: the later one's text, token ids and logprobs after
+    the earlier one's."""
+    joined = {**earlier, "text": earlier["text"] + later["text"],
+              "token_ids": earlier["token_ids"] + later["token_ids"]}
+    if earlier.get("logprobs") is not None:
+        joined["logprobs"] = {key: values + later["logprobs"][key] for key, values in earlier["logprobs"].items()}
+    return joined
 
 
 @dataclass
