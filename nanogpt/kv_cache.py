@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
@@ -39,40 +40,55 @@ def model_cache_dtype(model) -> torch.dtype:
     return cache_dtype(model.dtype, model.device, int8=is_int8(model))
 
 
-# The decode attention timed: a batch of sequences, GPT-2 small's heads, a few hundred positions
-ATTENTION_SHAPE = (16, 12, 256, 64)  # rows, heads, positions, head size
+# The decode attention timed: a batch of sequences, GPT-2 small's heads, a hundred-odd positions,
+# over as many layers' caches as GPT-2 small has, attended one after the other as a decode step does
+ATTENTION_SHAPE = (16, 12, 128, 64)  # rows, heads, positions, head size
+ATTENTION_LAYERS = 12
 WINDOW = 0.3  # seconds the timing spans at least
 RUN_TOKENS = 8  # a prompt chunk's row of at least this many tokens is written to the cache as a slice
 
 
 @functools.cache
 def bf16_attention_pays() -> bool:
-    """Whether PyTorch's attention over a decode batch's cached keys and values runs MARGIN times
-    faster in bfloat16 than in float32 on this CPU, timed once per process (a few milliseconds).
-    It reads half the bytes, but its kernels widen every element: on AVX-512 CPUs without AMX it
-    ran 1.7-1.8x slower in bfloat16, on a Xeon with AMX 1.5x faster (docs/benchmarks.md). Timings
-    taken while other processes were busy are not trusted: float32, the safe choice, then."""
+    """Whether a decode step's attention over its cached keys and values runs MARGIN times faster
+    in bfloat16 than in float32 on this CPU, timed once per process (`_attention_pass`, a few
+    hundred milliseconds). It reads half the bytes, but widens every element: PyTorch's attention
+    ran 1.7-1.8x slower in bfloat16 on AVX-512 CPUs without AMX and 1.5x faster on a Xeon with AMX;
+    the project's kernel, reading a step's caches from memory, 1.2-1.6x faster on an AVX2-only
+    EPYC (docs/benchmarks.md). Timings taken while other processes were busy are not trusted:
+    float32, the safe choice, then."""
     from nanogpt.kernels import MARGIN, QUIET_CORES, OtherProcesses
 
-    rows, heads, positions, size = ATTENTION_SHAPE
-    q, k, v = torch.randn(rows, heads, 1, size), torch.randn(rows, heads, positions, size), torch.randn(rows, heads, positions, size)
-    inputs = {dtype: (q.to(dtype), k.to(dtype), v.to(dtype), torch.zeros(rows, 1, 1, positions, dtype=dtype))
-              for dtype in (torch.float32, torch.bfloat16)}
+    passes = {dtype: _attention_pass(dtype) for dtype in (torch.float32, torch.bfloat16)}
     others, best, rounds = OtherProcesses(), {}, 0
     began = time.perf_counter()
     # alternating, so that a burst of load hits both; for WINDOW at least, as the other processes'
     # CPU time is counted in 10 ms ticks: over the few ms of four rounds, one tick of anything else
     # read as a busy machine and the cache fell back to float32 in one load out of several
     while rounds < 4 or time.perf_counter() - began < WINDOW:
-        for dtype in (torch.float32, torch.bfloat16):
-            q, k, v, mask = inputs[dtype]
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # warm up
+        for dtype, attend in passes.items():
             start = time.perf_counter()
-            for _ in range(3):
-                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            attend()
             best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - start)
         rounds += 1
     return others.cores() <= QUIET_CORES and best[torch.bfloat16] * MARGIN < best[torch.float32]
+
+
+def _attention_pass(dtype: torch.dtype) -> Callable[[], None]:
+    """One decode step's attention in `dtype`, ATTENTION_LAYERS layers' caches one after the other
+    (each layer's keys and values come from memory, as in a step, where the weights' matmuls run
+    between them), by what a compiled step attends with: the project's kernel where it serves both
+    dtypes, PyTorch's attention elsewhere. Timed warm in the CPU's caches, the project's kernel ran
+    slower in bfloat16 on the AVX2 EPYC while a step's attention ran faster in it."""
+    rows, heads, positions, size = ATTENTION_SHAPE
+    layers = [(torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1),
+               torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1)) for _ in range(ATTENTION_LAYERS)]
+    if all(decode_attention.serves("cpu", d, size) for d in (torch.float32, torch.bfloat16)):
+        q = torch.randn(rows, heads, size).to(dtype)
+        slots, ends = torch.arange(rows), torch.full((rows,), positions - 1)
+        return lambda: [decode_attention.attend(q, k, v, slots, ends, positions, size ** -0.5, None) for k, v in layers]
+    q, mask = torch.randn(rows, heads, 1, size).to(dtype), torch.zeros(rows, 1, 1, positions, dtype=dtype)
+    return lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for k, v in layers]
 
 
 class KVCache:

@@ -840,19 +840,21 @@ def test_bfloat16_and_int8_models_on_a_cpu_cache_in_the_dtype_its_attention_runs
     kv_cache.bf16_attention_pays.cache_clear()
     timed = []
 
-    def attention(q, k, v, attn_mask):  # bfloat16 as fast as float32: within the margin
-        timed.append(q.dtype)
-        time.sleep(0.002)  # long enough that the timer's noise cannot make either clearly faster
+    def attention_pass(dtype):  # bfloat16 as fast as float32: within the margin
+        def attend():
+            timed.append(dtype)
+            time.sleep(0.002)  # long enough that the timer's noise cannot make either clearly faster
+        return attend
 
-    monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention", attention)
+    monkeypatch.setattr(kv_cache, "_attention_pass", attention_pass)
     try:
         assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
         assert cache_dtype(torch.float32, "cpu", int8=True) == torch.float32
         assert set(timed) == {torch.float32, torch.bfloat16}
         kv_cache.bf16_attention_pays.cache_clear()
         monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
-        monkeypatch.setattr(kv_cache.F, "scaled_dot_product_attention",
-                            lambda q, k, v, attn_mask: time.sleep(0.004 if q.dtype == torch.float32 else 0.0))
+        monkeypatch.setattr(kv_cache, "_attention_pass",
+                            lambda dtype: lambda: time.sleep(0.004 if dtype == torch.float32 else 0.0))
         assert cache_dtype(torch.bfloat16, "cpu") == torch.float32  # busy timings are not trusted
         kv_cache.bf16_attention_pays.cache_clear()
         monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)
@@ -881,3 +883,27 @@ def test_a_bfloat16_model_attends_alike_over_a_float32_and_a_bfloat16_cache(chec
     with torch.no_grad():
         full, _ = model(tokens)  # the training forward, no cache: logits of the last position (2, 1, V)
     assert_close(got, full[:, -1].float(), rtol=0.05, atol=0.05)
+
+
+def test_the_attention_timed_for_the_cache_dtype_is_what_a_decode_step_runs():
+    """The project's kernel where it serves both dtypes (a compiled step's attention from
+    decode_attention.ROWS rows), PyTorch's attention elsewhere; each pass attends over every
+    layer's cache in turn and gives what the kernel computes."""
+    from nanogpt import decode_attention, kv_cache
+
+    rows, heads, positions, size = kv_cache.ATTENTION_SHAPE
+    calls = []
+    own = all(decode_attention.serves("cpu", d, size) for d in (torch.float32, torch.bfloat16))
+    target = (decode_attention, "attend") if own else (kv_cache.F, "scaled_dot_product_attention")
+    original = getattr(*target)
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(*target, counted)
+        for dtype in (torch.float32, torch.bfloat16):
+            outputs = kv_cache._attention_pass(dtype)()
+            assert len(outputs) == kv_cache.ATTENTION_LAYERS and all(torch.isfinite(o.float()).all() for o in outputs)
+    assert calls == [torch.float32] * kv_cache.ATTENTION_LAYERS + [torch.bfloat16] * kv_cache.ATTENTION_LAYERS
