@@ -78,8 +78,8 @@ def _attention_pass(dtype: torch.dtype) -> Callable[[], None]:
     """One decode step's attention in `dtype`, ATTENTION_LAYERS layers' caches one after the other
     (each layer's keys and values come from memory, as in a step, where the weights' matmuls run
     between them), by what a compiled step attends with: the project's kernel where it serves both
-    dtypes, PyTorch's attention elsewhere. Timed warm in the CPU's caches, the project's kernel ran
-    slower in bfloat16 on the AVX2 EPYC while a step's attention ran faster in it."""
+    dtypes, PyTorch's attention elsewhere. (Warm in the CPU's caches the two dtypes rank
+    differently: docs/benchmarks.md.)"""
     rows, heads, positions, size = ATTENTION_SHAPE
     layers = [(torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1),
                torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1)) for _ in range(ATTENTION_LAYERS)]

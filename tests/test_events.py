@@ -139,3 +139,14 @@ def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_with_the_next_write(cl
     writer.untrack("w")
     time.sleep(writer.DEFER_S)
     assert writer([]) == set()  # untracked: no flag read for them
+
+
+def test_a_new_attempts_deltas_never_join_an_earlier_attempts(client):
+    writer = StreamWriter(client)
+    writer.DEFER_S = 60.0
+    writer.track("w", streamed=False)
+    writer([delta("w", 0)])
+    writer([delta("w", 1)])  # waiting
+    writer.track("w", "0-0", streamed=False)  # the job taken up again (its retry) before that was written
+    writer([delta("w", 7)])  # the new attempt's first token: written at once, with the waiting one
+    assert [data["token_ids"] for _, data in events(client, "w")] == [[0], [1], [7]]

@@ -84,6 +84,7 @@ class StreamWriter:
         last_ms = int(last_entry_id.split("-")[0]) if last_entry_id else 0
         with self._lock:
             self._next_id[job_id] = [max(int(time.time() * 1000), last_ms + 1), 0]
+            self._open.pop(job_id, None)  # a new attempt's deltas never join an earlier attempt's
             self._active.add(job_id)
             if streamed:
                 self._streamed.add(job_id)
