@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import pytest
 import redis
 from rq import Queue
+from rq.job import Job, JobStatus
 
 from tests.conftest import write_gpt2_tokenizer
 from web.access import blocklist, keys
@@ -197,6 +199,24 @@ def test_create_validate_and_run_lines(app, alice, r):
     assert Queue(protocol.queue_name("tiny"), connection=queued.connection).count == 0
     # the line's job is the batch owner's, like any job of theirs
     assert alice.get(f"/v1/jobs/{job.id}").json["status"] == "queued"
+
+
+def test_a_line_waits_for_its_dispatcher_to_end_it_and_is_queued_once(app, alice, r):
+    """A line's job may wait in the batch queue until its window ends, when the dispatcher cancels it.
+    It must not expire under the dispatcher before that: the dispatcher would take it for lost and
+    queue it again, and two workers would run the same id at once. A line lost for real (Redis lost
+    its job) is queued again without its stale entry."""
+    created = alice.batch(jsonl(*({"prompt": f"p{i}"} for i in range(3))))
+    step(app, 2)  # validated, two lines queued
+    queue = Queue(protocol.batch_queue_name("tiny"), connection=r)
+    first, second = queue.get_job_ids()
+    window_left = created["expires_at"] - time.time()
+    assert r.ttl(Job.key_for(first)) > window_left + 60  # it outlives the window: the dispatcher ends it
+
+    r.delete(Job.key_for(first))  # lost: no job, no stream
+    step(app)
+    assert sorted(queue.get_job_ids()) == sorted([first, second])  # queued again, and once
+    assert r.hget(Job.key_for(first), "status") == JobStatus.QUEUED.value
 
 
 def test_invalid_files_fail_validation(app, alice):

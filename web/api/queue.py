@@ -69,12 +69,18 @@ class JobQueue:
         """Queue the job as `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives
         and expires with the job, and the worker never reads it. A batch's line (its batch's window
         ends in `batch_window_left_s`) goes to the model's batch queue, which workers take from only
-        when this one is empty, and may wait there until the window ends."""
+        when this one is empty, and may wait there until the window ends.
+
+        A line's job outlives its window by the queue's ttl: its batch's dispatcher is what ends it
+        (it cancels the lines still queued when the window closes). Were the job to expire first, the
+        dispatcher would take the line for lost and queue it again. A line queued again leaves no
+        stale entry behind: the same id twice in the queue would run twice at once."""
         s = self.settings
         queue, ttl = self.queue(model_id), s.queue_ttl_s
         if batch_window_left_s is not None:
             queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis)
-            ttl = max(1, int(batch_window_left_s))
+            ttl = max(0, int(batch_window_left_s)) + s.queue_ttl_s
+            queue.remove(job.id)
         return queue.enqueue_call(
             protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
             timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
