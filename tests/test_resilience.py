@@ -86,6 +86,15 @@ def finished_on(r: redis.Redis, job_ids, service) -> list[str]:
             if job is not None and (job.worker_name or "").startswith(prefix)]
 
 
+def wait_finished(r: redis.Redis, job_ids, timeout: float = 60) -> None:
+    """Until rq has recorded every job as finished: after its worker logged "job finished" (a
+    stream's `done` reaches its reader before that)."""
+    deadline = time.monotonic() + timeout
+    while any(job.get_status() != JobStatus.FINISHED for job in Job.fetch_many(list(job_ids), connection=r)):
+        assert time.monotonic() < deadline, "jobs not finished for rq"
+        time.sleep(0.2)
+
+
 def log_entries(text: str) -> list[dict]:
     """A processor's JSON log lines (other lines skipped)."""
     entries = []
@@ -213,10 +222,7 @@ def test_200_concurrent_streams_through_a_worker_crash_and_restart(models_file, 
         # One rq job per request, each finished once, its stream ended by a single `done`. (A worker
         # killed after writing a job's `done` but before rq recorded its end leaves the job to be
         # re-queued and concluded from its stream by another worker: wait for that.)
-        deadline = time.monotonic() + 60
-        while any(job.get_status() != JobStatus.FINISHED for job in Job.fetch_many(ids, connection=r)):
-            assert time.monotonic() < deadline, "jobs not finished for rq"
-            time.sleep(0.2)
+        wait_finished(r, ids)
         queue = protocol.queue_name(MODEL)
         assert sorted(FinishedJobRegistry(queue, connection=r).get_job_ids()) == sorted(ids)
         for job_id in ids:
@@ -281,6 +287,7 @@ def test_a_dead_engine_thread_exits_the_process_and_its_stream_resumes_elsewhere
 
         assert result["text"] == expected and result["usage"].completion_tokens == 48
         [job_id] = result["ids"]
+        wait_finished(r, [job_id])
         assert finished_on(r, [job_id], healthy) == [job_id]
         events = [protocol.decode_event(fields) for _, fields in r.xrange(protocol.stream_key(job_id))]
         assert sum(len(data["token_ids"]) for kind, data in events if kind == "delta") == 48

@@ -167,6 +167,26 @@ def test_cancel_flag_stops_a_running_job_within_a_step(worker, r):
     assert rq_job.get_status() == JobStatus.FINISHED and rq_job.return_value() is None
 
 
+def test_a_job_delivered_again_while_it_runs_ends_once_as_the_running_attempt_does(worker, r, reference):
+    """Its id back in the queue while it runs (as a job queued again by a lost-line recovery
+    would be): the second delivery waits for the running attempt, never fails as a copy of it."""
+    job = make_job(max_tokens=120, prompts=[[464]], stream=True)
+    rq_job = enqueue(r, job)
+    wait_for_delta(r, job.id)
+    Queue(protocol.queue_name(MODEL), connection=r).push_job_id(job.id)  # delivered again
+    wait_ended([rq_job])
+    deadline = time.monotonic() + 30
+    while Queue(protocol.queue_name(MODEL), connection=r).count and time.monotonic() < deadline:
+        time.sleep(0.05)  # the second delivery taken...
+    wait_ended([rq_job])  # ...and ended
+
+    kinds = [kind for _, kind, _ in events(r, job.id)]
+    assert "error" not in kinds and kinds.count("done") == 1 and kinds[-1] == "done", kinds
+    assert rq_job.get_status() == JobStatus.FINISHED and rq_job.retries_left == 2
+    assert_same_completion(rq_job.return_value(), reference(job))
+    assert "job delivered again while it runs" in worker.logs()
+
+
 def test_a_cancelled_job_that_was_still_queued_never_runs(worker, r):
     job = make_job()
     r.set(protocol.cancel_key(job.id), 1, ex=60)

@@ -14,6 +14,8 @@ runs at once. rq's own bookkeeping (registries, results, `Retry`) is kept as is;
   (worker/priority.py); the others take interactive jobs only, so a running batch never holds every
   thread of an engine;
 - when rq gives up on a job (no retries left), its stream gets an `error` event so readers stop;
+- a job delivered again while it runs on this engine (its id back in a queue) waits for the
+  running attempt and ends as it does, rather than failing as a second copy of it;
 - of an engine's idle threads, only `LISTENERS` of each kind (those that take batch jobs, those
   that do not) wait on Redis at a time; the others wait their turn on a semaphore, their rq keys
   kept alive by the heartbeat thread. Every wake of a thread polling Redis holds the GIL the
@@ -26,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -57,6 +59,8 @@ class Binding:
     model_id: str
     engine: Any  # worker.engine.Engine
     writer: StreamWriter
+    running: dict[str, Any] = field(default_factory=dict)  # job id -> its engine handle, while it runs
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _local = threading.local()
@@ -92,6 +96,9 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         append_event(client, job.id, "error", protocol.error_body(message, param="model"))
         return None
 
+    if (earlier := binding.running.get(job.id)) is not None:
+        log.warning("job delivered again while it runs; waiting for the running attempt", extra={"job_id": job.id})
+        return _outcome(earlier, binding.engine)
     history = read_history(client, job.id)
     if history.terminal is not None:
         # An earlier attempt ended the job but died before rq recorded it.
@@ -102,26 +109,43 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
     started = time.monotonic()
-    binding.writer.track(job.id, history.last_entry_id, streamed=job.stream)
+    with binding.lock:  # one attempt of a job in the engine at a time
+        if (earlier := binding.running.get(job.id)) is None:
+            binding.writer.track(job.id, history.last_entry_id, streamed=job.stream)
+            handle = binding.running[job.id] = binding.engine.submit(job, resume=history.tokens or None)
+    if earlier is not None:
+        return _outcome(earlier, binding.engine)
     try:
-        handle = binding.engine.submit(job, resume=history.tokens or None)
         try:
-            completion = _wait(handle, binding.engine)
+            completion = _outcome(handle, binding.engine)
         except EngineFault:
             raise  # no event was written: rq's retry resumes the job
-        except EngineError as err:  # refused or cancelled: the engine wrote the event
-            log.info("job ended", extra={"job_id": job.id, "outcome": err.type, "reason": err.message})
-            return None
-        except BaseException:
+        except BaseException:  # e.g. rq's job timeout: take the job out of the engine
             _abandon(binding.writer, handle)
             raise
     finally:
-        binding.writer.untrack(job.id)
+        with binding.lock:
+            del binding.running[job.id]
+            binding.writer.untrack(job.id)
+    if completion is None:
+        return None
     log.info("job finished", extra={
         "job_id": job.id, "model": job.model, "seconds": round(time.monotonic() - started, 3),
         "completion_tokens": completion["usage"]["completion_tokens"],
         "resumed_tokens": sum(len(t) for t in history.tokens.values())})
     return completion
+
+
+def _outcome(handle, engine) -> dict[str, Any] | None:
+    """The completion of a job running in the engine; None when it was refused or cancelled (the
+    engine wrote its event). A fault raises with no event written: rq's retry resumes the job."""
+    try:
+        return _wait(handle, engine)
+    except EngineFault:
+        raise
+    except EngineError as err:  # refused or cancelled
+        log.info("job ended", extra={"job_id": handle.job_id, "outcome": err.type, "reason": err.message})
+        return None
 
 
 def _wait(handle, engine) -> dict[str, Any]:
