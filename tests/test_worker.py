@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rq import Queue, Retry
 from rq.exceptions import AbandonedJobError
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 
 from models.registry import Registry
 from models.tokenizer import load_tokenizer
@@ -174,17 +175,21 @@ def test_a_job_delivered_again_while_it_runs_ends_once_as_the_running_attempt_do
     rq_job = enqueue(r, job)
     wait_for_delta(r, job.id)
     Queue(protocol.queue_name(MODEL), connection=r).push_job_id(job.id)  # delivered again
-    wait_ended([rq_job])
     deadline = time.monotonic() + 30
-    while Queue(protocol.queue_name(MODEL), connection=r).count and time.monotonic() < deadline:
-        time.sleep(0.05)  # the second delivery taken...
-    wait_ended([rq_job])  # ...and ended
+    while "job delivered again while it runs" not in worker.logs():  # the second delivery taken
+        assert time.monotonic() < deadline, "the second delivery was not taken while the job ran"
+        time.sleep(0.02)
+    wait_ended([rq_job])
+    started = StartedJobRegistry(protocol.queue_name(MODEL), connection=r)
+    while job.id in started.get_job_ids():  # both deliveries ended
+        assert time.monotonic() < deadline, "the second delivery did not end"
+        time.sleep(0.02)
 
     kinds = [kind for _, kind, _ in events(r, job.id)]
     assert "error" not in kinds and kinds.count("done") == 1 and kinds[-1] == "done", kinds
-    assert rq_job.get_status() == JobStatus.FINISHED and rq_job.retries_left == 2
-    assert_same_completion(rq_job.return_value(), reference(job))
-    assert "job delivered again while it runs" in worker.logs()
+    finished = Job.fetch(job.id, connection=r)
+    assert finished.get_status() == JobStatus.FINISHED and finished.retries_left == 2  # no attempt failed
+    assert_same_completion(finished.return_value(), reference(job))
 
 
 def test_a_cancelled_job_that_was_still_queued_never_runs(worker, r):

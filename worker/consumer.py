@@ -96,6 +96,8 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         append_event(client, job.id, "error", protocol.error_body(message, param="model"))
         return None
 
+    # checked before the history and the cancel flag, which belong to the running attempt (a copy
+    # would write a second `cancelled`); checked again below, under the lock, against a race
     if (earlier := binding.running.get(job.id)) is not None:
         log.warning("job delivered again while it runs; waiting for the running attempt", extra={"job_id": job.id})
         return _outcome(earlier, binding.engine)
