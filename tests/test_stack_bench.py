@@ -27,7 +27,7 @@ def test_stack_bench_runs_nanoserve_against_a_peer(hf_checkpoint, tmp_path):
             assert len(runs) == 2  # one per repeat
             for run in runs:
                 # C requests at once, every one answered with exactly max_tokens
-                assert run["requests"] == c and run["errors"] == 0 and not run["wrong_length"]
+                assert run["requests"] == c and run["errors"] == 0 and not run["wrong_length"], run["first_error"]
                 assert run["completion_tokens"] == 5 * c
                 assert run["ceiling_tokens_per_s"] > 0
             row = pair["summary"][spec][str(c)]
