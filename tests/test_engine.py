@@ -490,7 +490,7 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows: padded to 4
     eager_engine = make_engine(small, tok)[0]
     eager = run_all(eager_engine, jobs())
-    engine = make_engine(small, tok, compile=True)[0]
+    engine = make_engine(small, tok, compile=True, max_batch=12)[0]
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
     # its attention by the project's kernel wherever that is built (nanogpt/decode_attention.py)
     assert engine.runner.cache.own_attention == extension.available()
@@ -498,7 +498,7 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     # cache); neither where the decode is not padded (CUDA graphs pad it on a GPU only)
     assert eager_engine.runner.graphs is None and engine.runner.graphs is None
     assert (eager_engine.runner.cache.max_slots, eager_engine.runner.cache.max_len) == (8, 128)
-    assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (9, 129)
+    assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (13, 129)
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
     # eight rows: the bucket whose attention the project's kernel takes (decode_attention.ROWS)
@@ -506,6 +506,17 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     eight = lambda: [job(tok, [p], max_tokens=5) for p in PROMPTS * 2]  # noqa: E731
     assert [r["choices"][0]["text"] for r in run_all(engine, eight())] == \
         [r["choices"][0]["text"] for r in run_all(eager_engine, eight())]
+    # ten rows, between buckets: unpadded through the graph whose rows vary where the engine
+    # mixes (Runner._rows_vary), else padded to the 16-row bucket; compiled before it ran
+    ten = lambda: [job(tok, [p], max_tokens=5) for p in (PROMPTS * 3)[:10]]  # noqa: E731
+    rows, decode_step = [], engine.runner._decode_step
+    engine.runner._decode_step = lambda tokens, *args: rows.append(len(tokens)) or decode_step(tokens, *args)
+    graphs = counters["stats"]["unique_graphs"]
+    assert [r["choices"][0]["text"] for r in run_all(engine, ten())] == \
+        [r["choices"][0]["text"] for r in run_all(make_engine(small, tok, max_batch=12)[0], ten())]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert 10 in rows and max(rows) == (10 if engine.runner.mixed else 16)
+    engine.runner._decode_step = decode_step
 
     # a prompt that arrives while others decode is fed beside them: its tokens as rows of the
     # compiled graph where the project's kernel attends the cache (Runner.mixed), else in one

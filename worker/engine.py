@@ -88,9 +88,10 @@ class Engine:
         machine has for it (nanogpt/kernels.py, in place on the model; a prepacked kernel holds as
         much memory again as those weights).
         compile: torch.compile the decode step (GPT.forward_decode), one graph per batch size of
-        runner.BATCH_BUCKETS (the batch is padded up to one), and on a CPU one more whose rows
-        vary, for steps that feed prompt tokens beside decoding rows (Runner._run_mixed), all
-        compiled here before the engine runs (nanogpt/compile.py).
+        runner.BATCH_BUCKETS (the batch is padded up to one), and on a CPU one whose rows vary
+        instead of the buckets from the attention kernel's rows up, which also serves steps that
+        feed prompt tokens beside decoding rows (Runner._run_mixed), all compiled here before the
+        engine runs (nanogpt/compile.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/cuda_graphs.py)."""
         config = model.config

@@ -5,7 +5,8 @@ their tokens packed into one row so that the weights are read once for both; pre
 their context (echo with logprobs, or a resumed job's logprobs) run in a forward of their own, which
 keeps every position's logits. Where nothing prefills, or the decode carries contrastive candidates,
 the decode runs alone: compiled, when the engine compiles it, and on a GPU replayed from CUDA
-graphs (nanogpt/cuda_graphs.py), the batch padded to a bucket size in both. A step that feeds
+graphs (nanogpt/cuda_graphs.py), the batch padded to a bucket size in both (on a CPU, batches from
+the attention kernel's rows up run unpadded through the graph whose rows vary). A step that feeds
 prompt chunks beside decoding rows runs them through the compiled graph too where the project's
 attention kernel serves the cache (each prompt token a row of the decode step, `_run_mixed`),
 else the packed forward eagerly. A completed
@@ -149,6 +150,8 @@ class Runner:
         self.batch_sizes[len(seqs)] += 1
         B = len(seqs)
         span = max(s.position for s in seqs) + 1
+        if self._rows_vary(B):
+            return self._run_mixed(seqs, [])
         if self.padded:
             pad = self._bucket(B) - B  # padding rows: token 0 at position 0 of the spare slot
             return self._run_padded([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
@@ -291,8 +294,8 @@ class Runner:
         size (never 1, which would specialize; a longer span is masked). Marked `maybe`: a size
         that specializes anyway compiles a graph of its own rather than failing the step (the
         cache's spare position keeps the span from ever being the whole cache, which did). With
-        `out` (a mixed step, `_run_mixed`) the rows and `out` are dynamic too: one graph for
-        every step that feeds prompt tokens beside decoding rows."""
+        `out` (`_run_mixed`) the rows and `out` are dynamic too: one graph for every step that
+        feeds prompt tokens beside decoding rows, and for every decode of the kernel's rows or more."""
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(keys, 0)
             for row in (tokens, slots, positions):
@@ -301,7 +304,7 @@ class Runner:
                 torch._dynamo.maybe_mark_dynamic(out, 0)
         return self._decode_step(tokens, slots, positions, cache, keys, out)
 
-    # ---- the mixed step: prompt tokens as rows of the compiled decode ----
+    # ---- the graph whose rows vary: decoding rows, and prompt tokens as rows beside them ----
 
     def _mixes(self, chunks: list[tuple[Prefill, int]]) -> bool:
         """Whether these chunks go beside the decoding rows through the compiled decode graph
@@ -310,14 +313,14 @@ class Runner:
         return self.mixed and sum(n * (unit.fed + n) for unit, n in chunks) <= MIXED_ATTENTION
 
     def _run_mixed(self, rows: list[Sequence], chunks: list[tuple[Prefill, int]]) -> torch.Tensor:
-        """One compiled forward of the decoding rows and the chunks' prompt tokens, each token a
-        row of the decode step at its own (slot, position): every row writes its keys and values
+        """One compiled forward of the decoding rows and the chunks' prompt tokens (with no
+        chunks: a decode, `_rows_vary`), each token a row of the decode step at its own (slot, position): every row writes its keys and values
         before any attends, so a chunk's tokens see each other causally. Returns the logits of the
         decoding rows, then of each chunk's last token ((len(rows) + len(chunks), V))."""
         tokens = [s.tokens[-1] for s in rows] + [t for unit, n in chunks for t in unit.context[unit.fed:unit.fed + n]]
         slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in chunks for _ in range(n)]
         positions = [s.position for s in rows] + [p for unit, n in chunks for p in range(unit.fed, unit.fed + n)]
-        ends = len(rows) - 1 + torch.tensor([n for _, n in chunks]).cumsum(0)  # each chunk's last token
+        ends = len(rows) - 1 + torch.tensor([n for _, n in chunks], dtype=torch.long).cumsum(0)  # each chunk's last token
         out = torch.cat([torch.arange(len(rows)), ends])
         span = max(positions) + 1
         pad = max(0, decode_attention.ROWS - len(tokens))  # rows enough for the kernel: one graph
@@ -326,10 +329,11 @@ class Runner:
         return self._decode(rows_[0], rows_[1], rows_[2], self.cache, keys, out.to(self.device))
 
     def _warm_up(self) -> None:
-        """Compile the decode step for every batch bucket this engine can run, and the mixed step,
-        on padding rows only."""
+        """Compile the decode step for every batch bucket this engine can run whose rows are fixed,
+        and the graph whose rows vary, on padding rows only."""
         for bucket in self._buckets():
-            self._run_padded([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
+            if not self._rows_vary(bucket):
+                self._run_padded([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
         if self.mixed:
             rows = torch.tensor([[0] * decode_attention.ROWS, [self.slots] * decode_attention.ROWS,
                                  [0] * decode_attention.ROWS], device=self.device)
@@ -348,6 +352,14 @@ class Runner:
             log.exception("recording the decode step's CUDA graphs failed; the engine launches its kernels one by one")
             return
         self.graphs = graphs
+
+    def _rows_vary(self, B: int) -> bool:
+        """Whether a decode of B rows runs the graph whose rows vary (`_run_mixed`, no chunks)
+        rather than a padded bucket's: where the engine mixes, from the batches padded to the
+        kernel's ROWS up. That graph costs what a bucket's graph costs at the bucket's size, and a
+        batch between buckets runs unpadded (int8 and float32 on the AVX2 EPYC: 10 rows 0.64x and
+        0.79x the 16-row bucket's step, 24 rows 0.80x and 0.78x the 32-row one, docs/benchmarks.md)."""
+        return self.mixed and self._bucket(B) >= decode_attention.ROWS
 
     def _buckets(self) -> list[int]:
         """The batch buckets up to this engine's slots."""
