@@ -314,9 +314,10 @@ class Runner:
 
     def _run_mixed(self, rows: list[Sequence], chunks: list[tuple[Prefill, int]]) -> torch.Tensor:
         """One compiled forward of the decoding rows and the chunks' prompt tokens (with no
-        chunks: a decode, `_rows_vary`), each token a row of the decode step at its own (slot, position): every row writes its keys and values
-        before any attends, so a chunk's tokens see each other causally. Returns the logits of the
-        decoding rows, then of each chunk's last token ((len(rows) + len(chunks), V))."""
+        chunks: a decode, `_rows_vary`), each token a row of the decode step at its own (slot,
+        position): every row writes its keys and values before any attends, so a chunk's tokens
+        see each other causally. Returns the logits of the decoding rows, then of each chunk's last
+        token ((len(rows) + len(chunks), V))."""
         tokens = [s.tokens[-1] for s in rows] + [t for unit, n in chunks for t in unit.context[unit.fed:unit.fed + n]]
         slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in chunks for _ in range(n)]
         positions = [s.position for s in rows] + [p for unit, n in chunks for p in range(unit.fed, unit.fed + n)]
