@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from nanogpt.precision import cpu_flags
 
@@ -65,8 +66,13 @@ def extension():
 
     try:
         build.mkdir(parents=True, exist_ok=True)
-        return load(name, [str(path) for path in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
-                    build_directory=str(build))
+        # torch's build lock (the file `lock`, there while held) outlives a process killed holding
+        # it, and every later start would wait on it forever. Under this lock, which the OS frees
+        # with its holder, no other process is loading from here: a `lock` found is stale.
+        with FileLock(build / "nanoserve.lock"):
+            (build / "lock").unlink(missing_ok=True)
+            return load(name, [str(path) for path in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
+                        build_directory=str(build))
     except Exception as error:  # no place to build, a compiler that fails: PyTorch's kernels serve
         log.warning("own kernels not offered: their build failed (%s)",
                     str(error).splitlines()[0] if str(error) else error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -907,3 +908,24 @@ def test_the_attention_timed_for_the_cache_dtype_is_what_a_decode_step_runs():
             outputs = kv_cache._attention_pass(dtype)()
             assert len(outputs) == kv_cache.ATTENTION_LAYERS and all(torch.isfinite(o.float()).all() for o in outputs)
     assert calls == [torch.float32] * kv_cache.ATTENTION_LAYERS + [torch.bfloat16] * kv_cache.ATTENTION_LAYERS
+
+
+@pytest.mark.skipif("gemv" not in FLOAT_KERNELS, reason="the kernels cannot be built here")
+def test_a_build_lock_left_by_a_killed_process_does_not_stop_the_next_start(tmp_path):
+    """torch's build lock (`lock` in the build directory) stays behind when a process is killed
+    while it loads the kernels; the next start loads them anyway instead of waiting forever."""
+    import shutil
+    import subprocess
+    import sys
+
+    from nanogpt import extension
+
+    built = Path(extension.extension().__file__).parent
+    copy = tmp_path / "extensions" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "nanoserve.lock"))
+    (copy / "lock").write_text("")  # as a killed holder leaves it
+    probe = "from nanogpt import extension; print(extension.available())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, extension.ENV: str(tmp_path / "extensions")})
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert not (copy / "lock").exists()

@@ -149,9 +149,9 @@ class Runner:
             return self._decode_with_candidates(seqs, searching)
         self.batch_sizes[len(seqs)] += 1
         B = len(seqs)
-        span = max(s.position for s in seqs) + 1
         if self._rows_vary(B):
             return self._run_mixed(seqs, [])
+        span = max(s.position for s in seqs) + 1
         if self.padded:
             pad = self._bucket(B) - B  # padding rows: token 0 at position 0 of the spare slot
             return self._run_padded([s.tokens[-1] for s in seqs] + [0] * pad, [s.slot for s in seqs] + [self.slots] * pad,
@@ -357,9 +357,8 @@ class Runner:
     def _rows_vary(self, B: int) -> bool:
         """Whether a decode of B rows runs the graph whose rows vary (`_run_mixed`, no chunks)
         rather than a padded bucket's: where the engine mixes, from the batches padded to the
-        kernel's ROWS up. That graph costs what a bucket's graph costs at the bucket's size, and a
-        batch between buckets runs unpadded (int8 and float32 on the AVX2 EPYC: 10 rows 0.64x and
-        0.79x the 16-row bucket's step, 24 rows 0.80x and 0.78x the 32-row one, docs/benchmarks.md)."""
+        kernel's ROWS up. At a bucket's size the two graphs cost the same; between buckets the
+        rows' own cost is paid, not the next bucket's (docs/benchmarks.md)."""
         return self.mixed and self._bucket(B) >= decode_attention.ROWS
 
     def _buckets(self) -> list[int]:
