@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn import functional as F
 
 from nanogpt import extension, gemv
@@ -275,9 +276,8 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     if type(layer) is Int8Linear and layer._handle is not None and post is not None:
         return torch.ops.nanoserve.int8_linear(x, layer._handle, layer.out_features, post[0], post[2])
     if type(layer) is KernelLinear and torch.compiler.is_compiling():
-        rows = x.numel() // x.shape[-1]  # a symbolic size where the graph's rows vary: a packed kernel's
         if post is not None and layer._plan is not None and not layer._plan.plain \
-                and _fuses(layer._plan, post, layer._plan.kernel_for(rows).name if isinstance(rows, int) else None):
+                and _fuses(layer._plan, post, _traced_kernel(layer._plan, x.numel() // x.shape[-1])):
             return torch.ops.nanoserve.linear(x, layer.weight, layer.bias, layer._handle, post[0], post[2])
     elif type(layer) is KernelLinear:
         kernel = layer.kernel(x)
@@ -293,6 +293,18 @@ def project(layer: nn.Module, x: torch.Tensor, activation: nn.Module | None = No
     if activation is not None:
         y = activation(y)
     return y if residual is None else residual + y
+
+
+def _traced_kernel(plan: Plan, rows) -> str | None:
+    """The kernel `plan` gives `rows` where a graph being traced knows them; None (the packed one's
+    choice) where its rows vary. Compared as plain sizes, the plan's ranges would become the
+    graph's guards, and a step whose rows crossed one would compile another graph mid-serving."""
+    for most, name in plan.ranges:
+        if most == math.inf or statically_known_true(rows <= most):
+            return name
+        if not statically_known_true(rows > most):
+            return None
+    return plan.ranges[-1][1]
 
 
 def _fuses(plan: Plan, post: tuple, kernel: str | None) -> bool:

@@ -487,7 +487,7 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
 
     checkpoint = str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False))
     small = load_model(checkpoint)
-    jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows: padded to 4
+    jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows
     eager_engine = make_engine(small, tok)[0]
     eager = run_all(eager_engine, jobs())
     engine = make_engine(small, tok, compile=True, max_batch=12)[0]
@@ -499,8 +499,16 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert eager_engine.runner.graphs is None and engine.runner.graphs is None
     assert (eager_engine.runner.cache.max_slots, eager_engine.runner.cache.max_len) == (8, 128)
     assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (13, 129)
+    # the decode step's rows, as the compiled step gets them
+    rows, decode_step = [], engine.runner._decode_step
+    engine.runner._decode_step = lambda tokens, *args: rows.append(len(tokens)) or decode_step(tokens, *args)
+    # three rows: unpadded through the graph whose rows vary below the kernel's where the engine
+    # mixes (Runner._rows_vary), else padded to the 4-row bucket; compiled before it ran
+    graphs = counters["stats"]["unique_graphs"]
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert 3 in rows and max(rows) == (3 if engine.runner.mixed else 4)
     # eight rows: the bucket whose attention the project's kernel takes (decode_attention.ROWS)
     assert decode_attention.ROWS <= 8
     eight = lambda: [job(tok, [p], max_tokens=5) for p in PROMPTS * 2]  # noqa: E731
@@ -509,9 +517,7 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     # ten rows, between buckets: unpadded through the graph whose rows vary where the engine
     # mixes (Runner._rows_vary), else padded to the 16-row bucket; compiled before it ran
     ten = lambda: [job(tok, [p], max_tokens=5) for p in (PROMPTS * 3)[:10]]  # noqa: E731
-    rows, decode_step = [], engine.runner._decode_step
-    engine.runner._decode_step = lambda tokens, *args: rows.append(len(tokens)) or decode_step(tokens, *args)
-    graphs = counters["stats"]["unique_graphs"]
+    rows.clear()
     assert [r["choices"][0]["text"] for r in run_all(engine, ten())] == \
         [r["choices"][0]["text"] for r in run_all(make_engine(small, tok, max_batch=12)[0], ten())]
     assert counters["stats"]["unique_graphs"] == graphs
@@ -541,11 +547,12 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert staggered(engine) == expected
     assert counters["stats"]["unique_graphs"] == graphs  # all compiled before the engine ran: no stall
     assert engine.runner.mixed == engine.runner.cache.own_attention
-    if engine.runner.mixed:
-        assert calls["_run_mixed"] >= 1 and calls["forward_packed"] == 0
+    if engine.runner.mixed:  # the decode-only steps of two rows too (Runner._rows_vary)
+        assert calls["_run_mixed"] >= 1 + 3 and calls["forward_packed"] == 0
+        assert calls["_decode_step"] == calls["_run_mixed"]
     else:
         assert calls["forward_packed"] >= 1 and calls["_run_mixed"] == 0
-    assert calls["_decode_step"] >= 3 + calls["_run_mixed"]
+        assert calls["_decode_step"] >= 3
     # chunks whose attention would cost more than the kernel saves go through the eager forward
     unit = Prefill([], list(range(300)), None, time.monotonic())
     assert 256 * 256 == MIXED_ATTENTION and engine.runner._mixes([(unit, 256)]) == engine.runner.mixed

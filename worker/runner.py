@@ -295,7 +295,8 @@ class Runner:
         that specializes anyway compiles a graph of its own rather than failing the step (the
         cache's spare position keeps the span from ever being the whole cache, which did). With
         `out` (`_run_mixed`) the rows and `out` are dynamic too: one graph for every step that
-        feeds prompt tokens beside decoding rows, and for every decode of the kernel's rows or more."""
+        feeds prompt tokens beside decoding rows and every decode of the kernel's rows or more,
+        one for the decodes of two rows up to them."""
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(keys, 0)
             for row in (tokens, slots, positions):
@@ -324,23 +325,28 @@ class Runner:
         ends = len(rows) - 1 + torch.tensor([n for _, n in chunks], dtype=torch.long).cumsum(0)  # each chunk's last token
         out = torch.cat([torch.arange(len(rows)), ends])
         span = max(positions) + 1
-        pad = max(0, decode_attention.ROWS - len(tokens))  # rows enough for the kernel: one graph
+        # prompt tokens need the kernel's attention, and so as many rows as it takes: one graph for
+        # every such step; a decode of fewer rows runs the graph of inductor's attention unpadded
+        pad = max(0, decode_attention.ROWS - len(tokens)) if chunks else 0
         rows_ = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad], device=self.device)
         keys = torch.arange(max(span, 2), device=self.device)
         return self._decode(rows_[0], rows_[1], rows_[2], self.cache, keys, out.to(self.device))
 
     def _warm_up(self) -> None:
         """Compile the decode step for every batch bucket this engine can run whose rows are fixed,
-        and the graph whose rows vary, on padding rows only."""
+        and the graphs whose rows vary (the kernel's ROWS up, and below), on padding rows only."""
         for bucket in self._buckets():
             if not self._rows_vary(bucket):
                 self._run_padded([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
         if self.mixed:
-            rows = torch.tensor([[0] * decode_attention.ROWS, [self.slots] * decode_attention.ROWS,
-                                 [0] * decode_attention.ROWS], device=self.device)
-            with torch.no_grad():  # as the engine steps: grad mode is part of the graph's guards
-                self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(2, device=self.device),
-                             torch.tensor([0, 1], device=self.device))
+            # (rows, outputs): a step with prompt tokens, whose outputs are fewer than its rows; a
+            # decode below the kernel's rows, one output a row. The sizes that the graph's calls
+            # differ in differ here too, else the graph would take them as one size
+            for n, outputs in ((decode_attention.ROWS, 2), (3, 3)):
+                rows = torch.tensor([[0] * n, [self.slots] * n, [0] * n], device=self.device)
+                with torch.no_grad():  # as the engine steps: grad mode is part of the graph's guards
+                    self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(2, device=self.device),
+                                 torch.arange(outputs, device=self.device))
 
     def _record_graphs(self, max_len: int) -> None:
         """The decode step's CUDA graphs, every batch and span bucket, recorded before serving:
@@ -355,11 +361,12 @@ class Runner:
         self.graphs = graphs
 
     def _rows_vary(self, B: int) -> bool:
-        """Whether a decode of B rows runs the graph whose rows vary (`_run_mixed`, no chunks)
-        rather than a padded bucket's: where the engine mixes, from the batches padded to the
-        kernel's ROWS up. At a bucket's size the two graphs cost the same; between buckets the
-        rows' own cost is paid, not the next bucket's (docs/benchmarks.md)."""
-        return self.mixed and self._bucket(B) >= decode_attention.ROWS
+        """Whether a decode of B rows runs a graph whose rows vary (`_run_mixed`, no chunks) rather
+        than a padded bucket's: where the engine mixes, from two rows up; from the kernel's ROWS
+        up the graph of the kernel's attention, below them one of inductor's. At a bucket's size
+        the graphs cost the same; between buckets the rows' own cost is paid, not the next
+        bucket's (docs/benchmarks.md). One row keeps its fixed graph."""
+        return self.mixed and B >= 2
 
     def _buckets(self) -> list[int]:
         """The batch buckets up to this engine's slots."""
