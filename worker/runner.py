@@ -51,6 +51,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # against eager 152 vs 189 ms at 128 tokens from position 0, 202 vs 235 from 300, 249 vs 240
 # from 700; 256 tokens: 316 vs 345 from 0, 377 vs 375 from 300 (docs/benchmarks.md).
 MIXED_ATTENTION = 1 << 16
+# The most rows a decode runs unpadded through the graph whose rows vary with inductor's attention
+# (below the kernel's decode_attention.ROWS); more go padded to the kernel's. int8 GPT-2 small on
+# the AVX2 EPYC, rows at position 230: 3 rows 10.9 ms unpadded against 13.8 padded to 4; 5 / 6 / 7
+# rows 16.3 / 16.2 / 17.5 ms unpadded against 14.9 / 15.4 / 16.7 padded to 8 (docs/benchmarks.md).
+SMALL_ROWS = 4
 
 
 class Draw(NamedTuple):
@@ -295,8 +300,8 @@ class Runner:
         that specializes anyway compiles a graph of its own rather than failing the step (the
         cache's spare position keeps the span from ever being the whole cache, which did). With
         `out` (`_run_mixed`) the rows and `out` are dynamic too: one graph for every step that
-        feeds prompt tokens beside decoding rows and every decode of the kernel's rows or more,
-        one for the decodes of two rows up to them."""
+        feeds prompt tokens beside decoding rows and every decode of more than SMALL_ROWS rows,
+        one for the decodes of two rows up to those."""
         if self.compiled:
             torch._dynamo.maybe_mark_dynamic(keys, 0)
             for row in (tokens, slots, positions):
@@ -326,8 +331,9 @@ class Runner:
         out = torch.cat([torch.arange(len(rows)), ends])
         span = max(positions) + 1
         # prompt tokens need the kernel's attention, and so as many rows as it takes: one graph for
-        # every such step; a decode of fewer rows runs the graph of inductor's attention unpadded
-        pad = max(0, decode_attention.ROWS - len(tokens)) if chunks else 0
+        # every such step. A decode of up to half those rows runs the graph of inductor's attention
+        # unpadded; from there, padded to the kernel's rows was the faster (docs/benchmarks.md)
+        pad = max(0, decode_attention.ROWS - len(tokens)) if chunks or len(tokens) > SMALL_ROWS else 0
         rows_ = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad], device=self.device)
         keys = torch.arange(max(span, 2), device=self.device)
         return self._decode(rows_[0], rows_[1], rows_[2], self.cache, keys, out.to(self.device))
@@ -340,9 +346,9 @@ class Runner:
                 self._run_padded([0] * bucket, [self.slots] * bucket, [0] * bucket, 2)
         if self.mixed:
             # (rows, outputs): a step with prompt tokens, whose outputs are fewer than its rows; a
-            # decode below the kernel's rows, one output a row. The sizes that the graph's calls
+            # decode of SMALL_ROWS or fewer, one output a row. The sizes that the graph's calls
             # differ in differ here too, else the graph would take them as one size
-            for n, outputs in ((decode_attention.ROWS, 2), (3, 3)):
+            for n, outputs in ((decode_attention.ROWS, 2), (SMALL_ROWS, SMALL_ROWS)):
                 rows = torch.tensor([[0] * n, [self.slots] * n, [0] * n], device=self.device)
                 with torch.no_grad():  # as the engine steps: grad mode is part of the graph's guards
                     self._decode(rows[0], rows[1], rows[2], self.cache, torch.arange(2, device=self.device),
@@ -362,9 +368,9 @@ class Runner:
 
     def _rows_vary(self, B: int) -> bool:
         """Whether a decode of B rows runs a graph whose rows vary (`_run_mixed`, no chunks) rather
-        than a padded bucket's: where the engine mixes, from two rows up; from the kernel's ROWS
-        up the graph of the kernel's attention, below them one of inductor's. At a bucket's size
-        the graphs cost the same; between buckets the rows' own cost is paid, not the next
+        than a padded bucket's: where the engine mixes, from two rows up; up to SMALL_ROWS the
+        graph of inductor's attention, above them the kernel's (padded to its ROWS). At a bucket's
+        size the graphs cost the same; between buckets the rows' own cost is paid, not the next
         bucket's (docs/benchmarks.md). One row keeps its fixed graph."""
         return self.mixed and B >= 2
 
