@@ -568,6 +568,23 @@ def test_a_compiled_gelu_the_packed_kernel_runs_slower_is_an_operator_of_the_gra
     assert "gelu" not in ops[0].args[4:]
 
 
+@pytest.mark.skipif("onednn" not in FLOAT_KERNELS, reason="this torch build has no oneDNN prepacked linear")
+def test_a_graph_whose_rows_vary_is_not_split_at_the_plans_row_ranges(monkeypatch):
+    """Where a compiled graph's rows vary, its trace leaves them out of the plan's ranges: compared
+    with them, each range would be a guard of the graph, and a step crossing one would compile
+    another graph while serving. The packed kernel's choice of where the GELU runs then holds."""
+    layer, _ = onednn_layer_with_gelu_after(monkeypatch)  # GELU in the GEMV's pass at 1-2 rows, else after
+    gelu, (backend, graphs) = torch.nn.GELU(approximate="tanh"), recording_backend()
+    compiled = torch.compile(lambda x: kernels.project(layer, x, gelu), backend=backend)
+    with torch.no_grad():
+        for rows in (3, 30, 2, 300):
+            x = torch.randn(rows, 64)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            assert_close(compiled(x), gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+    (ops,) = graphs  # one graph for every row count
+    assert [op.target for op in ops if op.op == "call_function"] == [torch.ops.nanoserve.linear, F.gelu]
+
+
 def test_the_gelu_leaves_the_packed_kernels_pass_where_it_was_clearly_slower(monkeypatch):
     """`gelu_fuses` times the packed kernel with its GELU against the kernel then torch's GELU, on the
     widest layer, at the row counts the kernel serves."""
