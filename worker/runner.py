@@ -53,7 +53,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIXED_ATTENTION = 1 << 16
 # The most rows a decode runs unpadded through the graph whose rows vary with inductor's attention
 # (below the kernel's decode_attention.ROWS); more go padded to the kernel's. int8 GPT-2 small on
-# the AVX2 EPYC, rows at position 230: 3 rows 10.9 ms unpadded against 13.8 padded to 4; 5 / 6 / 7
+# the AVX2 EPYC, rows at position 230: 3 rows 11.7 ms unpadded against 13.8 padded to 4; 5 / 6 / 7
 # rows 16.3 / 16.2 / 17.5 ms unpadded against 14.9 / 15.4 / 16.7 padded to 8 (docs/benchmarks.md).
 SMALL_ROWS = 4
 
