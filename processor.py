@@ -149,7 +149,7 @@ def freeze_heap() -> None:
     """Keep what loading built out of the garbage collector's full passes. A loaded, compiled
     engine leaves hundreds of thousands of tracked objects (modules, compiled graphs, their
     guards), and a full collection walks them all while holding the GIL, every thread of the
-    worker (the engine's step included) stopped for a good part of a second (docs/benchmarks.md).
+    worker (the engine's step included) stopped for a good part of a second (docs/notes/frozen-heap.md).
     Collected once, then frozen, a full pass walks only what serving allocates since."""
     gc.collect()
     gc.freeze()

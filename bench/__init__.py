@@ -1,4 +1,4 @@
-"""Benchmarks of nanoserve (results and method in docs/benchmarks.md).
+"""Benchmarks of nanoserve (results and method in docs/performance.md).
 
     python -m bench.machine          # this machine's limits: the decode matmuls' ceiling per precision
                                      # and kernel, matmul GFLOP/s, copy bandwidth, the CPU and its flags

@@ -418,7 +418,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
     # One system loads at a time: an engine times its kernels and its attention as it loads
     # (nanogpt/kernels.py, kv_cache.py) and trusts no timing taken while other processes are busy,
     # so systems loading side by side fell back to the rules (int8 at 32 requests: 1044 against
-    # 1431 tok/s loaded alone, docs/benchmarks.md).
+    # 1431 tok/s loaded alone, docs/notes/kernel-plan.md).
     procs: dict[str, SystemProcess] = {}
     try:
         ready, unavailable = {}, {}
@@ -560,7 +560,7 @@ def check_targets(summary) -> list[dict]:
 # ---- output ----------------------------------------------------------------------------------
 
 def markdown(results: dict) -> str:
-    """The tables of docs/benchmarks.md."""
+    """The results as markdown tables (docs/performance.md quotes them)."""
     from bench.machine import ceilings_table
 
     s, limits = results["summary"], results["limits"]

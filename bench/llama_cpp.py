@@ -36,7 +36,7 @@ SOURCES = ROOT / "src"
 BUILD = ROOT / "build-native-noamx"  # named by its configuration: a change of flags builds anew
 SERVER = BUILD / "bin" / "llama-server"
 # ggml's AMX int8 matmul (the q8_0 path on CPUs with AMX) faults on its first `ldtilecfg` on the
-# AMX Xeon measured in docs/benchmarks.md and kills the server; built without it, q8_0 runs on the
+# AMX Xeon (docs/notes/llama-cpp-build.md) and kills the server; built without it, q8_0 runs on the
 # AVX-512 kernels with their weight repacking, and f32 and f16 (which that path never used) are unchanged
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # convert_hf_to_gguf's --outtype names, held against nanoserve's float32, bfloat16 and int8

@@ -18,7 +18,7 @@ def compile_decode(model):
 
     On a CPU the graph's wrapper is inductor's C++ one: the step's few hundred calls around its
     kernels (buffers, views, the opaque layers) run in C++ rather than Python, a few percent off
-    every precision's step (docs/benchmarks.md); its first compile takes longer (the wrapper is
+    every precision's step (docs/notes/compiled-decode.md); its first compile takes longer (the wrapper is
     compiled too), later starts load it from the cache as fast."""
     # every batch size a caller pads to is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -29,7 +29,7 @@ def compile_decode(model):
 
 # The precisions (nanogpt.precision's names) whose compiled decode step, prompt chunks still packed
 # beside it eagerly, was measured ahead of the eager step on a CPU, under the serving benchmark's
-# load and on whole batches (docs/benchmarks.md; int8 on the AMX Xeon, where the AMD EPYC's two
+# load and on whole batches (docs/notes/compiled-decode.md; int8 on the AMX Xeon, where the AMD EPYC's two
 # serving runs had disagreed). The GPU's compiled step has not been measured.
 COMPILED_ON_CPU = ("float32", "bfloat16", "int8")
 

@@ -3,7 +3,7 @@
 // (slots, heads, positions, head size) in one pass over each row's keys and one over its values.
 // Written as vector sums in registers with the scores kept in float32: the same sums that PyTorch's
 // ops and inductor's fused kernel spell out, which on an AMX Xeon read the cache at about a third of
-// the memory's rate (docs/benchmarks.md). Built by nanogpt/extension.py; run on PyTorch's threads.
+// the memory's rate (docs/notes/decode-attention.md). Built by nanogpt/extension.py; run on PyTorch's threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -5,7 +5,7 @@ compiled decode step (nanogpt/kv_cache.py DecodeWindow) calls it as one op,
 (KVCache.own_attention: a CPU, a float32 or bfloat16 cache, a head size the kernel is built for);
 elsewhere the step spells attention out in PyTorch's ops. At 32 rows on an AMX Xeon inductor's
 fused kernel for those ops read a bfloat16 cache at ~10 GB/s and a float32 one at ~16, about a
-third and three fifths of the memory's rate (docs/benchmarks.md)."""
+third and three fifths of the memory's rate (docs/notes/decode-attention.md#why)."""
 from __future__ import annotations
 
 import torch

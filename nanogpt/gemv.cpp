@@ -32,7 +32,7 @@ constexpr int64_t NT = 16;
 // GPT-2 small's 49 float32 decode matmuls on an AVX2-only EPYC, 2 threads, medians of 9 alternating
 // passes, four rows a pass by two weight rows -> this: 6 rows 38.0 -> 33.4 ms, 8 rows 42.8 -> 40.9,
 // 12 rows 58.0 -> 49.2, 16 rows 66.1 -> 58.8, 24 rows 84.1 -> 73.8; 1 to 4 rows within 4%
-// (docs/benchmarks.md).
+// (docs/notes/gemv.md#avx2-blocks).
 constexpr int MB = 6;
 constexpr int64_t NT = 24;
 #endif
@@ -43,7 +43,7 @@ constexpr int64_t NT = 24;
 // alternating runs: bfloat16 at 1 / 2 / 4 / 8 rows 13.8-14.6 -> 9.6-10.2, 15.2-15.9 -> 10.4-11.0,
 // 21.9-22.5 -> 12.8-13.4, 23.3-24.7 -> 16.7-17.1 ms; float32 at 2 / 4 / 8 rows 20.7-21.2 ->
 // 19.1-20.5, 24.5-25.2 -> 20.3-21.6, 35.1-35.3 -> 24.1-30.2 ms; the AVX2 build's float32 22.4-23.3
-// -> 19.2-19.6, 29.0-29.3 -> 21.9-22.3, 37.5-37.6 -> 30.9 ms (docs/benchmarks.md). A prefetch past
+// -> 19.2-19.6, 29.0-29.3 -> 21.9-22.3, 37.5-37.6 -> 30.9 ms (docs/notes/gemv.md#prefetch). A prefetch past
 // the weight's end is dropped, never a fault.
 template <typename T, int NB>
 inline void prefetch_next_block(const T* w, int64_t K, int64_t n, int64_t k) {
@@ -91,7 +91,7 @@ void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n
 // one or two rows, eight weight rows at a time: eight streams from memory in flight keep more of
 // its bandwidth busy than one row read at a time with four accumulators each (GPT-2 small's 49
 // float32 matmuls on an AMX Xeon, 2 threads: 1 row 20.0 -> 18.0 ms, 2 rows 26.5 -> 21.1; the AVX2
-// build 22.6 -> 18.8 and, four rows at a time, 27.4 -> 23.6: docs/benchmarks.md).
+// build 22.6 -> 18.8 and, four rows at a time, 27.4 -> 23.6: docs/notes/gemv.md#eight-rows).
 template <typename T, int M>
 void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* out) {
 #if defined(__AVX512F__)

@@ -5,7 +5,7 @@ through the widest vector registers the CPU has, on PyTorch's own threads; and t
 At one row a decode step is reading the weights, and PyTorch's kernels read them below the
 machine's bandwidth: on an AVX-512 + BF16 EPYC, oneDNN's prepacked linear, PyTorch's fastest
 there, ran GPT-2 small's decode matmuls 1.1-1.5x slower than this loop in float32 and 1.4-1.5x in
-bfloat16 (docs/benchmarks.md). Another library's GEMV would bring its own thread pool, which on a
+bfloat16 (docs/notes/gemv.md#why). Another library's GEMV would bring its own thread pool, which on a
 small machine takes the cores from PyTorch's (measured with OpenBLAS); this one runs in
 at::parallel_for. nanogpt/kernels.py offers them as the kernels "gemv" and "int8-gemv" beside
 PyTorch's and its chooser decides by timing where they serve.
@@ -20,7 +20,7 @@ from nanogpt import extension
 # The rows up to which it serves by rule in the plans (nanogpt/kernels.py), a decode step of one or
 # two sequences: in the engine at one request on an AVX-512 + BF16 EPYC it gave 1.11-1.22x oneDNN's
 # tokens/s in float32 and 1.10-1.68x in bfloat16; the int8 one ran GPT-2 small's 49 int8 matmuls
-# 1.3-1.5x faster than fbgemm at one row, 1.2-1.5x at two, on an AVX2 EPYC (docs/benchmarks.md).
+# 1.3-1.5x faster than fbgemm at one row, 1.2-1.5x at two, on an AVX2 EPYC (docs/notes/gemv.md, int8-gemv.md).
 ROWS = 2
 
 

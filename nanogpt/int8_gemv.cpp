@@ -3,7 +3,7 @@
 // in int32, with each weight row streamed once from memory. At one row fbgemm's calls took longer
 // than reading their int8 weights (GPT-2 small's 49: 9.7-12.1 against 7.0-9.0 ms; packing x, the
 // row offsets, a GEMM's blocking), where this loop reads them at about the memory's pace
-// (docs/benchmarks.md).
+// (docs/notes/int8-gemv.md#why).
 //
 // The result is fbgemm's to the bit: x's scale and zero point from the same function
 // (quant_utils::ChooseQuantizationParams over the whole of x, the 7-bit range of `reduce_range`),

@@ -12,7 +12,7 @@ of the model's own weights at a few row counts (1-5 s for GPT-2 small: the sampl
 last-level cache), and every nn.Linear then holds the chosen kernel's packed weight and uses it
 for the row counts where no kernel that needs no pack (F.linear, the GEMV) serves them better. Where the timing cannot be
 trusted (other processes busy), a rule measured on this project's CPUs decides (RULE).
-docs/benchmarks.md has the measurements.
+docs/notes/kernel-plan.md has the measurements.
 
 Every kernel multiplies in the weights' dtype (float32 or bfloat16) with the same products; the
 kernels differ only in summation order, so float32 results stay within float32 rounding of
@@ -55,7 +55,7 @@ PACK_ROWS = 64
 # next (1: 1-2, 4: 3-5, 8: 6-22, 64: 23-128, 256: the rest), i.e. one sequence, a few, a small
 # batch, a large batch, a prefill chunk (the engine feeds at most 256 prompt tokens a step). 4 has
 # its own timing because the GEMV's lead over the packed kernels is largest there on some CPUs
-# (1.3-1.4x oneDNN at 4 rows on an AVX2 EPYC, 1.2-1.5x at 8: docs/benchmarks.md).
+# (1.3-1.4x oneDNN at 4 rows on an AVX2 EPYC, 1.2-1.5x at 8: docs/notes/kernel-plan.md#timed-rows).
 TIMED_ROWS = (1, 4, 8, 64, 256)
 # The sample of the model's weights timed: the first layers in module order up to this size or
 # twice the CPU's last-level cache, whichever is larger (`sample_bytes`), so that the timed weights
@@ -429,7 +429,7 @@ def _planned_together(model: nn.Module, layers: list[nn.Module]) -> list[list[nn
     """The groups of `layers` that share one plan: the output head (a serving model's
     `output_layer`, vocabulary x width) on its own, the others together. Kernels cross over at other
     row counts on the head's shape: int8's at 2-8 rows there, at ~22 in GPT-2 small's blocks
-    (docs/benchmarks.md)."""
+    (docs/notes/kernel-plan.md#head)."""
     head = getattr(model, "output_layer", None)
     groups = [[m for m in layers if m is not head], [m for m in layers if m is head]]
     return [group for group in groups if group]
@@ -555,7 +555,7 @@ def gelu_fuses(weights: list[tuple[torch.Tensor, torch.Tensor | None]], plan: Pl
     """Whether `plan`'s packed kernel should apply a GELU in its own pass over the output rather than
     leave it to an operator of its own, timed on the widest of `weights` (an MLP's first layer) at
     the TIMED_ROWS the kernel serves: fused unless that pass was GELU_MARGIN times slower, as
-    oneDNN's tanh-GELU post-op was on an AVX2-only CPU (docs/benchmarks.md)."""
+    oneDNN's tanh-GELU post-op was on an AVX2-only CPU (docs/notes/kernel-plan.md#gelu)."""
     kernel = KERNELS[plan.packed]
     rows = [r for most, r in _row_ranges(plan.seconds) if plan.kernel_for(r).name == plan.packed] if plan.seconds else []
     if kernel.with_activation is None or not rows:
@@ -651,7 +651,7 @@ def sample_bytes() -> int:
     cache where the CPU reports a larger one. A sample that fits the cache is read from it on every
     timed pass, which favours kernels that compute well over those that stream well: on a Xeon
     reporting a 480 MiB L3, GPT-2 small's first 33 MB timed the GEMV 1.6x faster than oneDNN at 8
-    rows, where over all the blocks it is 1.2x slower (docs/benchmarks.md)."""
+    rows, where over all the blocks it is 1.2x slower (docs/notes/kernel-plan.md#sample)."""
     return max(SAMPLE_BYTES, 2 * last_level_cache_bytes())
 
 

@@ -24,7 +24,7 @@ def cache_dtype(model_dtype: torch.dtype, device, int8: bool = False) -> torch.d
       at twice the memory;
     - an int8 model (float32 activations) where it does: bfloat16, half the bytes each decode step
       reads (what llama.cpp's f16 cache does beside its q8_0 weights); a drift of its own, measured
-      with int8's in docs/benchmarks.md. A float32 model always caches in float32: it stays exact."""
+      with int8's in docs/notes/kv-cache.md. A float32 model always caches in float32: it stays exact."""
     on_cpu = torch.device(device).type == "cpu"
     if model_dtype == torch.bfloat16 and on_cpu and not bf16_attention_pays():
         return torch.float32
@@ -55,7 +55,7 @@ def bf16_attention_pays() -> bool:
     hundred milliseconds). It reads half the bytes, but widens every element: PyTorch's attention
     ran 1.7-1.8x slower in bfloat16 on AVX-512 CPUs without AMX and 1.5x faster on a Xeon with AMX;
     the project's kernel, reading a step's caches from memory, 1.2-1.6x faster on an AVX2-only
-    EPYC (docs/benchmarks.md). Timings taken while other processes were busy are not trusted:
+    EPYC (docs/notes/kv-cache.md#dtype). Timings taken while other processes were busy are not trusted:
     float32, the safe choice, then."""
     from nanogpt.kernels import MARGIN, QUIET_CORES, OtherProcesses
 
@@ -79,7 +79,7 @@ def _attention_pass(dtype: torch.dtype) -> Callable[[], None]:
     (each layer's keys and values come from memory, as in a step, where the weights' matmuls run
     between them), by what a compiled step attends with: the project's kernel where it serves both
     dtypes, PyTorch's attention elsewhere. (Warm in the CPU's caches the two dtypes rank
-    differently: docs/benchmarks.md.)"""
+    differently: docs/notes/kv-cache.md#timing.)"""
     rows, heads, positions, size = ATTENTION_SHAPE
     layers = [(torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1),
                torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1)) for _ in range(ATTENTION_LAYERS)]
@@ -177,7 +177,7 @@ class CacheWindow(Window):
         # A prompt chunk's row holds consecutive positions of one slot: on a CPU a row of
         # RUN_TOKENS or more is written as one slice (a plain copy), the other rows' tokens by one
         # index_put of (slot, position) pairs, which costs more per token but less per row
-        # (docs/benchmarks.md). Decodes (T = 1) write by index_put alone.
+        # (docs/notes/kv-cache.md#writes). Decodes (T = 1) write by index_put alone.
         self.runs: list[tuple[int, int, int, int]] = []
         scattered = rows
         if T > 1 and device.type == "cpu":
@@ -203,7 +203,7 @@ class CacheWindow(Window):
             if last - first + 1 > B:
                 self.pick = slots - first  # each row's place in the slot range
         # Eagerly, at every row count: the kernel reads each row's keys and values once, in place,
-        # where SDPA also applies a mask built per forward (docs/benchmarks.md: a step's decoding
+        # where SDPA also applies a mask built per forward (docs/notes/decode-attention.md#eager: a step's decoding
         # rows beside a prompt chunk run eagerly); such a window builds no mask
         self.decode_rows = (slots, self.positions[:, 0]) if own_kernel and T == 1 and self.dense else None
         if self.decode_rows is None:

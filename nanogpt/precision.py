@@ -9,9 +9,9 @@ hardware does natively.
 - int8: CPUs only: float32 with the Linear weights quantized to int8 and activations quantized on
   the fly. fbgemm's int8 kernels need AVX2 and use VNNI (and AMX) where the CPU has it; on an
   AVX2-only CPU without VNNI they still read a quarter of float32's weight bytes and ran 2.4-3.0x
-  float32 (docs/benchmarks.md), so int8 pays on any CPU with AVX2.
+  float32 (docs/performance.md#amd-epyc-avx2-only), so int8 pays on any CPU with AVX2.
 
-The fidelity of bfloat16 and int8 against float32 is in docs/benchmarks.md (bench/fidelity.py).
+The fidelity of bfloat16 and int8 against float32 is in docs/performance.md#fidelity (bench/fidelity.py).
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def quantize_int8(model):
     numerics, so it is never a default; embeddings and LayerNorms stay float32, attention runs in the
     KV cache's dtype (nanogpt/kv_cache.py cache_dtype: bfloat16 on CPUs where that pays). CPU
     only: quantized linears have no other kernels. Its drift from float32 and its speed are
-    measured in docs/benchmarks.md."""
+    measured in docs/performance.md."""
     from nanogpt.kernels import INT8, INT8_ENGINES, Plan, publish, register
 
     with warnings.catch_warnings(), quantized_engine(INT8_ENGINES[INT8]):

@@ -17,7 +17,7 @@ from nanogpt.quantize import is_int8
 from worker.protocol import CompletionJob
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
-AVX512_VNNI = AVX2 | {"avx512f", "avx512_vnni"}  # the Xeon of docs/benchmarks.md
+AVX512_VNNI = AVX2 | {"avx512f", "avx512_vnni"}  # an AVX-512 + VNNI Xeon without bf16
 ZEN4 = AVX512_VNNI | {"avx512_bf16"}  # AVX-512 with native bf16
 SAPPHIRE_RAPIDS = AVX512_VNNI | {"amx_tile", "amx_bf16", "amx_int8"}
 

@@ -2,7 +2,7 @@
 
 Every knob has a default that works for a local run. `create_app(config)` overrides any field by
 name, which is how tests shrink limits and timeouts; a string value is parsed and checked as the
-environment's would be, with an error naming the variable. The table of variables is in README.md.
+environment's would be, with an error naming the variable. The table of variables is in docs/configuration.md.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # Idle threads of each kind listening on an engine's queues at once. A job wakes a listener at once;
 # the thread that takes the next turn starts listening a rq poll cycle (a few Redis calls) later.
 # With every idle thread listening, 32 threads per engine served 8 concurrent requests 11% (float32)
-# and 20% (bfloat16) slower than 8 threads did, medians of three runs (docs/benchmarks.md).
+# and 20% (bfloat16) slower than 8 threads did, medians of three runs (docs/notes/idle-listeners.md).
 LISTENERS = 2
 
 

@@ -138,7 +138,7 @@ class Engine:
         """Start a thread that builds an engine around the model `load()` returns and steps it:
         the model's loading, packing, timing and compiling run on the thread that will run its
         forwards. A CPU forward on a thread other than the one whose OpenMP team loaded the model
-        runs 12-20% slower (a second live team: docs/benchmarks.md), so a worker's main thread runs
+        runs 12-20% slower (a second live team: docs/notes/engine-thread.md), so a worker's main thread runs
         no torch work. Returns once the engine is built; raises what building it raised."""
         built: queue.Queue = queue.Queue(maxsize=1)
 

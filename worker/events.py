@@ -46,7 +46,7 @@ class StreamWriter:
       (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
       Redis and the web thread reading each stream it touches, on the cores the decode step runs
       on: with 32 such jobs, writing every 0.1 s (every step, at 100-ms steps) slowed the stack
-      by a tenth against once a second (docs/benchmarks.md). The token deltas of one of its
+      by a tenth against once a second (docs/notes/event-writes.md). The token deltas of one of its
       choices that wait together are written as one delta (their text, token ids and logprobs
       joined in order): one XADD a choice a write instead of one a step. A worker killed meanwhile
       has its retry compute those tokens again (the resumed attempt starts from what the stream

@@ -49,12 +49,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # rereading its slot's keys, where SDPA's blocks share them, so long chunks far into a context
 # attend faster eagerly. int8 on the AVX2 EPYC, 4 decoding rows beside one chunk: compiled
 # against eager 152 vs 189 ms at 128 tokens from position 0, 202 vs 235 from 300, 249 vs 240
-# from 700; 256 tokens: 316 vs 345 from 0, 377 vs 375 from 300 (docs/benchmarks.md).
+# from 700; 256 tokens: 316 vs 345 from 0, 377 vs 375 from 300 (docs/notes/decode-routes.md#mixed).
 MIXED_ATTENTION = 1 << 16
 # The most rows a decode runs unpadded through the graph whose rows vary with inductor's attention
 # (below the kernel's decode_attention.ROWS); more go padded to the kernel's. int8 GPT-2 small on
 # the AVX2 EPYC, rows at position 230: 3 rows 11.7 ms unpadded against 13.8 padded to 4; 5 / 6 / 7
-# rows 16.3 / 16.2 / 17.5 ms unpadded against 14.9 / 15.4 / 16.7 padded to 8 (docs/benchmarks.md).
+# rows 16.3 / 16.2 / 17.5 ms unpadded against 14.9 / 15.4 / 16.7 padded to 8 (docs/notes/decode-routes.md#small-rows).
 SMALL_ROWS = 4
 
 
@@ -134,7 +134,7 @@ class Runner:
         chunks share one forward where they can (nanogpt's `forward_packed`): its weight matmuls
         read the weights once for both, so a prompt prefilling beside running sequences costs
         them its own rows' work, not a second pass over the weights (measured under a serving load:
-        better than a compiled decode beside a prefill forward of its own, docs/benchmarks.md)."""
+        better than a compiled decode beside a prefill forward of its own, docs/notes/compiled-decode.md)."""
         plain = [(unit, n) for unit, n in chunks if unit.score_from is None and unit.seqs[0].search is None]
         if not rows or searching or not plain:
             return (self.decode(rows, searching) if rows or searching else None), self.prefill(chunks)
@@ -332,7 +332,7 @@ class Runner:
         span = max(positions) + 1
         # prompt tokens need the kernel's attention, and so as many rows as it takes: one graph for
         # every such step. A decode of up to half those rows runs the graph of inductor's attention
-        # unpadded; from there, padded to the kernel's rows was the faster (docs/benchmarks.md)
+        # unpadded; from there, padded to the kernel's rows was the faster (docs/notes/decode-routes.md)
         pad = max(0, decode_attention.ROWS - len(tokens)) if chunks or len(tokens) > SMALL_ROWS else 0
         rows_ = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad], device=self.device)
         keys = torch.arange(max(span, 2), device=self.device)
@@ -371,7 +371,7 @@ class Runner:
         than a padded bucket's: where the engine mixes, from two rows up; up to SMALL_ROWS the
         graph of inductor's attention, above them the kernel's (padded to its ROWS). At a bucket's
         size the graphs cost the same; between buckets the rows' own cost is paid, not the next
-        bucket's (docs/benchmarks.md). One row keeps its fixed graph."""
+        bucket's (docs/notes/decode-routes.md). One row keeps its fixed graph."""
         return self.mixed and B >= 2
 
     def _buckets(self) -> list[int]:

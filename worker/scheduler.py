@@ -45,7 +45,7 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # 1.83 and 2.55 in two runs. A burst's big chunks make its decoding rows wait longer for fewer
 # tokens, which costs their mean TPOT little.
 # Prompts still waiting for a slot do not count: larger chunks would only delay the ends of the
-# sequences whose slots they wait for. Measurements in docs/benchmarks.md.
+# sequences whose slots they wait for. Measurements in docs/notes/prefill-schedule.md.
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
 BESIDE_CHUNK = 128

@@ -1,7 +1,7 @@
 """The protocol of `/v1/completions`: the request model with OpenAI's names, ranges and defaults,
 vLLM's extras (its names and meanings) and a few of transformers' `generate` options, the conversion
 of validation errors into OpenAI's 400s, and the one conversion of a valid request into the job the
-worker runs (`CompletionRequest.to_job`). README's "Request parameters" lists them all.
+worker runs (`CompletionRequest.to_job`). docs/api.md lists them all.
 
 This is the only place the ranges and defaults are written: the worker trusts a job built here and
 checks only what only it knows. `null` is accepted wherever OpenAI (or vLLM) accepts it and means the

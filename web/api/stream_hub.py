@@ -5,7 +5,7 @@ A request thread reading its own job's stream pays a Redis round trip for every 
 engine (its XREAD BLOCK, parsed by redis-py, and Redis waking it): with many streams open, the
 same step's events cost as many round trips, all on the cores the decode step runs on. The worker
 writes a step's events of every job in one transaction, so one XREAD over every followed stream
-takes them all at once (docs/benchmarks.md measures both).
+takes them all at once (docs/notes/stream-hub.md measures both).
 
 A stream has one follower through the hub; a second reader of the same job (a resumed
 `GET /v1/jobs/<id>/stream` beside the first) reads on its own (`follow` returns None). The hub's
