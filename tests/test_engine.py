@@ -4,6 +4,7 @@ determinism under batching, resume."""
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import pytest
@@ -478,7 +479,6 @@ def test_span_buckets_cover_every_span_within_the_cache():
         for span in range(2, max_span + 1):
             bucket = span_bucket(span, max_span)
             assert bucket in buckets and span <= bucket <= min(max_span, span + SPAN_QUANTUM - 1)
-    assert span_buckets(1024) == [64 * k for k in range(1, 17)]
 
 
 def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
@@ -554,10 +554,11 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
         assert calls["forward_packed"] >= 1 and calls["_run_mixed"] == 0
         assert calls["_decode_step"] >= 3
     # chunks whose attention would cost more than the kernel saves go through the eager forward
-    unit = Prefill([], list(range(300)), None, time.monotonic())
-    assert 256 * 256 == MIXED_ATTENTION and engine.runner._mixes([(unit, 256)]) == engine.runner.mixed
-    unit.fed = 1
-    assert not engine.runner._mixes([(unit, 256)])
+    n = math.isqrt(MIXED_ATTENTION)  # a prompt's first n tokens attend to n * n keys at most: within the bound
+    unit = Prefill([], list(range(3 * n)), None, time.monotonic())
+    assert engine.runner._mixes([(unit, n)]) == engine.runner.mixed
+    unit.fed = n  # the next n tokens attend to twice as many
+    assert not engine.runner._mixes([(unit, n)])
 
 
 @pytest.mark.slow
@@ -587,17 +588,17 @@ def test_compiled_decode_in_the_other_precisions_stays_close_to_eager(tok, tmp_p
 
 def test_prompts_beside_decoding_sequences_are_fed_in_chunks_sized_by_cost():
     """chunk_beside: from matmul timings that are flat up to 8 rows, then grow with the rows, the
-    prompt tokens that keep a step within STEP_RATIO (or another ratio) times its decode rows alone."""
+    prompt tokens that keep a step within a ratio (STEP_RATIO by default) times its decode rows alone."""
     from worker.scheduler import BESIDE_CHUNK, MIN_CHUNK, STEP_RATIO, chunk_beside
 
     costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}  # rows -> seconds: flat to 8 rows, then linear
-    assert STEP_RATIO == 1.6
-    assert chunk_beside(1, costs) == 18  # 1.6 s reach 8 + 0.6 / 3 * 56 = 19.2 rows: 18 more than 1
-    assert chunk_beside(8, costs) == 19 - 8  # the same 1.6 s
-    assert chunk_beside(64, costs) == 38  # 6.4 s: 64 + 2.4 / 12 * 192 = 102.4 rows
-    assert chunk_beside(512, costs) == 819 - 512  # past the timings, in proportion: 51.2 s
+    assert chunk_beside(1, costs, 1.6) == 18  # 1.6 s reach 8 + 0.6 / 3 * 56 = 19.2 rows: 18 more than 1
+    assert chunk_beside(8, costs, 1.6) == 19 - 8  # the same 1.6 s
+    assert chunk_beside(64, costs, 1.6) == 38  # 6.4 s: 64 + 2.4 / 12 * 192 = 102.4 rows
+    assert chunk_beside(512, costs, 1.6) == 819 - 512  # past the timings, in proportion: 51.2 s
     assert chunk_beside(1, costs, ratio=6.0) == 95  # 6 s reach 64 + 2 / 12 * 192 = 96 rows
-    assert chunk_beside(8, {1: 1.0, 8: 0.9, 64: 100.0, 256: 400.0}) == MIN_CHUNK  # noisy, steep: the floor
+    assert chunk_beside(8, costs) == chunk_beside(8, costs, STEP_RATIO)
+    assert chunk_beside(8, {1: 1.0, 8: 0.9, 64: 100.0, 256: 400.0}, 1.6) == MIN_CHUNK  # noisy, steep: the floor
     assert chunk_beside(8, None) == BESIDE_CHUNK
     assert chunk_beside(8, None, ratio=2 * STEP_RATIO) == 2 * BESIDE_CHUNK
 
@@ -612,19 +613,21 @@ def test_step_cost_between_and_past_the_measured_rows():
     assert step_cost(3, None) == step_cost(300, None) == 1.0  # nothing measured: every step alike
 
 
-def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
+def test_prompts_that_would_miss_their_deadline_get_larger_chunks(monkeypatch):
     """The ratio doubles, as far as prefill_chunk, while at the measured pace the prompts holding
     slots would not all be fed within PROMPT_DEADLINE of arriving; prompts queued behind count after the
     ones before them, those still waiting for a slot not at all."""
-    from worker.scheduler import PROMPT_DEADLINE, STEP_RATIO, Prefill, Scheduler, chunk_beside
+    from worker import scheduler
+    from worker.scheduler import PROMPT_DEADLINE, Prefill, Scheduler, chunk_beside
 
+    monkeypatch.setattr(scheduler, "STEP_RATIO", 1.6)  # the ratio the figures below are worked at
     costs = {1: 1.0, 8: 1.0, 64: 4.0, 256: 16.0}
     s = Scheduler(slots=8, prefill_chunk=256, row_costs=costs)
     s.decoding = [object()] * 2
     first = Prefill([], [0] * 200, None, time.monotonic())
     s.prefilling = [first]
-    assert chunk_beside(2, costs) == 17  # at 1.6: 17 tokens a step, 19 rows cost 1.589
-    assert chunk_beside(2, costs, 2 * STEP_RATIO) == 47  # at 3.2: 49 rows cost 3.196
+    assert chunk_beside(2, costs, 1.6) == 17  # at 1.6: 17 tokens a step, 19 rows cost 1.589
+    assert chunk_beside(2, costs, 3.2) == 47  # at 3.2: 49 rows cost 3.196
     assert s._chunks() == [(first, 17)]  # no step timed yet: in time
     # 200 tokens at 1.6 take 12 steps of 1.589 = 19.07 units, at 3.2 5 of 3.196 = 15.98: a pace
     # of deadline / 17 a unit misses the deadline at 1.6 and makes it at 3.2
@@ -638,10 +641,10 @@ def test_prompts_that_would_miss_their_deadline_get_larger_chunks():
     behind = Prefill([], [0] * 100, None, time.monotonic())  # holding a slot: 300 tokens to feed for it to start
     s.prefilling.append(behind)
     # 300 tokens: 18 steps at 1.6 (28.6 units) and 7 at 3.2 (22.4) miss; 3 of 6.375 at 6.4 make it
-    assert chunk_beside(2, costs, 4 * STEP_RATIO) == 100
+    assert chunk_beside(2, costs, 6.4) == 100
     assert s._chunks() == [(first, 100)]
     behind.queued -= PROMPT_DEADLINE  # it has waited its whole deadline: no ratio is in time
-    assert chunk_beside(2, costs, 16 * STEP_RATIO) >= 256
+    assert chunk_beside(2, costs, 25.6) >= 256
     assert s._chunks() == [(first, 200), (behind, 56)]  # the ratio grew as far as prefill_chunk
     s.prefill_chunk = 64
     assert s._chunks() == [(first, 64)]  # prefill_chunk is the bound

@@ -170,9 +170,8 @@ def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypa
 def test_the_decode_step_is_compiled_by_default_where_it_was_measured_to_pay(monkeypatch):
     from nanogpt.compile import COMPILED_ON_CPU, compiles_by_default
 
-    assert COMPILED_ON_CPU == ("float32", "bfloat16", "int8")
     monkeypatch.setenv("CXX", "sh")  # a program every machine has, standing for the C++ compiler
-    assert all(compiles_by_default("cpu", precision) for precision in COMPILED_ON_CPU)
+    assert COMPILED_ON_CPU and all(compiles_by_default("cpu", precision) for precision in COMPILED_ON_CPU)
     assert not compiles_by_default("cpu", "float16")
     assert not compiles_by_default("cuda:0", "float32") and not compiles_by_default("cuda", "bfloat16")
     monkeypatch.setenv("CXX", "no-such-compiler-here")  # inductor could build no kernel: run eagerly

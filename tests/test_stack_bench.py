@@ -54,7 +54,6 @@ def test_stack_bench_runs_nanoserve_against_a_peer(hf_checkpoint, tmp_path):
 
 
 def test_each_precision_meets_llama_cpps_matched_one():
-    assert stack_bench.PEERS == {"float32": "f32", "bfloat16": "f16", "int8": "q8_0"}
     assert set(stack_bench.PEERS.values()) == set(llama_cpp.PRECISIONS)
     assert set(stack_bench.PEERS) == set(engine_bench.CEILING_TARGETS)
 
