@@ -9,7 +9,9 @@ FROM python:3.11-slim
 # How PyTorch is installed: the CPU build by default (small), a CUDA build as above.
 ARG TORCH_INSTALL="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
-ENV PYTHONUNBUFFERED=1 \
+# API keys are required: the image listens beyond loopback (create keys with `flask --app wsgi keys create`).
+ENV NANOSERVE_AUTH=required \
+    PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/data/hf

@@ -301,7 +301,15 @@ def test_metrics_auth(redis_url, r, auth):
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"Authorization": "Bearer sk-nope-nope-nope"}).status_code == 401
     assert client.get("/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
-    assert seam_app(redis_url, auth_required="required").test_client().get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("auth", ["required", "disabled"])
+def test_metrics_follow_the_api_unless_set(redis_url, auth):
+    """Unset, /metrics is as open as /v1: behind a key whenever keys are required."""
+    expected = 401 if auth == "required" else 200
+    assert seam_app(redis_url, auth_required=auth).test_client().get("/metrics").status_code == expected
+    opened = seam_app(redis_url, auth_required=auth, metrics_auth_required="disabled").test_client()
+    assert opened.get("/metrics").status_code == 200
 
 
 def test_auth_disabled_lets_anyone_in_with_limits_per_address(redis_url):
@@ -330,14 +338,16 @@ def test_success_carries_rate_limit_headers(redis_url, r):
 
 def test_blocked_user_and_key_get_403_without_the_reason(redis_url, r):
     token, _ = keys.create(r, "ci")
+    other, _ = keys.create(r, "other")
     client = seam_app(redis_url, auth_required="required").test_client()
-    blocklist.add(r, "user", "mallory", reason="secret reason")
+    blocklist.add(r, "user", "ci:mallory", reason="secret reason")  # the end user mallory of the key ci
     blocked = post(client, token, user="mallory")
     assert blocked.status_code == 403
     assert blocked.json["error"]["type"] == "permission_error"
     assert "blocked" in blocked.json["error"]["message"] and "secret" not in blocked.json["error"]["message"]
     assert post(client, token, user="alice").status_code == 200
-    blocklist.remove(r, "user", "mallory")
+    assert post(client, other, user="mallory").status_code == 200  # another key's mallory is another user
+    blocklist.remove(r, "user", "ci:mallory")
     assert post(client, token, user="mallory").status_code == 200
     blocklist.add(r, "key", "ci")
     refused = post(client, token, user="alice")

@@ -177,7 +177,7 @@ def test_create_validate_and_run_lines(app, alice, r):
     assert created["endpoint"] == "/v1/completions" and created["completion_window"] == "24h"
     assert created["metadata"] == {"run": "7"} and created["expires_at"] == created["created_at"] + 86400
     assert created["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
-    blocklist.add(r, "user", "mallory", reason="test", by="test")
+    blocklist.add(r, "user", "alice:mallory", reason="test", by="test")  # alice's end user mallory
 
     step(app)  # validates
     running = alice.get(f"/v1/batches/{created['id']}").json
@@ -300,7 +300,8 @@ def test_admin_cli(app, alice):
 
 
 def test_lines_take_the_creators_limits_without_strikes(app, r):
-    carol = Client(app, keys.create(r, "carol", rpm=1, tpm=100_000)[0])
+    # rpm 3: uploading the file and creating the batch are requests of the key's, its first line the third
+    carol = Client(app, keys.create(r, "carol", rpm=3, tpm=100_000)[0])
     created = carol.batch(jsonl({"prompt": "a", "max_tokens": 5}, {"prompt": "b", "max_tokens": 5}))
     step(app, 3)  # validated; the first line starts, the second waits for the key's next request
     batch = carol.get(f"/v1/batches/{created['id']}").json

@@ -2,6 +2,7 @@
 name the services, and every command they run is one our programs accept."""
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -59,13 +60,32 @@ def test_redis_persists_with_aof_and_has_a_healthcheck(compose):
     assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
 
 
+def test_redis_takes_a_password_and_never_evicts(compose):
+    """Whoever reaches Redis controls the queue (rq runs what a job names): it needs the password, and
+    past its memory cap it refuses writes instead of dropping queued jobs, keys or the blocklist."""
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction" and "--maxmemory" in command
+    assert redis["environment"]["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD:?")  # for the healthcheck
+    for service in ("web", "worker"):
+        assert "${REDIS_PASSWORD:?" in env(compose["services"][service])["REDIS_URL"]
+
+
+def test_the_image_requires_keys_and_compose_puts_metrics_behind_them(compose):
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ENV NANOSERVE_AUTH=required", dockerfile, re.M)  # its command listens on 0.0.0.0
+    web = env(compose["services"]["web"])
+    assert web["NANOSERVE_AUTH"] == "required" and web.get("NANOSERVE_METRICS_AUTH") in (None, "required")
+
+
 def test_web_is_threaded_gunicorn_with_auth_and_multiprocess_metrics(compose):
     web = compose["services"]["web"]
     command = web["command"]
     assert command[:2] == ["gunicorn", "wsgi:app"]
     assert command[command.index("--worker-class") + 1] == "gthread"
     assert env(web)["NANOSERVE_AUTH"] == "required"
-    assert env(web)["REDIS_URL"] == "redis://redis:6379/0"
+    assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD:\?[^}]*\}@redis:6379/0", env(web)["REDIS_URL"])
     assert env(web)["PROMETHEUS_MULTIPROC_DIR"] in web["tmpfs"]  # empty at every start
     assert web["depends_on"]["redis"]["condition"] == "service_healthy"
     assert "8000:8000" in web["ports"]

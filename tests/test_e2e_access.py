@@ -78,7 +78,7 @@ def test_key_required_wrong_and_revoked(stack, admin):
 def test_blocked_user_others_unaffected_and_unblock(stack, admin):
     client = client_for(stack, admin("keys", "create", "e2e-block").strip(), max_retries=0)
     assert complete(client, user="mallory").choices
-    admin("blocklist", "add", "mallory", "--reason", "scraping the model")
+    admin("blocklist", "add", "mallory", "--of-key", "e2e-block", "--reason", "scraping the model")
     for stream in (False, True, False, True):
         with pytest.raises(openai.PermissionDeniedError) as denied:
             complete(client, user="mallory", stream=stream)
@@ -87,7 +87,7 @@ def test_blocked_user_others_unaffected_and_unblock(stack, admin):
     assert complete(client, user="alice").choices  # other users are unaffected
     assert complete(client).choices  # and so are requests without a user
 
-    admin("blocklist", "remove", "mallory")
+    admin("blocklist", "remove", "mallory", "--of-key", "e2e-block")
     assert complete(client, user="mallory").choices
     log = admin("blocklist", "log")
     assert "add" in log and "remove" in log and "scraping the model" in log
@@ -95,7 +95,7 @@ def test_blocked_user_others_unaffected_and_unblock(stack, admin):
 
 def test_timed_block_expires(stack, admin):
     client = client_for(stack, admin("keys", "create", "e2e-timed").strip(), max_retries=0)
-    admin("blocklist", "add", "brief", "--for", "2s")
+    admin("blocklist", "add", "brief", "--of-key", "e2e-timed", "--for", "2s")
     with pytest.raises(openai.PermissionDeniedError):
         complete(client, user="brief")
     deadline = time.monotonic() + 20
@@ -154,12 +154,19 @@ def test_automatic_ban_for_invalid_requests_and_its_lifting(stack, admin):
             complete(client, user="fuzzer", temperature=5)
     with pytest.raises(openai.PermissionDeniedError):
         complete(client, user="fuzzer")
-    assert complete(client, user="alice").choices  # the key itself is not banned
+    # the key that sent them is struck too (a key sending a new `user` each time gets no free pass)
+    with pytest.raises(openai.PermissionDeniedError) as key_banned:
+        complete(client, user="alice")
+    assert "API key" in key_banned.value.message
     listing = admin("blocklist", "list")
-    assert "fuzzer" in listing and "auto: 3 invalid requests" in listing
+    assert "e2e-fuzz:fuzzer" in listing and "key:e2e-fuzz" in listing and "auto: 3 invalid requests" in listing
     assert "auto" in admin("blocklist", "log")
 
-    admin("blocklist", "remove", "fuzzer")
+    admin("blocklist", "remove", "--key", "e2e-fuzz")
+    assert complete(client, user="alice").choices
+    with pytest.raises(openai.PermissionDeniedError):
+        complete(client, user="fuzzer")  # its end user stays banned until lifted on its own
+    admin("blocklist", "remove", "fuzzer", "--of-key", "e2e-fuzz")
     assert complete(client, user="fuzzer").choices
     with pytest.raises(openai.BadRequestError):  # its strikes were cleared with the ban
         complete(client, user="fuzzer", temperature=5)

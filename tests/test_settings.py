@@ -23,7 +23,9 @@ ENV = {
     "NANOSERVE_UNKNOWN_FIELDS": "ignore", "NANOSERVE_MAX_STOP": "32",
     "NANOSERVE_MAX_FILE_BYTES": "1000", "NANOSERVE_FILE_TTL": "2h", "NANOSERVE_BATCH_WINDOW": "90s",
     "NANOSERVE_BATCH_MAX_LINES": "10", "NANOSERVE_BATCH_MAX_INFLIGHT": "3", "NANOSERVE_BATCH_DISPATCH": "off",
-    "NANOSERVE_BATCH_TICK": "0.1", "NANOSERVE_BATCH_LEASE": "4",
+    "NANOSERVE_BATCH_TICK": "0.1", "NANOSERVE_BATCH_LEASE": "4", "NANOSERVE_MAX_LOGIT_BIAS": "50",
+    "NANOSERVE_KEY_MAX_JOBS": "6", "NANOSERVE_KEY_MAX_OPEN": "5", "NANOSERVE_KEY_MAX_BATCHES": "2",
+    "NANOSERVE_KEY_MAX_FILES": "11", "NANOSERVE_KEY_MAX_STORED_BYTES": "12345",
 }
 
 
@@ -38,7 +40,9 @@ def test_every_variable_is_read():
     assert (s.abuse_enabled, s.abuse_window_s, s.abuse_max_rate_limited, s.abuse_max_invalid, s.abuse_ban_s) == \
         (False, 120, 7, 9, 86400)
     assert (s.log_format, s.log_level) == ("text", "DEBUG")
-    assert (s.unknown_fields, s.max_stop) == ("ignore", 32)
+    assert (s.unknown_fields, s.max_stop, s.max_logit_bias) == ("ignore", 32, 50)
+    assert (s.key_max_jobs, s.key_max_open, s.key_max_batches, s.key_max_files, s.key_max_stored_bytes) == \
+        (6, 5, 2, 11, 12345)
     assert (s.max_file_bytes, s.file_ttl_s, s.batch_window_s, s.batch_max_lines, s.batch_max_inflight,
             s.batch_dispatch, s.batch_tick_s, s.batch_lease_s) == (1000, 7200, 90, 10, 3, False, 0.1, 4)
     # every field but one is read from the environment, and this test sets each of them
@@ -51,6 +55,7 @@ def test_defaults():
     assert s == Settings()
     assert s.redis_url == protocol.DEFAULT_REDIS_URL  # the one default the worker uses too
     assert (s.retry_after_s, s.auth_required, s.abuse_enabled, s.key_rpm, s.abuse_window_s) == (1, False, True, 10_000, 600)
+    assert s.metrics_auth_required is None  # unset: /metrics is as open as /v1
     assert Settings.from_env({"NANOSERVE_RETRY_AFTER": ""}).retry_after_s == 1  # empty: unset
 
 

@@ -100,13 +100,15 @@ def keys_revoke(name: str) -> None:
 @click.option("--reason", default="", help="Why (kept in the list and the log, never told to the client).")
 @click.option("--for", "duration", metavar="DURATION", help="Lift it automatically after e.g. 30m, 24h, 7d.")
 @click.option("--key", "is_key", is_flag=True, help="NAME is an API key name, not an end user.")
+@click.option("--of-key", "of_key", metavar="KEY", help="NAME is an end user of the API key KEY (with keys required, "
+              "every end user belongs to the key that sends it).")
 @admin_command
-def blocklist_add(name: str, reason: str, duration: str | None, is_key: bool) -> None:
+def blocklist_add(name: str, reason: str, duration: str | None, is_key: bool, of_key: str | None) -> None:
     """Block the end user NAME (or, with --key, the API key NAME) at once, in every web process."""
     if not name.strip():
         raise click.ClickException("NAME must not be empty.")
     seconds = _parse_duration(duration) if duration is not None else None
-    kind = "key" if is_key else "user"
+    kind, name = _blocklist_subject(name, is_key, of_key)
     entry = blocklist.add(access.redis_client(), kind, name, reason=reason, by=_admin(), duration=seconds)
     until = f"until {_when(entry.expires_at)}" if entry.expires_at else "until removed"
     click.echo(f"Blocked {_subject(kind, name)} {until}.")
@@ -115,10 +117,11 @@ def blocklist_add(name: str, reason: str, duration: str | None, is_key: bool) ->
 @blocklist_cli.command("remove")
 @click.argument("name")
 @click.option("--key", "is_key", is_flag=True, help="NAME is an API key name, not an end user.")
+@click.option("--of-key", "of_key", metavar="KEY", help="NAME is an end user of the API key KEY.")
 @admin_command
-def blocklist_remove(name: str, is_key: bool) -> None:
+def blocklist_remove(name: str, is_key: bool, of_key: str | None) -> None:
     """Unblock the end user NAME (or, with --key, the API key NAME), and clear its abuse strikes."""
-    kind = "key" if is_key else "user"
+    kind, name = _blocklist_subject(name, is_key, of_key)
     r = access.redis_client()
     if not blocklist.remove(r, kind, name, by=_admin()):
         raise click.ClickException(f"{_subject(kind, name).capitalize()} is not on the blocklist (see `blocklist list`).")
@@ -280,8 +283,20 @@ def _admin() -> str:
         return "admin"
 
 
+def _blocklist_subject(name: str, is_key: bool, of_key: str | None) -> tuple[str, str]:
+    """(kind, name) of a blocklist entry: an API key, or an end user, scoped to its key if given."""
+    if is_key and of_key:
+        raise click.ClickException("--key and --of-key exclude each other.")
+    if is_key:
+        return "key", name
+    return "user", access.end_user(of_key, name) if of_key else name
+
+
 def _subject(kind: str, name: str) -> str:
-    return f"user {name!r}" if kind == "user" else f"API key {name!r}"
+    if kind == "key":
+        return f"API key {name!r}"
+    key, sep, user = name.partition(":")
+    return f"user {user!r} of API key {key!r}" if sep else f"user {name!r}"
 
 
 def _label(kind: str, name: str) -> str:

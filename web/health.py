@@ -2,6 +2,8 @@
 least one live worker on its queue (503 with the details otherwise)."""
 from __future__ import annotations
 
+import logging
+
 import redis
 from flask import Blueprint, jsonify
 
@@ -10,6 +12,7 @@ from web.api.queue import job_queue
 from worker import protocol
 
 bp = Blueprint("health", __name__)
+log = logging.getLogger(__name__)
 
 
 @bp.get("/health")
@@ -25,7 +28,9 @@ def ready():
         models = {spec.id: dict(zip(("workers", "queued"), jq.load(spec.id)))
                   for spec in served_models().registry.models()}
     except redis.RedisError as err:
-        body = protocol.error_body(f"Redis is unreachable: {err}", "server_error", None, "redis_unavailable")
+        # the details (host, port, the client's words) go to the log, not to whoever asks
+        log.warning("ready: redis unreachable: %r", err)
+        body = protocol.error_body("The queue (Redis) is unreachable.", "server_error", None, "redis_unavailable")
         return jsonify({**body, "status": "unavailable", "redis": False}), 503
     missing = [model_id for model_id, state in models.items() if not state["workers"]]
     if missing:

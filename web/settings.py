@@ -94,7 +94,7 @@ class Settings:
     models_path: str | None = _setting(None, "NANOSERVE_MODELS")  # None: the registry's default
     max_body_bytes: int = _setting(1 << 20, "NANOSERVE_MAX_BODY_BYTES", _COUNT)  # larger bodies → 413
     max_queue_depth: int = _setting(1000, "NANOSERVE_MAX_QUEUE_DEPTH", _COUNT)  # waiting jobs per model before 429
-    max_choices: int = _setting(1024, "NANOSERVE_MAX_CHOICES", _COUNT)  # prompts × max(n, best_of) per request
+    max_choices: int = _setting(256, "NANOSERVE_MAX_CHOICES", _COUNT)  # prompts × max(n, best_of) per request
     retry_after_s: int = _setting(1, "NANOSERVE_RETRY_AFTER", _COUNT)  # on 429 (queue full) and 503 (Redis, no worker)
     sync_timeout_s: float = _setting(600.0, "NANOSERVE_SYNC_TIMEOUT", _seconds)  # a `stream: false` request's wait
     keepalive_s: float = _setting(15.0, "NANOSERVE_KEEPALIVE", _seconds)  # SSE keepalive, and job checks while waiting
@@ -107,10 +107,11 @@ class Settings:
     # the request schema (web/api/schemas.py)
     unknown_fields: str = _setting("reject", "NANOSERVE_UNKNOWN_FIELDS", _choice("reject", "ignore"))  # 400 or drop
     max_stop: int = _setting(16, "NANOSERVE_MAX_STOP", _THRESHOLD)  # stop strings per request
+    max_logit_bias: int = _setting(300, "NANOSERVE_MAX_LOGIT_BIAS", _THRESHOLD)  # logit_bias entries per request
 
     # files and batches (web/batch/, web/api/files.py, web/api/batches.py)
     max_file_bytes: int = _setting(100 << 20, "NANOSERVE_MAX_FILE_BYTES", _COUNT)  # larger uploads → 413
-    file_ttl_s: float = _setting(30 * 86400.0, "NANOSERVE_FILE_TTL", _duration)  # batch files live this long by default
+    file_ttl_s: float = _setting(30 * 86400.0, "NANOSERVE_FILE_TTL", _duration)  # files live this long by default, and at most
     batch_window_s: float = _setting(86400.0, "NANOSERVE_BATCH_WINDOW", _duration)  # what `completion_window: 24h` lasts
     batch_max_lines: int = _setting(50_000, "NANOSERVE_BATCH_MAX_LINES", _THRESHOLD)  # requests in one batch
     batch_max_inflight: int = _setting(32, "NANOSERVE_BATCH_MAX_INFLIGHT", _THRESHOLD)  # one batch's lines queued or running
@@ -120,11 +121,19 @@ class Settings:
 
     # access control (web/access/)
     auth_required: bool = _setting(False, "NANOSERVE_AUTH", _REQUIRED)  # `Authorization: Bearer <key>` on /v1
-    metrics_auth_required: bool = _setting(False, "NANOSERVE_METRICS_AUTH", _REQUIRED)  # the same on /metrics
+    # the same on /metrics; None: as on /v1
+    metrics_auth_required: bool | None = _setting(None, "NANOSERVE_METRICS_AUTH", _REQUIRED)
     key_rpm: int = _setting(10_000, "NANOSERVE_KEY_RPM", _LIMIT)  # keys without their own limits, and
     key_tpm: int = _setting(10_000_000, "NANOSERVE_KEY_TPM", _LIMIT)  # anonymous callers per address
     user_rpm: int = _setting(1_000, "NANOSERVE_USER_RPM", _LIMIT)  # per end user (the `user` field)
     user_tpm: int = _setting(1_000_000, "NANOSERVE_USER_TPM", _LIMIT)
+
+    # what one key may hold at once (web/access/quotas.py); 0: no limit
+    key_max_jobs: int = _setting(256, "NANOSERVE_KEY_MAX_JOBS", _LIMIT)  # completions queued or running
+    key_max_open: int = _setting(96, "NANOSERVE_KEY_MAX_OPEN", _LIMIT)  # streams and synchronous waits
+    key_max_batches: int = _setting(8, "NANOSERVE_KEY_MAX_BATCHES", _LIMIT)  # batches not yet ended
+    key_max_files: int = _setting(100, "NANOSERVE_KEY_MAX_FILES", _LIMIT)  # files stored
+    key_max_stored_bytes: int = _setting(512 << 20, "NANOSERVE_KEY_MAX_STORED_BYTES", _LIMIT)  # their bytes
 
     # automatic bans (web/access/abuse.py)
     abuse_enabled: bool = _setting(True, "NANOSERVE_ABUSE", _ON_OFF)

@@ -32,9 +32,9 @@ import logging
 from dataclasses import dataclass, field
 
 import redis
-from flask import Flask, Request, current_app
+from flask import Flask, Request, current_app, g
 
-from web.access import abuse, blocklist, keys, ratelimit
+from web.access import abuse, blocklist, keys, quotas, ratelimit
 from web.settings import Settings
 from worker.protocol import APIError
 
@@ -89,10 +89,14 @@ def redis_client() -> redis.Redis:
 # ---- the seam ----
 
 def authenticate(request: Request) -> Caller:
+    """The request's caller, also kept as `g.caller`: what its 400s are struck against."""
     state = _state()
     if not state.settings.auth_required:
-        return Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=request.remote_addr)
-    return _key_caller(_verified_key(request, state), state.settings)
+        caller = Caller(rpm=state.settings.key_rpm, tpm=state.settings.key_tpm, address=request.remote_addr)
+    else:
+        caller = _key_caller(_verified_key(request, state), state.settings)
+    g.caller = caller
+    return caller
 
 
 def caller_for(key_id: str | None, address: str | None) -> Caller | None:
@@ -111,10 +115,29 @@ def _key_caller(record: keys.ApiKey, s: Settings) -> Caller:
 
 
 def authorize_metrics(request: Request) -> None:
-    """401 unless /metrics is open or the request carries a valid key."""
+    """401 unless /metrics is open (by default: when /v1 is) or the request carries a valid key."""
     state = _state()
-    if state.settings.metrics_auth_required:
+    required = state.settings.metrics_auth_required
+    if state.settings.auth_required if required is None else required:
         _verified_key(request, state)
+
+
+# ---- quotas: what one caller holds at once ----
+
+def quota(kind: str) -> quotas.Quota:
+    """The caller quota `kind` (jobs, open, batches, files) with this app's limits."""
+    return quotas.quota(_state().settings, kind)
+
+
+def quota_scope(caller: Caller) -> str:
+    """Whose quota a caller draws on: its key's, or (keys off) its client address's."""
+    return f"key:{caller.key_id}" if caller.key_id else f"addr:{caller.address}"
+
+
+def hold_open(caller: Caller) -> quotas.Hold:
+    """Count a stream or a synchronous wait against the caller's `open` quota (429 past it)."""
+    s = _state().settings
+    return quotas.Hold(_state().redis, quota("open"), quota_scope(caller), stale_s=max(30.0, 3 * s.keepalive_s))
 
 
 def admit(caller: Caller, user: str | None, reserved_tokens: int, strike: bool = True) -> Grant:
@@ -126,11 +149,7 @@ def admit(caller: Caller, user: str | None, reserved_tokens: int, strike: bool =
     buckets = [bucket for bucket, _, _ in limits]
     gates = [blocklist.entry_key(kind, name) for kind, name in subjects]
     reservation = ratelimit.reserve(state.redis, buckets, reserved_tokens, gates)
-
-    if reservation.blocked_by is not None:
-        kind = subjects[reservation.blocked_by][0]
-        what = "This user is" if kind == "user" else "This API key is"
-        raise APIError(403, f"{what} blocked from using this service.", "permission_error", code="blocked")
+    _check_gate(reservation, subjects)
     if not reservation.allowed:
         culprits = {bucket.key: subject for bucket, _, subject in limits}
         struck = [culprits[s.bucket.key] for s in reservation.refused if culprits[s.bucket.key]]
@@ -138,6 +157,21 @@ def admit(caller: Caller, user: str | None, reserved_tokens: int, strike: bool =
             abuse.strike(state.redis, state.settings, "rate_limited", struck)
         raise _rate_limited(reservation, {bucket.key: label for bucket, label, _ in limits}, reserved_tokens)
     return Grant(caller, user, reserved_tokens, reservation.headers(), buckets)
+
+
+def check_blocked(caller: Caller, user: str | None) -> None:
+    """The 403 of `admit` for a blocked key or user, alone: a cheap refusal before costly work."""
+    subjects = _subjects(caller, user)
+    if subjects:
+        gates = [blocklist.entry_key(kind, name) for kind, name in subjects]
+        _check_gate(ratelimit.reserve(_state().redis, [], 0, gates), subjects)
+
+
+def _check_gate(reservation: ratelimit.Reservation, subjects: list[tuple[str, str]]) -> None:
+    if reservation.blocked_by is not None:
+        kind = subjects[reservation.blocked_by][0]
+        what = "This user is" if kind == "user" else "This API key is"
+        raise APIError(403, f"{what} blocked from using this service.", "permission_error", code="blocked")
 
 
 def grant_for(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
@@ -160,14 +194,26 @@ def rate_limit_headers(grant: Grant | None) -> dict[str, str]:
     return dict(grant.headers) if grant else {}
 
 
+def admit_request(caller: Caller) -> Grant:
+    """Admission of a request that stores or holds something but spends no tokens (an upload, a
+    batch, a stream followed): the blocklist and one request of the caller's rpm."""
+    return admit(caller, None, 0)
+
+
 def record_invalid(caller: Caller | None, user: str | None) -> None:
+    """Strike the key and its end user alike: a key sending a fresh `user` each time is still struck."""
     state = _state()
     subjects = _subjects(caller or Caller(), user)
-    # The narrowest known culprit: the end user if named, else the key.
     try:
-        abuse.strike(state.redis, state.settings, "invalid", subjects[-1:])
+        abuse.strike(state.redis, state.settings, "invalid", subjects)
     except redis.RedisError:
         log.warning("could not record an invalid request", exc_info=True)
+
+
+def end_user(key_name: str | None, user: str) -> str:
+    """The name an end user is accounted, limited and blocked under: scoped to the key that sends it
+    (`<key>:<user>`; key names hold no colon), so one tenant's `user` is never another's."""
+    return f"{key_name}:{user}" if key_name else user
 
 
 # ---- helpers ----
@@ -212,7 +258,7 @@ def _subjects(caller: Caller, user: str | None) -> list[tuple[str, str]]:
     if caller.key_name:
         subjects.append(("key", caller.key_name))
     if user:
-        subjects.append(("user", user))
+        subjects.append(("user", end_user(caller.key_name, user)))
     return subjects
 
 
@@ -227,8 +273,9 @@ def _limits(caller: Caller, user: str | None, s: Settings) -> list[tuple[ratelim
         limits.append((ratelimit.Bucket(f"nanoserve:ratelimit:addr:{caller.address}", caller.rpm, caller.tpm),
                        f"client {caller.address}", None))
     if user:
-        limits.append((ratelimit.Bucket(f"nanoserve:ratelimit:user:{user}", s.user_rpm, s.user_tpm),
-                       f"user `{user}`", ("user", user)))
+        name = end_user(caller.key_name, user)
+        limits.append((ratelimit.Bucket(f"nanoserve:ratelimit:user:{name}", s.user_rpm, s.user_tpm),
+                       f"user `{user}`", ("user", name)))
     return limits
 
 

@@ -16,9 +16,10 @@ import threading
 import weakref
 
 import redis
-from flask import Blueprint, Flask, current_app, jsonify, request
+from flask import Blueprint, Flask, current_app, g, jsonify, request
 
 from web import access
+from web.access import quotas
 from web.access.ownership import check_owner, owner_of
 from web.api.batch_lines import BatchLines
 from web.api.completions import read_json_body
@@ -41,7 +42,7 @@ MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 def init_app(app: Flask, settings: Settings, client: redis.Redis, files: FileStore) -> BatchStore:
-    store = BatchStore(client, files, record_ttl_s=int(settings.file_ttl_s))
+    store = BatchStore(client, files, record_ttl_s=int(settings.file_ttl_s), quota=quotas.quota(settings, "batches"))
     app.extensions[EXTENSION] = store
     if settings.batch_dispatch:
         app.before_request(DispatchThread(app, store, settings).ensure_started)
@@ -55,6 +56,7 @@ def batch_store() -> BatchStore:
 @bp.post("/v1/batches")
 def create():
     caller = access.authenticate(request)
+    g.grant = access.admit_request(caller)
     body = read_json_body()
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, not {type(body).__name__}.")
@@ -167,7 +169,8 @@ class DispatchThread:
     def _run(self) -> None:
         s = self.settings
         dispatcher = Dispatcher(self.store, BatchLines(), max_inflight=s.batch_max_inflight,
-                                lease_s=s.batch_lease_s, max_lines=s.batch_max_lines)
+                                lease_s=s.batch_lease_s, max_lines=s.batch_max_lines,
+                                max_line_bytes=s.max_body_bytes)
         dispatcher.run(self.stopping, s.batch_tick_s, scope=self._app_context)
 
     def _app_context(self):

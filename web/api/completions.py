@@ -15,13 +15,14 @@ from models.registry import ModelSpec
 from models.tokenizer import Tokenizer, bad_words_token_ids
 from web import access, metrics
 from web.access.ownership import owner_of
+from web.access.quotas import Hold
 from web.api.models import served_models
 from web.api.queue import job_queue
-from web.api.schemas import CompletionRequest, parse_completion_request
+from web.api.schemas import MAX_USER, CompletionRequest, parse_completion_request
 from web.api.streaming import ChunkFormat, Event, follow, guarded, sse_frames, wait_for_completion
 from web.settings import settings
 from worker import protocol
-from worker.protocol import bad_request
+from worker.protocol import APIError, bad_request
 
 bp = Blueprint("completions", __name__)
 
@@ -31,6 +32,7 @@ class Admitted:
     request: CompletionRequest
     job: protocol.CompletionJob
     grant: access.Grant
+    hold: Hold | None  # the request's place in its caller's `open` quota (None for a polled job)
 
 
 @dataclass
@@ -53,16 +55,19 @@ class Checked:
 def create_completion():
     started = time.perf_counter()
     admitted = admit_completion()
-    jq, job, s = job_queue(), admitted.job, settings()
+    jq, job, s, hold = job_queue(), admitted.job, settings(), admitted.hold
     deadline = None if job.stream else time.monotonic() + s.sync_timeout_s
     events = follow(jq, job.id, tick_s=s.keepalive_s, deadline=deadline)
     events = _accounted(events, admitted.grant, job.model, started)
     if not job.stream:
-        return jsonify(wait_for_completion(events, deadline, jq, job.id, s.sync_timeout_s))
+        try:
+            return jsonify(wait_for_completion(held(events, hold), deadline, jq, job.id, s.sync_timeout_s))
+        finally:
+            hold.release()
     fmt = ChunkFormat(job.id, job.created, job.model, job.include_usage, job.logprobs is not None,
                       continuous_usage=admitted.request.continuous_usage, echo=job.echo,
                       prompt_tokens=[len(p) for p in job.prompts for _ in range(job.n)])
-    frames = guarded(sse_frames(events, fmt), jq, job.id, cancel_on_disconnect=True)
+    frames = guarded(sse_frames(held(events, hold), fmt), jq, job.id, cancel_on_disconnect=True, hold=hold)
     return sse_response(frames)
 
 
@@ -90,49 +95,100 @@ def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
 
 
 def admit_completion(for_job: bool = False) -> Admitted:
-    """The request path up to the queue (DESIGN.md): authenticate, parse and validate, resolve the
-    model, tokenize, check the context, admit (access limits), enqueue as the caller's job."""
-    g.caller = access.authenticate(request)
+    """The request path up to the queue (docs/architecture.md): authenticate, parse and validate,
+    resolve the model, count its sequences, refuse a blocked caller (all before tokenizing), tokenize,
+    check the context, check the model's queue, admit (access limits and quotas), enqueue as the
+    caller's job."""
+    g.caller = caller = access.authenticate(request)
     body = read_json_body()
-    if isinstance(body, dict) and isinstance(body.get("user"), str):
-        g.user = body["user"]
+    if isinstance(body, dict) and isinstance(body.get("user"), str) and len(body["user"]) <= MAX_USER:
+        g.user = body["user"]  # abuse accounting names it only within the schema's cap
     if for_job and isinstance(body, dict) and body.get("stream"):
         raise bad_request("stream is not supported on /v1/jobs; follow GET /v1/jobs/{id}/stream instead.", "stream")
-    checked = check_completion(body)
-
+    req, spec = parse_completion(body)
+    access.check_blocked(caller, req.user)
+    checked = check_prompts(req, spec)
     jq = job_queue()
-    jq.check_capacity(checked.spec.id)
-    g.grant = grant = access.admit(g.caller, checked.request.user, checked.reserved_tokens)
-    job = checked.to_job()
-    jq.enqueue(job, checked.spec.id, owner=owner_of(g.caller))
-    return Admitted(checked.request, job, grant)
+    jq.check_capacity(spec.id)
+
+    hold = None if for_job else access.hold_open(caller)
+    try:
+        g.grant = grant = access.admit(caller, req.user, checked.reserved_tokens)
+        job = checked.to_job()
+        s = settings()
+        lapses = time.time() + s.queue_ttl_s + s.job_timeout_s * (s.job_retries + 1)
+        jobs = access.quota("jobs")
+        try:
+            jobs.take(access.redis_client(), access.quota_scope(caller), job.id, lapses, ended=jq.ended)
+            jq.enqueue(job, spec.id, owner=owner_of(caller))
+        except Exception:
+            access.settle(grant, 0)
+            raise
+    except Exception:
+        if hold is not None:
+            hold.release()
+        raise
+    return Admitted(req, job, grant, hold)
+
+
+def held(events: Iterator[Event | None], hold: Hold | None) -> Iterator[Event | None]:
+    """Pass events through, keeping the request's hold on its `open` quota fresh."""
+    for event in events:
+        if hold is not None:
+            hold.refresh()
+        yield event
 
 
 def check_completion(body: Any) -> Checked:
     """Everything about a completions request that needs no caller: parse and validate, resolve the
     model, tokenize, check the vocabulary, the context and the number of sequences (a 400 or 404
     `APIError` for the first problem). Also how a batch's line is checked before it runs."""
+    return check_prompts(*parse_completion(body))
+
+
+def parse_completion(body: Any) -> tuple[CompletionRequest, ModelSpec]:
+    """The request validated and its model resolved, with its size checked before any tokenizing:
+    the number of sequences it asks for (prompts × max(n, best_of))."""
     s = settings()
-    req = parse_completion_request(body, max_stop=s.max_stop, unknown_fields=s.unknown_fields)
-    models = served_models()
-    spec = models.get(req.model)
-    tokenizer = models.tokenizer(spec)
-    prompts = truncate_prompts(tokenize_prompts(req.prompt, tokenizer), req.truncate_prompt_tokens,
-                               spec.context_length)
-    check_logit_bias(req.logit_bias, tokenizer.vocab_size)
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        check_token_ids(getattr(req, name) or [], tokenizer.vocab_size, name)
-    bad_words = bad_words_token_ids(req.bad_words, lambda word: encode_text(word, tokenizer.encode_ordinary, "bad_words"))
-    completion_tokens = check_context(prompts, req.max_tokens, spec.context_length)
+    req = parse_completion_request(body, max_stop=s.max_stop, max_logit_bias=s.max_logit_bias,
+                                   unknown_fields=s.unknown_fields)
+    spec = served_models().get(req.model)
+    prompts = _prompt_count(req.prompt)
     per_prompt = req.best_of or req.n  # sequences generated for each prompt
-    if len(prompts) * per_prompt > s.max_choices:
-        raise bad_request(f"This request asks for {len(prompts) * per_prompt} sequences ({len(prompts)} "
+    if prompts * per_prompt > s.max_choices:
+        raise bad_request(f"This request asks for {prompts * per_prompt} sequences ({prompts} "
                           f"prompts × {per_prompt}); the limit is {s.max_choices}.",
                           "n" if per_prompt > 1 else "prompt")
+    return req, spec
+
+
+def _prompt_count(prompt: Any) -> int:
+    if prompt is None or isinstance(prompt, str) or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def check_prompts(req: CompletionRequest, spec: ModelSpec) -> Checked:
+    """Tokenize a parsed request's prompts with its model's tokenizer and check them against the
+    vocabulary and the context."""
+    tokenizer = served_models().tokenizer(spec)
+    prompts = truncate_prompts(tokenize_prompts(req.prompt, tokenizer), req.truncate_prompt_tokens,
+                               spec.context_length)
+    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):  # as the engine checks the job
+        protocol.check_token_ids(getattr(req, name) or [], tokenizer.vocab_size, name)
+    bad_words = bad_words_token_ids(req.bad_words, lambda word: encode_text(word, tokenizer.encode_ordinary, "bad_words"))
+    completion_tokens = protocol.check_context(prompts, req.max_tokens, spec.context_length)
+    per_prompt = req.best_of or req.n
     return Checked(req, spec, prompts, sum(map(len, prompts)) + completion_tokens * per_prompt, bad_words)
 
 
 def read_json_body() -> Any:
+    """The request's JSON body. Only a JSON content type is read: a web page may post `text/plain`
+    to a server on the user's machine without asking, but not `application/json`."""
+    if not request.is_json:
+        raise APIError(415, "The request body must be JSON, sent with `Content-Type: application/json` "
+                       f"(got {request.mimetype[:60] or 'none'!r}).", "invalid_request_error", None,
+                       "unsupported_media_type")
     data = request.get_data(cache=False)  # werkzeug answers 413 past MAX_CONTENT_LENGTH
     try:
         return json.loads(data)
@@ -161,13 +217,7 @@ def tokenize_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
         prompts = [list(prompt)]
     else:
         prompts = [list(ids) for ids in prompt]
-    for ids in prompts:
-        if not ids:
-            raise bad_request("The prompt is empty: give at least one token.", "prompt")
-        bad = [t for t in ids if t >= tokenizer.vocab_size]
-        if bad:
-            raise bad_request(f"Token id {bad[0]} in the prompt is out of vocabulary (vocabulary size: "
-                              f"{tokenizer.vocab_size}).", "prompt")
+    protocol.check_prompts(prompts, tokenizer.vocab_size)
     return prompts
 
 
@@ -180,29 +230,3 @@ def truncate_prompts(prompts: list[list[int]], keep: int | None, context_length:
                           f"({context_length}).", "truncate_prompt_tokens")
     keep = context_length if keep == -1 else keep
     return [ids[-keep:] for ids in prompts]
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = sorted(t for t in ids if t >= vocab_size)
-    if bad:
-        raise bad_request(f"{param} contains token ids that are out of vocabulary: {bad[:10]} "
-                          f"(vocabulary size: {vocab_size}).", param)
-
-
-def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
-    bad = sorted(t for t in bias if not 0 <= t < vocab_size)
-    if bad:
-        raise bad_request(f"logit_bias contains token ids that are out of vocabulary: {bad[:10]} "
-                          f"(vocabulary size: {vocab_size}).", "logit_bias")
-
-
-def check_context(prompts: list[list[int]], max_tokens: int | None, context_length: int) -> int:
-    """Reject what cannot fit the context, in OpenAI's words; returns how many completion tokens the
-    prompts may generate in all, one choice each (`max_tokens: null`: up to the end of the context)."""
-    total = 0
-    for ids in prompts:
-        completion = max_tokens if max_tokens is not None else max(context_length - len(ids), 0)
-        if len(ids) + completion > context_length:
-            raise protocol.context_length_error(context_length, len(ids), max_tokens)
-        total += completion
-    return total

@@ -14,9 +14,10 @@ import re
 from urllib.parse import quote
 
 import redis
-from flask import Blueprint, Flask, Response, current_app, jsonify, request
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 
 from web import access
+from web.access import quotas
 from web.access.ownership import check_owner, owner_of
 from web.batch.files import MAX_EXPIRES_AFTER, MIN_EXPIRES_AFTER, UPLOAD_PURPOSES, FileStore, StoredFile
 from web.settings import Settings, settings
@@ -29,7 +30,8 @@ _FORM_FIELDS = {"purpose", "expires_after[anchor]", "expires_after[seconds]"}
 
 
 def init_app(app: Flask, settings: Settings, client: redis.Redis) -> FileStore:
-    app.extensions[EXTENSION] = store = FileStore(client, default_ttl_s=int(settings.file_ttl_s))
+    app.extensions[EXTENSION] = store = FileStore(client, default_ttl_s=int(settings.file_ttl_s),
+                                                  quota=quotas.quota(settings, "files"))
     return store
 
 
@@ -40,6 +42,7 @@ def file_store() -> FileStore:
 @bp.post("/v1/files")
 def upload():
     caller = access.authenticate(request)
+    g.grant = access.admit_request(caller)
     cap = settings().max_file_bytes
     request.max_content_length = cap + _MULTIPART_SLACK  # werkzeug answers 413 past it
     form, uploads = request.form, request.files
@@ -133,9 +136,11 @@ def expiry_seconds(value, param: str) -> int:
     seconds = value["seconds"]
     if isinstance(seconds, str) and re.fullmatch(r"\s*[0-9]+\s*", seconds):
         seconds = int(seconds)  # multipart fields are text
-    if type(seconds) is not int or not MIN_EXPIRES_AFTER <= seconds <= MAX_EXPIRES_AFTER:
+    ttl = int(settings().file_ttl_s)  # the server's cap on a file's lifetime (0: OpenAI's)
+    longest = min(MAX_EXPIRES_AFTER, max(MIN_EXPIRES_AFTER, ttl)) if ttl else MAX_EXPIRES_AFTER
+    if type(seconds) is not int or not MIN_EXPIRES_AFTER <= seconds <= longest:
         raise bad_request(f"Invalid value for '{param}.seconds': it must be a whole number from "
-                          f"{MIN_EXPIRES_AFTER} to {MAX_EXPIRES_AFTER}.", f"{param}.seconds")
+                          f"{MIN_EXPIRES_AFTER} to {longest}.", f"{param}.seconds")
     return seconds
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from flask import Blueprint, jsonify, request
+from flask import Blueprint, g, jsonify, request
 from rq.job import Job, JobStatus
 
 from web import access
 from web.access.ownership import check_owner
-from web.api.completions import admit_completion, sse_response
+from web.api.completions import admit_completion, held, sse_response
 from web.api.queue import job_queue, owner
 from web.api.streaming import ChunkFormat, follow, guarded, last_terminal_event, sse_frames
 from web.settings import settings
@@ -31,7 +31,7 @@ _STATUS = {JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DE
            JobStatus.FAILED: "failed", JobStatus.CANCELED: "cancelled", JobStatus.STOPPED: "cancelled"}
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "in_progress")
-_ENTRY_ID = re.compile(r"^\d+-\d+$")
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 
 
 @bp.post("/v1/jobs")
@@ -54,16 +54,28 @@ def cancel_job(job_id: str):
 
 @bp.get("/v1/jobs/<job_id>/stream")
 def stream_job(job_id: str):
-    rq_job = find_job(job_id, access.authenticate(request))
-    after = request.headers.get("Last-Event-ID") or "0-0"
-    if not _ENTRY_ID.match(after):
-        raise bad_request(f"Last-Event-ID must be a stream entry id like 1700000000000-0, not {after!r}.")
+    caller = access.authenticate(request)
+    rq_job = find_job(job_id, caller)
+    after = entry_id(request.headers.get("Last-Event-ID") or "0-0")
     payload = _payload(rq_job)
     fmt = ChunkFormat(job_id, payload["created"], payload["model"], include_usage=True,
                       logprobs=payload.get("logprobs") is not None)
+    g.grant = access.admit_request(caller)
+    hold = access.hold_open(caller)
     jq = job_queue()
-    events = follow(jq, job_id, after=after, tick_s=settings().keepalive_s)
-    return sse_response(guarded(sse_frames(events, fmt), jq, job_id, cancel_on_disconnect=False))
+    events = held(follow(jq, job_id, after=after, tick_s=settings().keepalive_s), hold)
+    return sse_response(guarded(sse_frames(events, fmt), jq, job_id, cancel_on_disconnect=False, hold=hold))
+
+
+def entry_id(text: str) -> str:
+    """`Last-Event-ID` as a Redis stream entry id: two whole numbers of at most 64 bits (Redis refuses
+    any other, and that refusal must stay this request's 400)."""
+    match = _ENTRY_ID.fullmatch(text)
+    if not match or max(int(match[1]), int(match[2])) >= 1 << 64:
+        shown = text if len(text) <= 60 else text[:60] + "…"
+        raise bad_request(f"Last-Event-ID must be a stream entry id like 1700000000000-0, not {shown!r}.",
+                          "Last-Event-ID")
+    return f"{int(match[1])}-{int(match[2])}"
 
 
 def find_job(job_id: str, caller: access.Caller | None) -> Job:

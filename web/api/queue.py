@@ -101,6 +101,15 @@ class JobQueue:
                     job_ids.update(registry.get_job_ids())
         return [job for job in Job.fetch_many(sorted(job_ids), connection=self.redis) if job is not None]
 
+    def ended(self, job_ids: list[str]) -> list[str]:
+        """Those of these jobs that rq will not run again (ended, or forgotten), in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(Job.key_for(job_id), "status")
+            statuses = pipe.execute()
+        over = {s.value.encode() for s in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED)}
+        return [job_id for job_id, status in zip(job_ids, statuses) if status is None or status in over]
+
     def fetch(self, job_id: str) -> Job | None:
         try:
             return Job.fetch(job_id, connection=self.redis)

@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 16  # default cap on stop strings (OpenAI's is 4; vLLM and llama.cpp have none)
+MAX_LOGIT_BIAS = 300  # default cap on logit_bias entries: each is applied to every step of the batch
 MAX_BAD_WORDS = 128
+MAX_USER = 256  # the `user` field names Redis keys
+MAX_WORD_CHARS = 1000  # one stop string or bad word: matched against the text at every step
+MAX_TOKEN_IDS = 1 << 17  # stop_token_ids, allowed_token_ids: above any GPT-2-era vocabulary
 
 # Prompt after normalisation: either texts or token ids, always a list of prompts.
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -69,18 +73,18 @@ class CompletionRequest(BaseModel):
     suffix: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, ge=0, le=1)  # 0, as at OpenAI: the most likely token only
-    user: str | None = Field(None, max_length=256)  # it names Redis keys: keep it bounded
+    user: str | None = Field(None, max_length=MAX_USER)
     # vLLM's extras (its SamplingParams and OpenAI protocol models: names, meanings, ranges)
     top_k: int = Field(0, ge=-1, le=1 << 20)  # 0 or -1 (vLLM's): off; above any vocabulary means all
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0, le=1 << 20)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
-    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_IDS)
     prompt_logprobs: int | None = Field(None, ge=0, le=5)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: the model's context
     return_tokens_as_token_ids: bool = False
@@ -112,6 +116,8 @@ class CompletionRequest(BaseModel):
     def _check_bad_words(cls, value: list[str]) -> list[str]:
         if any(not w.strip() for w in value):
             raise RequestError("bad_words must be non-empty strings.", "bad_words")
+        if any(len(w) > MAX_WORD_CHARS for w in value):
+            raise RequestError(f"bad_words must be at most {MAX_WORD_CHARS} characters each.", "bad_words")
         return value
 
     @field_validator("prompt", mode="before")
@@ -136,27 +142,34 @@ class CompletionRequest(BaseModel):
             return []
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise RequestError(f"{json.dumps(value)} is not valid under any of the given schemas - 'stop'", "stop")
+            raise RequestError(f"{_shown(value)} is not valid under any of the given schemas - 'stop'", "stop")
         limit = (info.context or {}).get("max_stop", MAX_STOP)
         if len(stops) > limit:
-            raise RequestError(f"{json.dumps(value)} is too long - 'stop' (at most {limit} stop sequences)", "stop")
+            raise RequestError(f"{_shown(value)} is too long - 'stop' (at most {limit} stop sequences)", "stop")
         if any(s == "" for s in stops):
             raise RequestError("stop sequences must be non-empty strings.", "stop")
+        if any(len(s) > MAX_WORD_CHARS for s in stops):
+            raise RequestError(f"stop sequences must be at most {MAX_WORD_CHARS} characters each.", "stop")
         return stops
 
     @field_validator("logit_bias", mode="before")
     @classmethod
-    def _check_logit_bias(cls, value: Any) -> Any:
+    def _check_logit_bias(cls, value: Any, info) -> Any:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise RequestError(f"{json.dumps(value)} is not of type 'object' - 'logit_bias'", "logit_bias")
+            raise RequestError(f"{_shown(value)} is not of type 'object' - 'logit_bias'", "logit_bias")
+        limit = (info.context or {}).get("max_logit_bias", MAX_LOGIT_BIAS)
+        if len(value) > limit:
+            raise RequestError(f"Invalid 'logit_bias': {len(value)} entries; at most {limit} are allowed.",
+                               "logit_bias")
         bias = {}
         for key, weight in value.items():
             try:
                 token = int(key)
             except ValueError:
-                raise RequestError(f"Invalid key in 'logit_bias': {key}. Keys must be token ids.", "logit_bias") from None
+                raise RequestError(f"Invalid key in 'logit_bias': {_shown(key)}. Keys must be token ids.",
+                                   "logit_bias") from None
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not -100 <= weight <= 100:
                 raise RequestError(f"Invalid value for 'logit_bias' at token {key}: {json.dumps(weight)}. "
                                    "Values must be numbers from -100 to 100.", "logit_bias")
@@ -254,6 +267,12 @@ class CompletionRequest(BaseModel):
             early_stopping=self.early_stopping, penalty_alpha=self.penalty_alpha or 0.0)
 
 
+def _shown(value: Any, limit: int = 200) -> str:
+    """A value as JSON for an error message, cut short: a 400 never echoes a megabyte back."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _is_token_id(value: Any) -> bool:
     return type(value) is int and value >= 0
 
@@ -263,7 +282,8 @@ _TYPE_NAMES = {"int_type": "integer", "float_type": "number", "bool_type": "bool
                "model_type": "object", "int_from_float": "integer"}
 
 
-def parse_completion_request(body: Any, *, max_stop: int = MAX_STOP, unknown_fields: str = "reject") -> CompletionRequest:
+def parse_completion_request(body: Any, *, max_stop: int = MAX_STOP, max_logit_bias: int = MAX_LOGIT_BIAS,
+                             unknown_fields: str = "reject") -> CompletionRequest:
     """Validate a decoded JSON body; the first problem is a 400 `APIError` naming its param.
     `unknown_fields`: "reject" (a 400 naming the first one, as OpenAI) or "ignore" (dropped, logged)."""
     if not isinstance(body, dict):
@@ -271,7 +291,7 @@ def parse_completion_request(body: Any, *, max_stop: int = MAX_STOP, unknown_fie
     if unknown_fields == "ignore":
         body = _known_fields(body)
     try:
-        return CompletionRequest.model_validate(body, context={"max_stop": max_stop})
+        return CompletionRequest.model_validate(body, context={"max_stop": max_stop, "max_logit_bias": max_logit_bias})
     except ValidationError as err:
         problem = request_error(err)
         raise protocol.bad_request(str(problem), problem.param) from None
@@ -299,7 +319,7 @@ def request_error(err: ValidationError) -> RequestError:
     if isinstance(ctx.get("error"), RequestError):
         return ctx["error"]
     where = ".".join(loc)
-    value = json.dumps(first.get("input"), default=str)
+    value = _shown(first.get("input"))
     kind = first["type"]
     if kind == "extra_forbidden":
         return RequestError(f"Unrecognized request argument supplied: {where}", where)

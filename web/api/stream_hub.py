@@ -102,11 +102,12 @@ class StreamHub:
             streams[self._wake_key] = self._wake_last
             try:
                 reply = self._redis.xread(streams, block=int(self.block_s * 1000))
+            except redis.ResponseError as exc:
+                # Redis refused the command, not the connection: fail only the streams it refuses.
+                self._fail(self._refused(streams) or list(streams), exc)
+                continue
             except redis.RedisError as exc:
-                with self._lock:
-                    failed, self._followers = list(self._followers.values()), {}
-                for follower in failed:
-                    follower._put(exc)
+                self._fail(list(streams), exc)
                 time.sleep(self.RETRY_S)
                 continue
             if not reply:
@@ -116,6 +117,26 @@ class StreamHub:
                         return
                 continue
             self._hand_over(reply)
+
+    def _refused(self, streams: dict[str, str]) -> list[str]:
+        """The followed streams whose read Redis refuses on its own (a non-blocking read each)."""
+        refused = []
+        for key, last in streams.items():
+            if key == self._wake_key:
+                continue
+            try:
+                self._redis.xread({key: last}, count=1)
+            except redis.ResponseError:
+                refused.append(key)
+            except redis.RedisError:
+                return []
+        return refused
+
+    def _fail(self, keys: list[str], exc: Exception) -> None:
+        with self._lock:
+            failed = [self._followers.pop(key) for key in keys if key in self._followers]
+        for follower in failed:
+            follower._put(exc)
 
     def _hand_over(self, reply) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import redis
 from rq.job import JobStatus
 
+from web.access.quotas import Hold
 from web.api.queue import JobQueue
 from worker import protocol
 from worker.protocol import APIError
@@ -236,9 +237,11 @@ def sse_frame(body: dict[str, Any], entry_id: str | None = None) -> str:
     return f"id: {entry_id}\ndata: {data}\n\n" if entry_id else f"data: {data}\n\n"
 
 
-def guarded(frames: Iterator[str], jq: JobQueue, job_id: str, cancel_on_disconnect: bool) -> Iterator[str]:
+def guarded(frames: Iterator[str], jq: JobQueue, job_id: str, cancel_on_disconnect: bool,
+            hold: Hold | None = None) -> Iterator[str]:
     """Pass frames through; a client that goes away (the WSGI server closes the generator) cancels
-    the job, and a Redis failure mid-stream ends the stream with an error frame."""
+    the job, and a Redis failure mid-stream ends the stream with an error frame. However it ends, the
+    stream's `hold` on its caller's quota of open streams is given back."""
     finished = False
     try:
         yield from frames
@@ -249,6 +252,8 @@ def guarded(frames: Iterator[str], jq: JobQueue, job_id: str, cancel_on_disconne
                                             None, "redis_unavailable"))
         yield "data: [DONE]\n\n"
     finally:
+        if hold is not None:
+            hold.release()
         if not finished and cancel_on_disconnect:
             try:
                 jq.cancel(job_id)

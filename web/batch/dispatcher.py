@@ -82,12 +82,13 @@ def new_job_id() -> str:
 
 class Dispatcher:
     def __init__(self, store: BatchStore, executor: Executor, *, max_inflight: int = 32, lease_s: float = 10.0,
-                 max_lines: int = 50_000):
+                 max_lines: int = 50_000, max_line_bytes: int = 0):
         self.store = store
         self.executor = executor
         self.max_inflight = max_inflight
         self.lease_s = lease_s
         self.max_lines = max_lines
+        self.max_line_bytes = max_line_bytes  # a line is a request's body: the same cap
         self.token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._retry_at: dict[str, float] = {}  # batch id → when its caller's rate limit lets lines start again
         self._cancelled: set[str] = set()  # jobs this process already asked to stop
@@ -166,7 +167,8 @@ class Dispatcher:
             self.store.fail(batch.id, [BatchError("file_not_found", f"The input file {batch.input_file_id} "
                                                                     "no longer exists.", "input_file_id")])
             return
-        checked = read_input(content, batch.endpoint, self.executor.resolve_model, self.max_lines)
+        checked = read_input(content, batch.endpoint, self.executor.resolve_model, self.max_lines,
+                             self.max_line_bytes)
         if checked.errors:
             self.store.fail(batch.id, checked.errors)
             log.info("batch failed validation", extra={"batch_id": batch.id, "errors": len(checked.errors)})

@@ -7,7 +7,9 @@ OpenAI's do: `expires_after` seconds after creation when asked, and batch files 
 a listing drops ids whose record is gone.
 
 The store does not check ownership: the routes do (web/access/ownership.py), with the record's
-`owner`. Sizes are checked by the routes too (413 above the configured cap).
+`owner`. Sizes are checked by the routes too (413 above the configured cap). What an owner stores in
+all is bounded by its `files` quota (web/access/quotas.py): an upload past it is refused; a batch's
+output files are counted whatever the quota, against the owner's next upload.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Iterator
 
 import redis
 
+from web.access.quotas import Quota
 from web.batch import listing
 
 # What an upload may be for: batches are the only consumer of files here.
@@ -71,14 +74,16 @@ class StoredFile:
 
 
 class FileStore:
-    def __init__(self, client: redis.Redis, default_ttl_s: int = MAX_EXPIRES_AFTER):
+    def __init__(self, client: redis.Redis, default_ttl_s: int = MAX_EXPIRES_AFTER, quota: Quota | None = None):
         self.redis = client  # bytes in, bytes out
         self.default_ttl_s = default_ttl_s
+        self.quota = quota or Quota("files", 0, "stored files")
 
     def create(self, owner: str, filename: str, purpose: str, content: bytes,
                expires_after_s: int | None = None) -> StoredFile:
-        """Store an uploaded file."""
+        """Store an uploaded file (the 429 `APIError` of the owner's `files` quota when it is full)."""
         file_id = new_file_id()
+        self.quota.take(self.redis, owner, file_id, self._lapses(expires_after_s), size=len(content))
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(content_key(file_id), content)
             stored = self._add_record(pipe, file_id, owner, filename, purpose, len(content), expires_after_s)
@@ -92,7 +97,12 @@ class FileStore:
         with its own, so the file appears exactly when the batch says it exists."""
         file_id = new_file_id()
         pipe.rename(staging_key, content_key(file_id))
+        self.quota.force(self.redis, owner, file_id, self._lapses(expires_after_s), size)
         return self._add_record(pipe, file_id, owner, filename, OUTPUT_PURPOSE, size, expires_after_s)
+
+    def _lapses(self, expires_after_s: int | None) -> float:
+        ttl = expires_after_s if expires_after_s is not None else self.default_ttl_s
+        return time.time() + (ttl or 10 * 365 * 86400)
 
     def _add_record(self, pipe, file_id: str, owner: str, filename: str, purpose: str, size: int,
                     expires_after_s: int | None) -> StoredFile:
@@ -125,6 +135,7 @@ class FileStore:
             pipe.delete(record_key(stored.id), content_key(stored.id))
             pipe.zrem(listing_key(stored.owner), stored.id)
             deleted, _ = pipe.execute()
+        self.quota.give_back(self.redis, stored.owner, stored.id)
         return bool(deleted)
 
     def list(self, owner: str, *, purpose: str | None = None, after: str | None = None, limit: int = 10_000,

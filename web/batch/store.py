@@ -33,6 +33,7 @@ from typing import Any
 
 import redis
 
+from web.access.quotas import Quota
 from web.batch import files as file_store
 from web.batch import listing
 from web.batch.input import BatchError
@@ -212,9 +213,11 @@ class Inflight:
 
 
 class BatchStore:
-    def __init__(self, client: redis.Redis, files: file_store.FileStore, record_ttl_s: int = file_store.MAX_EXPIRES_AFTER):
+    def __init__(self, client: redis.Redis, files: file_store.FileStore, record_ttl_s: int = file_store.MAX_EXPIRES_AFTER,
+                 quota: Quota | None = None):
         self.redis = client  # bytes
         self.files = files
+        self.quota = quota or Quota("batches", 0, "batches in progress")  # an owner's batches not yet ended
         self.record_ttl_s = record_ttl_s  # how long a finished batch stays listed
         self._transition = client.register_script(_TRANSITION)
         self._claim = client.register_script(_CLAIM)
@@ -238,12 +241,22 @@ class BatchStore:
                   "metadata": json.dumps(metadata) if metadata is not None else "",
                   "output_expires_after": output_expires_after or "", "total": 0, "completed": 0, "failed": 0,
                   "next": 0, "input_tokens": 0, "output_tokens": 0, "ending": ""}
+        # a batch holds its owner's place until it ends, or at the latest a day past its window
+        self.quota.take(self.redis, owner, batch.id, batch.expires_at + 86400, ended=self._ended)
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(batch_key(batch.id), mapping=fields)
             pipe.sadd(ACTIVE, batch.id)
             listing.add(pipe, _SEQ, [listing_key(owner), ALL], batch.id)
             pipe.execute()
         return batch
+
+    def _ended(self, batch_ids: list) -> list:
+        """Those of these batches that ended (or whose record is gone), in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hget(batch_key(batch_id.decode() if isinstance(batch_id, bytes) else batch_id), "status")
+            statuses = pipe.execute()
+        return [b for b, status in zip(batch_ids, statuses) if status is None or status.decode() in FINAL]
 
     def get(self, batch_id: str) -> Batch | None:
         raw = self.redis.hgetall(batch_key(batch_id))

@@ -11,15 +11,18 @@
 Ctrl-C (or SIGTERM) stops every process it started; if any of them dies, it stops the others and
 says which one died. Environment: `NANOSERVE_HOST`, `NANOSERVE_PORT`, `REDIS_URL`, `NANOSERVE_MODELS`,
 `NANOSERVE_WEB_WORKERS` (2), `NANOSERVE_WEB_THREADS` (64), `NANOSERVE_READY_TIMEOUT` (seconds, 600);
-`NANOSERVE_AUTH` defaults to `disabled` here.
+`NANOSERVE_AUTH` defaults to `disabled` on a loopback host and `required` on any other. The private
+Redis listens on 127.0.0.1 with a password of its own.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import ctypes.util
+import ipaddress
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -212,6 +215,25 @@ Ctrl-C stops everything.
 """
 
 
+def default_auth(host: str, configured: str | None) -> str:
+    """API keys are off by default only where nobody else can connect: on a loopback address. Beyond
+    it they are required unless NANOSERVE_AUTH=disabled says otherwise, which is warned about."""
+    if not configured:
+        return "disabled" if is_loopback(host) else "required"
+    if configured.strip().lower() == "disabled" and not is_loopback(host):
+        print(f"devserver: WARNING: listening on {host} with API keys disabled (NANOSERVE_AUTH=disabled): "
+              "anyone who can reach this address can use the API and every file and batch on it.",
+              file=sys.stderr, flush=True)
+    return configured
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m web.dev.devserver", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", default=None,
@@ -232,8 +254,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("NANOSERVE_AUTH", "disabled")
-    os.environ.setdefault("NANOSERVE_AUTH", "disabled")
+    auth = default_auth(args.host, os.environ.get("NANOSERVE_AUTH"))
+    env["NANOSERVE_AUTH"] = os.environ["NANOSERVE_AUTH"] = auth
     models = args.model
     if "NANOSERVE_MODELS" not in env:
         try:
@@ -273,7 +295,7 @@ def run(stack: Stack, args: argparse.Namespace, env: dict[str, str], models: lis
     if env.get("REDIS_URL"):
         redis_url = env["REDIS_URL"]
     else:
-        stack.redis = start_redis()
+        stack.redis = start_redis(password=secrets.token_urlsafe(24))
         redis_url = env["REDIS_URL"] = stack.redis.url
     print(f"devserver: Redis at {redis_url}", flush=True)
 

@@ -50,10 +50,12 @@ class LocalRedis:
     port: int
     workdir: str
     owns_workdir: bool = False  # a temporary directory of ours, removed on stop
+    password: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -67,12 +69,16 @@ class LocalRedis:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_redis(port: int | None = None, persist_dir: str | None = None, timeout: float = 10.0) -> LocalRedis:
-    """Start redis-server on 127.0.0.1; with `persist_dir`, keep an append-only file there."""
+def start_redis(port: int | None = None, persist_dir: str | None = None, timeout: float = 10.0,
+                password: str | None = None) -> LocalRedis:
+    """Start redis-server on 127.0.0.1; with `persist_dir`, keep an append-only file there; with
+    `password`, refuse clients without it (other local users then cannot reach the queue)."""
     port = port or free_port()
     workdir = persist_dir or tempfile.mkdtemp(prefix="nanoserve-redis-")
     args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
             "--save", "", "--appendonly", "yes" if persist_dir else "no", "--daemonize", "no"]
+    if password:
+        args += ["--requirepass", password]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                preexec_fn=_own_group_dying_with_parent)
     deadline = time.monotonic() + timeout
@@ -81,7 +87,7 @@ def start_redis(port: int | None = None, persist_dir: str | None = None, timeout
             raise RuntimeError(f"redis-server exited with code {process.returncode} (port {port})")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return LocalRedis(process, port, workdir, owns_workdir=persist_dir is None)
+                return LocalRedis(process, port, workdir, owns_workdir=persist_dir is None, password=password)
         except OSError:
             time.sleep(0.05)
     process.kill()
