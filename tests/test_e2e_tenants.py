@@ -361,3 +361,17 @@ def test_a_quota_never_overshoots_under_concurrent_takes(stack):
         quota.take(client, f"{owner}:lapsed", f"n{i}", time.time() + 60)
     assert client.zcard(quota.key(f"{owner}:lapsed")) == 5
     client.close()
+
+
+def test_redis_at_its_memory_cap_is_a_503_not_a_500(stack, tenants, r):
+    mallory, alice = tenants
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", "1")  # below what it holds: every write is refused
+    try:
+        for call in (lambda: upload(mallory, b"{}\n"), lambda: complete(mallory)):
+            with pytest.raises(openai.InternalServerError) as refused:
+                call()
+            assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"]
+    finally:
+        r.config_set("maxmemory", "0")
+    assert complete(alice).choices

@@ -48,6 +48,16 @@ def register_error_handlers(app: Flask) -> None:
                           "server_error", None, "service_unavailable")
         return jsonify(body), 503, {"Retry-After": str(settings().retry_after_s)}
 
+    @app.errorhandler(redis.ResponseError)
+    def _redis_refused(err: redis.ResponseError):
+        if not isinstance(err, redis.OutOfMemoryError) and "OOM command not allowed" not in str(err):
+            return _fault(err)  # a script's OOM arrives as a plain ResponseError
+        # Redis at its memory cap refuses writes (noeviction): a retry may find room again.
+        log.error("redis out of memory: %r", err, extra={"request_id": g.get("request_id")})
+        body = error_body("The service is temporarily out of storage; try again later.", "server_error", None,
+                          "service_unavailable")
+        return jsonify(body), 503, {"Retry-After": str(settings().retry_after_s)}
+
     @app.errorhandler(Exception)
     def _fault(err: Exception):
         # A real fault: log it with the request id (echoed in x-request-id), never leak internals.
