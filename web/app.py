@@ -8,7 +8,7 @@ from flask import Flask, g
 
 from web import access, cli, health, logs, metrics, playground
 from web import settings as web_settings
-from web.api import batches, completions, files, jobs, models, queue
+from web.api import batches, completions, files, jobs, models, queue, tokenize
 from web.api.errors import register_error_handlers
 from web.settings import Settings
 
@@ -34,6 +34,7 @@ def create_app(config: Settings | Mapping[str, Any] | None = None) -> Flask:
         response.headers.update(access.rate_limit_headers(g.get("grant")))
         return response
 
-    for blueprint in (completions.bp, models.bp, jobs.bp, files.bp, batches.bp, health.bp, playground.bp):
+    for blueprint in (completions.bp, tokenize.bp, models.bp, jobs.bp, files.bp, batches.bp, health.bp,
+                      playground.bp):
         app.register_blueprint(blueprint)
     return app
