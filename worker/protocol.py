@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, Field
+from rq.serializers import JSONSerializer
 
 # The Redis of web, worker and admin CLI when REDIS_URL is not set.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -21,6 +22,10 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 QUEUE_PREFIX = "completions:"
 BATCH_QUEUE_PREFIX = "batch:"
 JOB_FUNCTION = "worker.consumer.run_completion"
+# How rq stores a job's call, meta and return value in Redis; every rq Queue, Job and Worker here is
+# built with it. rq's default is pickle, which would run whatever a job written into Redis holds on
+# the worker that takes it; all of ours is JSON already (payload, meta, completion object).
+SERIALIZER = JSONSerializer
 
 # How long finished streams and results stay readable (seconds).
 STREAM_TTL = 600
@@ -193,3 +198,46 @@ def context_length_error(context_length: int, prompt_tokens: int, max_tokens: in
         f"{prompt_tokens + completion} tokens ({prompt_tokens} in your prompt; {completion} for the completion). "
         "Please reduce your prompt; or completion length.",
         "max_tokens" if max_tokens else "prompt", "context_length_exceeded")
+
+
+# ---- a job against its model: the web tier checks a request's pieces with these before it queues
+# the job, the engine the whole job again (`check_job`: a job may reach Redis another way), so
+# both refuse in the same words ----
+
+def check_job(job: CompletionJob, vocab_size: int, context_length: int) -> None:
+    """What a job's model decides of it: prompts with tokens, every token id in the vocabulary,
+    each prompt with max_tokens within the context (a 400 `APIError` for the first problem)."""
+    check_prompts(job.prompts, vocab_size)
+    for param, ids in (("logit_bias", job.logit_bias), ("stop_token_ids", job.stop_token_ids),
+                       ("allowed_token_ids", job.allowed_token_ids or []),
+                       ("bad_words", [t for word in job.bad_words for t in word])):
+        check_token_ids(ids, vocab_size, param)
+    check_context(job.prompts, job.max_tokens, context_length)
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    if not prompts or not all(prompts):
+        raise bad_request("The prompt is empty: give at least one token.", "prompt")
+    bad = next((t for ids in prompts for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} in the prompt is out of vocabulary (vocabulary size: "
+                          f"{vocab_size}).", "prompt")
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+    if bad:
+        raise bad_request(f"{param} contains token ids that are out of vocabulary: {bad[:10]} "
+                          f"(vocabulary size: {vocab_size}).", param)
+
+
+def check_context(prompts: list[list[int]], max_tokens: int | None, context_length: int) -> int:
+    """Refuse what cannot fit the context, in OpenAI's words; returns how many completion tokens the
+    prompts may generate in all, one choice each (`max_tokens: null`: up to the end of the context)."""
+    total = 0
+    for ids in prompts:
+        completion = max_tokens if max_tokens is not None else max(context_length - len(ids), 0)
+        if len(ids) + completion > context_length:
+            raise context_length_error(context_length, len(ids), max_tokens)
+        total += completion
+    return total
