@@ -127,3 +127,16 @@ def test_the_web_tier_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("host, configured, expected, warned", [
+    ("127.0.0.1", None, "disabled", False), ("localhost", "", "disabled", False), ("::1", None, "disabled", False),
+    ("0.0.0.0", None, "required", False), ("192.168.1.5", None, "required", False), ("::", None, "required", False),
+    ("0.0.0.0", "disabled", "disabled", True), ("0.0.0.0", "required", "required", False),
+    ("127.0.0.1", "required", "required", False),
+])
+def test_keys_are_required_beyond_loopback_unless_disabled_with_a_warning(capsys, host, configured, expected, warned):
+    from web.dev.devserver import default_auth
+
+    assert default_auth(host, configured) == expected
+    assert ("WARNING" in capsys.readouterr().err) == warned
