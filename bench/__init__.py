@@ -10,9 +10,11 @@
                                      # against nanoserve's stack, llama.cpp or any OpenAI base URL
     python -m bench.llama_cpp build  # llama.cpp's llama-server from source (the peer compared against),
                                      # GGUF conversion (f32, f16, q8_0), `serve` for any client
+    python -m bench.gpu_check --out DIR   # one call on a GPU machine: the CUDA tests, the engine on
+                                     # GPT-2 small and XL shapes, the whole stack, a profiled step
 
-Checkpoints are random-weight Hugging Face directories of known shapes (GPT-2 small, and the 125M
-GPT-Neo and OPT beside it), built once with `transformers` into `bench/.cache/` (or
+Checkpoints are random-weight Hugging Face directories of known shapes (GPT-2 small and XL, and the
+125M GPT-Neo and OPT beside GPT-2 small), built once with `transformers` into `bench/.cache/` (or
 $NANOSERVE_BENCH_CACHE) and reused: nothing downloads.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ EOS = 50256  # GPT-2's <|endoftext|>, banned in every benchmark request (logit_b
 # (family, the shape in transformers' config names) of the checkpoints the benchmarks use
 SHAPES = {
     "gpt2-small": ("gpt2", dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024)),  # GPT-2 124M
+    "gpt2-xl": ("gpt2", dict(n_layer=48, n_head=25, n_embd=1600, n_positions=1024)),  # GPT-2 1.5B
     "tiny": ("gpt2", dict(n_layer=2, n_head=2, n_embd=64, n_positions=128)),  # engine time near zero: the gateway's
     # EleutherAI/gpt-neo-125m's shape: global and local (window 256) layers alternating
     "gpt-neo-125m": ("gpt_neo", dict(vocab_size=50257, max_position_embeddings=2048, hidden_size=768, num_layers=12,

@@ -151,7 +151,8 @@ def test_engine_bench_serves_other_families(family, family_checkpoints, limits):
 def test_benchmark_shapes_are_the_published_models():
     assert {name: (family, args.get("n_layer", args.get("num_layers", args.get("num_hidden_layers"))))
             for name, (family, args) in SHAPES.items()} == {
-        "gpt2-small": ("gpt2", 12), "tiny": ("gpt2", 2), "gpt-neo-125m": ("gpt_neo", 12), "opt-125m": ("opt", 12)}
+        "gpt2-small": ("gpt2", 12), "gpt2-xl": ("gpt2", 48), "tiny": ("gpt2", 2), "gpt-neo-125m": ("gpt_neo", 12),
+        "opt-125m": ("opt", 12)}
     assert SHAPES["opt-125m"][1]["ffn_dim"] == 4 * SHAPES["opt-125m"][1]["hidden_size"] == 3072
 
 
