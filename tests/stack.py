@@ -139,13 +139,13 @@ def _wait_until(service: Service, ready: Callable[[], bool], timeout: float, wha
 def registered_workers(redis_url: str, model_id: str) -> set[str]:
     """Names of the live rq workers listening on a model's queue."""
     from rq.worker_registration import get_keys
-    from rq import Queue
 
+    from tests import rq_json
     from worker.protocol import queue_name
 
     client = redis.Redis.from_url(redis_url)
     try:
-        keys = sorted(get_keys(Queue(queue_name(model_id), connection=client)))
+        keys = sorted(get_keys(rq_json.queue(queue_name(model_id), client)))
         alive = [key for key in keys if client.exists(key)]
         return {key.removeprefix("rq:worker:") for key in alive}
     finally:

@@ -16,11 +16,12 @@ from typing import Callable, Iterable
 
 import pytest
 import redis
-from rq import Queue, Worker
+from rq import Queue
 from rq.exceptions import DequeueTimeout
-from rq.job import Job, JobStatus
+from rq.job import JobStatus
 
 from models.tokenizer import load_tokenizer
+from tests import rq_json
 from tests.conftest import write_gpt2_tokenizer
 from web.access import keys
 from web.api.queue import job_queue
@@ -100,8 +101,8 @@ class ScriptedWorker:
 
     def __init__(self, redis_url: str, model_id: str, script: Script = hello_script):
         self.redis = redis.Redis.from_url(redis_url)
-        self.queue = Queue(protocol.queue_name(model_id), connection=self.redis)
-        self.worker = Worker([self.queue], connection=self.redis)
+        self.queue = rq_json.queue(protocol.queue_name(model_id), self.redis)
+        self.worker = rq_json.worker([self.queue], self.redis)
         self.worker.register_birth()
         self.script = script
         self.jobs: list[protocol.CompletionJob] = []
@@ -120,7 +121,7 @@ class ScriptedWorker:
     def _run(self):
         while not self._stop.is_set():
             try:
-                got = Queue.dequeue_any([self.queue], timeout=1, connection=self.redis)
+                got = Queue.dequeue_any([self.queue], timeout=1, connection=self.redis, serializer=rq_json.SERIALIZER)
             except DequeueTimeout:
                 continue
             if got is None:
@@ -263,7 +264,7 @@ def test_no_live_worker_is_503_with_retry_after(client, slow_retry):
 
 
 def test_full_queue_is_429_with_retry_after(client, slow_retry, redis_url, r):
-    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()  # registered, never works
+    rq_json.worker(["completions:tiny"], r).register_birth()  # registered, never works
     for _ in range(3):
         assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "x"}).status_code == 202
     response = client.post("/v1/jobs", json={"model": "tiny", "prompt": "x"})
@@ -363,7 +364,7 @@ def test_sync_timeout_is_504_and_cancels(redis_url, models_file, r, busy):
 def test_a_job_rq_forgot_does_not_hang_its_reader(client, redis_url, r):
     """A job that expires (or is deleted) without a terminal event ends its waiters with an error."""
     def vanish(job):
-        Job.fetch(job.id, connection=r).delete()
+        rq_json.fetch(job.id, r).delete()
         return []
 
     with ScriptedWorker(redis_url, "tiny", vanish):
@@ -443,7 +444,7 @@ def test_client_disconnect_cancels_the_job(client, redis_url, r):
 # ---- jobs ----
 
 def test_job_submit_poll_result(client, redis_url, r):
-    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()  # busy elsewhere
+    rq_json.worker(["completions:tiny"], r).register_birth()  # busy elsewhere
     submitted = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
     assert submitted.status_code == 202
     job = submitted.get_json()
@@ -475,20 +476,20 @@ def test_job_failed(client, redis_url):
 
 
 def test_job_cancel_while_queued(client, r):
-    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()
+    rq_json.worker(["completions:tiny"], r).register_birth()
     job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
     cancelled = client.delete(f"/v1/jobs/{job_id}")
     assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
     assert client.get(f"/v1/jobs/{job_id}").get_json()["status"] == "cancelled"
     assert r.exists(protocol.cancel_key(job_id))
-    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.CANCELED
-    assert Queue("completions:tiny", connection=r).count == 0
+    assert rq_json.fetch(job_id, r).get_status() == JobStatus.CANCELED
+    assert rq_json.queue("completions:tiny", r).count == 0
 
 
 def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, monkeypatch):
     """A batch's cancel and its dispatcher (or two web processes) may cancel one queued job at once:
     the one that comes second finds it cancelled under it and must not turn that into a 500."""
-    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()
+    rq_json.worker(["completions:tiny"], r).register_birth()
     job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
     with app.app_context():
         jq = job_queue()
@@ -496,12 +497,12 @@ def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, mon
 
         def fetch_then_lose_the_race(job_id):
             stale = fetch(job_id)  # still says queued...
-            Job.fetch(job_id, connection=r).cancel()  # ...when the other canceller wins
+            rq_json.fetch(job_id, r).cancel()  # ...when the other canceller wins
             return stale
 
         monkeypatch.setattr(jq, "fetch", fetch_then_lose_the_race)
         assert jq.cancel(job_id) is True
-    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.CANCELED and r.exists(protocol.cancel_key(job_id))
+    assert rq_json.fetch(job_id, r).get_status() == JobStatus.CANCELED and r.exists(protocol.cancel_key(job_id))
 
 
 def test_unknown_job_is_404(client):
@@ -547,12 +548,12 @@ def test_a_job_belongs_to_the_key_that_made_it(redis_url, models_file):
 
 
 def test_with_keys_off_anonymous_callers_share_one_scope(client, r):
-    Worker([Queue("completions:tiny", connection=r)], connection=r).register_birth()
+    rq_json.worker(["completions:tiny"], r).register_birth()
     job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"},
                          environ_base={"REMOTE_ADDR": "10.0.0.1"}).get_json()["id"]
     other = client.get(f"/v1/jobs/{job_id}", environ_base={"REMOTE_ADDR": "10.0.0.2"})
     assert other.status_code == 200 and other.get_json()["status"] == "queued"
-    assert Job.fetch(job_id, connection=r).meta["owner"] == "anonymous"
+    assert rq_json.fetch(job_id, r).meta["owner"] == "anonymous"
 
 
 def test_jobs_refuse_stream(client):

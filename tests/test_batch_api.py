@@ -10,9 +10,9 @@ import time
 
 import pytest
 import redis
-from rq import Queue
 from rq.job import Job, JobStatus
 
+from tests import rq_json
 from tests.conftest import write_gpt2_tokenizer
 from web.access import blocklist, keys
 from web.api import batches
@@ -191,12 +191,12 @@ def test_create_validate_and_run_lines(app, alice, r):
     assert {cid: (resp["status_code"], resp["body"]["error"]["param"]) for cid, resp in errors.items()} == {
         "r1": (400, "temperature"), "r2": (400, "stream"), "r3": (400, "max_tokens"), "r4": (403, None)}
     assert errors["r3"]["body"]["error"]["code"] == "context_length_exceeded"
-    queued = Queue(protocol.batch_queue_name("tiny"), connection=redis.Redis.from_url(app.extensions[
+    queued = rq_json.queue(protocol.batch_queue_name("tiny"), redis.Redis.from_url(app.extensions[
         "nanoserve.settings"].redis_url))
     [job] = queued.get_jobs()
     assert job.args[0]["prompts"][0] and job.args[0]["max_tokens"] == 3 and job.args[0]["seed"] == 1
     assert job.meta["owner"].startswith("key:") and job.ttl > 86000  # it may wait for the whole window
-    assert Queue(protocol.queue_name("tiny"), connection=queued.connection).count == 0
+    assert rq_json.queue(protocol.queue_name("tiny"), queued.connection).count == 0
     # the line's job is the batch owner's, like any job of theirs
     assert alice.get(f"/v1/jobs/{job.id}").json["status"] == "queued"
 
@@ -208,7 +208,7 @@ def test_a_line_waits_for_its_dispatcher_to_end_it_and_is_queued_once(app, alice
     its job) is queued again without its stale entry."""
     created = alice.batch(jsonl(*({"prompt": f"p{i}"} for i in range(3))))
     step(app, 2)  # validated, two lines queued
-    queue = Queue(protocol.batch_queue_name("tiny"), connection=r)
+    queue = rq_json.queue(protocol.batch_queue_name("tiny"), r)
     first, second = queue.get_job_ids()
     window_left = created["expires_at"] - time.time()
     assert r.ttl(Job.key_for(first)) > window_left + 60  # it outlives the window: the dispatcher ends it

@@ -1,17 +1,17 @@
 """The rq worker threads' own bookkeeping (worker/consumer.py's WorkerPool) against a real
-redis-server, with plain functions as jobs: the heartbeats and registry maintenance that re-queue a
-dead worker's jobs, while every worker thread of the pool is busy."""
+redis-server, with a sleep standing in for the job function: the heartbeats and registry maintenance
+that re-queue a dead worker's jobs, while every worker thread of the pool is busy."""
 from __future__ import annotations
 
 import time
 
 import pytest
 import redis
-from rq import Queue, Retry
-from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
+from rq import Retry
+from rq.job import JobStatus
 
-from worker import protocol
+from tests import rq_json
+from worker import consumer, protocol
 from worker.consumer import Binding, WorkerPool
 
 MODEL = "m"
@@ -22,6 +22,12 @@ def client(redis_url):
     connection = redis.Redis.from_url(redis_url)
     yield connection
     connection.close()
+
+
+@pytest.fixture(autouse=True)
+def sleeping_jobs(monkeypatch):
+    """Jobs here name the job function, as every job must; each sleeps the seconds it is given."""
+    monkeypatch.setattr(consumer, "run_completion", time.sleep)
 
 
 @pytest.fixture()
@@ -46,12 +52,12 @@ def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_i
     queue's intermediate list, where registry maintenance finds it and retries it.
     That maintenance comes while the pool's one worker runs a long job: the long job keeps its
     heartbeats and its registry entry, ends once, and the lost job runs after it."""
-    queue = Queue(protocol.queue_name(MODEL), connection=client)
-    started = StartedJobRegistry(queue.name, connection=client)
-    busy = queue.enqueue_call("time.sleep", args=(6,), retry=Retry(max=2))
+    queue = rq_json.queue(protocol.queue_name(MODEL), client)
+    started = rq_json.started(queue.name, client)
+    busy = queue.enqueue_call(protocol.JOB_FUNCTION, args=(6,), retry=Retry(max=2))
     wait_until(lambda: busy.get_status() == JobStatus.STARTED, 10, "the long job never started")
 
-    lost = queue.create_job("time.sleep", args=(0,), retry=Retry(max=2))
+    lost = queue.create_job(protocol.JOB_FUNCTION, args=(0,), retry=Retry(max=2))
     lost.save()
     client.set(queue.intermediate_queue.get_first_seen_key(lost.id), time.time() - 120)  # seen there long ago
     client.rpush(queue.intermediate_queue.key, lost.id)
@@ -65,7 +71,7 @@ def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_i
         time.sleep(0.1)
     wait_until(lambda: lost.get_status() == JobStatus.FINISHED, 10, "the lost job never ran")
     assert busy.get_status() == JobStatus.FINISHED
-    assert [job.retries_left for job in Job.fetch_many([busy.id, lost.id], connection=client)] == [2, 1]
+    assert [job.retries_left for job in rq_json.fetch_many([busy.id, lost.id], client)] == [2, 1]
     assert pool._heartbeat.is_alive()
 
 
@@ -74,7 +80,7 @@ def test_the_maintenance_lock_of_a_worker_that_died_while_cleaning_expires_soon(
     stop every other worker from re-queueing dead workers' jobs for that long."""
     from worker.priority import MAINTENANCE_LOCK_S, PriorityQueue
 
-    queue = PriorityQueue(protocol.queue_name(MODEL), connection=client)
+    queue = PriorityQueue(protocol.queue_name(MODEL), connection=client, serializer=rq_json.SERIALIZER)
     assert queue.acquire_maintenance_lock()
     assert not queue.acquire_maintenance_lock()
     assert 0 < client.ttl(queue.registry_cleaning_key) <= MAINTENANCE_LOCK_S <= 60
@@ -86,7 +92,8 @@ def test_a_job_in_the_intermediate_list_counts_as_lost_after_seconds_not_a_minut
     from worker.priority import LOST_AFTER_S, PriorityQueue
 
     assert LOST_AFTER_S < 60
-    intermediate = PriorityQueue(protocol.queue_name(MODEL), connection=client).intermediate_queue
+    queue = PriorityQueue(protocol.queue_name(MODEL), connection=client, serializer=rq_json.SERIALIZER)
+    intermediate = queue.intermediate_queue
     for job_id, seen_ago, lost in (("recent", LOST_AFTER_S - 5, False), ("old", LOST_AFTER_S + 1, True)):
         client.set(intermediate.get_first_seen_key(job_id), time.time() - seen_ago)
         assert intermediate.should_be_cleaned_up(job_id) is lost
@@ -111,8 +118,8 @@ def test_idle_threads_take_turns_to_listen_and_stay_registered(redis_url, client
         assert sorted(listening)[len(listening) // 2] <= 2 * LISTENERS < 8
         assert all(client.exists(w.key) for w in pool.workers)  # every thread still a live worker
 
-        queue = Queue(protocol.queue_name(MODEL), connection=client)
-        jobs = [queue.enqueue_call("time.sleep", args=(2,)) for _ in range(8)]
+        queue = rq_json.queue(protocol.queue_name(MODEL), client)
+        jobs = [queue.enqueue_call(protocol.JOB_FUNCTION, args=(2,)) for _ in range(8)]
         wait_until(lambda: all(job.get_status() == JobStatus.STARTED for job in jobs), 2,
                    "the burst did not start on every thread")
         wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10, "the burst never ended")

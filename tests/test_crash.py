@@ -14,13 +14,13 @@ import time
 
 import pytest
 import redis
-from rq import Queue, Retry
-from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
+from rq import Retry
+from rq.job import JobStatus
 
 from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
+from tests import rq_json
 from tests.stack import spawn_processor, write_models_toml
 from web.dev.local_redis import start_redis
 from worker import protocol
@@ -55,8 +55,8 @@ def reference_texts(models_file, jobs) -> dict[str, str]:
 def running_on(r, service) -> list[str]:
     """Ids of the jobs a processor is running now (its rq workers are named host:pid:…)."""
     prefix = f"{socket.gethostname()}:{service.pid}:"
-    ids = StartedJobRegistry(protocol.queue_name(MODEL), connection=r).get_job_ids(cleanup=False)
-    return [job.id for job in Job.fetch_many(ids, connection=r)
+    ids = rq_json.started(protocol.queue_name(MODEL), r).get_job_ids(cleanup=False)
+    return [job.id for job in rq_json.fetch_many(ids, r)
             if job is not None and (job.worker_name or "").startswith(prefix)]
 
 
@@ -78,7 +78,7 @@ def test_kill_9_during_40_jobs_loses_no_token(redis_server, hf_checkpoint, tmp_p
         reference = reference_texts(models, jobs)  # while the workers load
         victim.wait_ready()
         survivor.wait_ready()
-        queue = Queue(protocol.queue_name(MODEL), connection=r)
+        queue = rq_json.queue(protocol.queue_name(MODEL), r)
         rq_jobs = [queue.enqueue_call(protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
                                       retry=Retry(max=2), result_ttl=protocol.RESULT_TTL) for job in jobs]
 
@@ -118,7 +118,7 @@ def test_kill_9_during_40_jobs_loses_no_token(redis_server, hf_checkpoint, tmp_p
 
     # The interrupted jobs were re-run by rq and resumed mid-stream by the survivor.
     for job_id in interrupted:
-        assert Job.fetch(job_id, connection=r).retries_left == 1
+        assert rq_json.fetch(job_id, r).retries_left == 1
     resumed = {entry["job_id"] for entry in log_entries(survivor_log)
                if entry.get("msg") == "job finished" and entry.get("resumed_tokens")}
     assert resumed & interrupted
@@ -148,7 +148,7 @@ def test_workers_ride_out_a_redis_restart(hf_checkpoint, tmp_path):
         reference = reference_texts(models, jobs)
         worker.wait_ready()
         r = redis.Redis.from_url(server.url)
-        queue = Queue(protocol.queue_name(MODEL), connection=r)
+        queue = rq_json.queue(protocol.queue_name(MODEL), r)
         rq_jobs = [queue.enqueue_call(protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
                                       retry=Retry(max=2), result_ttl=protocol.RESULT_TTL) for job in jobs]
         while not r.xlen(protocol.stream_key(jobs[0].id)):

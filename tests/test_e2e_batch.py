@@ -19,10 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import redis
-from rq import Queue
-from rq.job import Job
-from rq.registry import StartedJobRegistry
 
+from tests import rq_json
 from tests.conftest import make_hf_checkpoint
 from tests.stack import spawn_gunicorn, spawn_processor, write_models_toml
 from web.access import keys
@@ -83,8 +81,8 @@ class Stack:
         lines = []
         for model in self.models_served:
             for name in (protocol.queue_name(model), protocol.batch_queue_name(model)):
-                queue = Queue(name, connection=self.r)
-                started = self.r.zrange(StartedJobRegistry(name, connection=self.r).key, 0, -1, withscores=True)
+                queue = rq_json.queue(name, self.r)
+                started = self.r.zrange(rq_json.started(name, self.r).key, 0, -1, withscores=True)
                 intermediate = self.r.lrange(queue.intermediate_queue_key, 0, -1)
                 lines.append(f"{name}: {queue.count} queued, intermediate {intermediate}, "
                              f"started {[(m.decode(), round(score - time.time(), 1)) for m, score in started]}, "
@@ -291,7 +289,7 @@ def test_cancel_stops_the_rest_within_seconds(stack):
     assert 3 <= len(out) < 60 and errors
     assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
     assert all(row["response"] is None for row in errors)
-    assert Queue(protocol.batch_queue_name("tiny"), connection=stack.r).count == 0  # nothing left to run
+    assert rq_json.queue(protocol.batch_queue_name("tiny"), stack.r).count == 0  # nothing left to run
 
 
 def test_expiry(stack):
@@ -318,7 +316,7 @@ def test_worker_killed_mid_batch(stack):
     rows = [(f"k{i}", body(i, max_tokens=24)) for i in range(48)]
     batch = submit(client, rows)
     stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
-    registry = StartedJobRegistry(protocol.batch_queue_name("tiny"), connection=stack.r)
+    registry = rq_json.started(protocol.batch_queue_name("tiny"), stack.r)
     # lines of one length end together: the next ones start a dispatcher tick later
     running = wait_for(registry.get_job_ids, "no line running")
     with stack.replacing_worker():
@@ -328,7 +326,7 @@ def test_worker_killed_mid_batch(stack):
         (batch.status, rows_of(client, batch.error_file_id)[:3], stack.state())
     out, _ = check_exactly_once(client, batch, [cid for cid, _ in rows])
     # the lines that were running were retried by rq on the new worker
-    retried = [job for job in Job.fetch_many(running, connection=stack.r) if job is not None]
+    retried = [job for job in rq_json.fetch_many(running, stack.r) if job is not None]
     assert any(job.retries_left < 2 for job in retried)
     texts = {row["custom_id"]: row["response"]["body"]["choices"][0]["text"] for row in out}
     assert texts == one_by_one(client, dict(rows))  # resumed lines continue exactly where they were
@@ -343,7 +341,7 @@ def test_line_lost_between_dequeue_and_start(stack):
     rows = [(f"l{i}", body(i, max_tokens=24)) for i in range(24)]
     batch = submit(client, rows)
     stack.wait(client, batch.id, check=lambda b: b.request_counts.completed >= 6)
-    queue = Queue(protocol.batch_queue_name("tiny"), connection=stack.r)
+    queue = rq_json.queue(protocol.batch_queue_name("tiny"), stack.r)
     with stack.replacing_worker():
         stack.worker.kill()
         # 6 lines in flight and 4 threads to run them: the dispatcher keeps 2 queued (a tick after

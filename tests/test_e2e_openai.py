@@ -14,9 +14,9 @@ import openai
 import pytest
 import redis
 import requests
-from rq import Queue, Worker
 
 from models.tokenizer import load_tokenizer
+from tests import rq_json
 from tests.stack import start_gunicorn, start_processor, write_models_toml
 from web.dev.local_redis import start_redis
 from worker import protocol
@@ -354,7 +354,7 @@ def test_no_worker_is_503(client):
 
 def test_full_queue_is_rate_limited(stack, client):
     r = redis.Redis.from_url(stack["redis_url"])
-    idle = Worker([Queue(protocol.queue_name("parked"), connection=r)], connection=r, name="idle-parked")
+    idle = rq_json.worker([protocol.queue_name("parked")], r, name="idle-parked")
     idle.register_birth()  # a live worker that never takes a job: the queue only fills
     try:
         for _ in range(QUEUE_DEPTH):
@@ -365,7 +365,7 @@ def test_full_queue_is_rate_limited(stack, client):
         assert info.value.code == "queue_full" and info.value.response.headers["Retry-After"] == "1"
     finally:
         idle.register_death()
-        Queue(protocol.queue_name("parked"), connection=r).empty()
+        rq_json.queue(protocol.queue_name("parked"), r).empty()
 
 
 def test_body_too_large_is_413(client):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from rq import Queue
 
+from tests import rq_json
 from tests.stack import spawn_gunicorn, write_models_toml
 from web.dev.local_redis import free_port
 from worker import protocol
@@ -72,7 +72,7 @@ def test_requests_counted_by_route_and_status(redis_url, models_toml):
 
 def test_queue_depth_and_workers_read_from_redis(redis_url, models_toml):
     client = make_app(redis_url, models_toml).test_client()
-    queue = Queue(protocol.queue_name("tiny"), connection=redis.Redis.from_url(redis_url))
+    queue = rq_json.queue(protocol.queue_name("tiny"), redis.Redis.from_url(redis_url))
     for _ in range(3):  # no worker runs: the jobs stay queued
         queue.enqueue_call(protocol.JOB_FUNCTION, args=({},))
     text = scrape(client)

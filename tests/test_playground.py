@@ -22,8 +22,7 @@ import openai
 import pytest
 import redis
 
-from rq.registry import StartedJobRegistry
-
+import rq_json
 from conftest import REPO, make_hf_checkpoint
 from stack import start_gunicorn, start_processor, write_models_toml
 from web.app import create_app
@@ -241,7 +240,7 @@ def test_stop_aborts_the_stream(stack, browser):
 
     # the closed stream cancelled the job: the worker drops it long before its 1000 tokens
     r = redis.Redis.from_url(stack["redis_url"])
-    started = StartedJobRegistry(protocol.queue_name("tiny"), connection=r)
+    started = rq_json.started(protocol.queue_name("tiny"), r)
     page.wait_for(lambda: started.count == 0, timeout=5)
     assert r.keys(protocol.cancel_key("*"))
 

@@ -21,12 +21,12 @@ import openai
 import pytest
 import redis
 import requests
-from rq.job import Job, JobStatus
-from rq.registry import FinishedJobRegistry, StartedJobRegistry
+from rq.job import JobStatus
 
 from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
+from tests import rq_json
 from tests.stack import REPO, spawn_gunicorn, spawn_processor, write_models_toml
 from web.dev.local_redis import start_redis
 from worker import protocol
@@ -82,7 +82,7 @@ def stream(client: openai.OpenAI, body: dict) -> dict:
 def finished_on(r: redis.Redis, job_ids, service) -> list[str]:
     """The jobs among `job_ids` that ended on one of a processor's rq workers (named host:pid:…)."""
     prefix = f"{socket.gethostname()}:{service.pid}:"
-    return [job.id for job in Job.fetch_many(list(job_ids), connection=r)
+    return [job.id for job in rq_json.fetch_many(list(job_ids), r)
             if job is not None and (job.worker_name or "").startswith(prefix)]
 
 
@@ -90,7 +90,7 @@ def wait_finished(r: redis.Redis, job_ids, timeout: float = 60) -> None:
     """Until rq has recorded every job as finished: after its worker logged "job finished" (a
     stream's `done` reaches its reader before that)."""
     deadline = time.monotonic() + timeout
-    while any(job.get_status() != JobStatus.FINISHED for job in Job.fetch_many(list(job_ids), connection=r)):
+    while any(job.get_status() != JobStatus.FINISHED for job in rq_json.fetch_many(list(job_ids), r)):
         assert time.monotonic() < deadline, "jobs not finished for rq"
         time.sleep(0.2)
 
@@ -176,9 +176,9 @@ CLIENTS = 24  # concurrent openai clients: more than one processor's rq workers,
 
 def streaming_on(r: redis.Redis, service) -> list[str]:
     """Jobs a processor runs now whose streams have begun."""
-    ids = StartedJobRegistry(protocol.queue_name(MODEL), connection=r).get_job_ids(cleanup=False)
+    ids = rq_json.started(protocol.queue_name(MODEL), r).get_job_ids(cleanup=False)
     prefix = f"{socket.gethostname()}:{service.pid}:"
-    return [job.id for job in Job.fetch_many(ids, connection=r)
+    return [job.id for job in rq_json.fetch_many(ids, r)
             if job is not None and (job.worker_name or "").startswith(prefix)
             and r.xlen(protocol.stream_key(job.id))]
 
@@ -224,12 +224,12 @@ def test_200_concurrent_streams_through_a_worker_crash_and_restart(models_file, 
         # re-queued and concluded from its stream by another worker: wait for that.)
         wait_finished(r, ids)
         queue = protocol.queue_name(MODEL)
-        assert sorted(FinishedJobRegistry(queue, connection=r).get_job_ids()) == sorted(ids)
+        assert sorted(rq_json.finished(queue, r).get_job_ids()) == sorted(ids)
         for job_id in ids:
             kinds = [protocol.decode_event(fields)[0] for _, fields in r.xrange(protocol.stream_key(job_id))]
             assert kinds.count("done") == 1 and kinds[-1] == "done", job_id
         # The crash really interrupted jobs (rq retried them) and the replacement took its share.
-        retried = [job for job in Job.fetch_many(ids, connection=r) if job.retries_left < 2]
+        retried = [job for job in rq_json.fetch_many(ids, r) if job.retries_left < 2]
         assert retried and all(job.enqueue_at_front_on_retry for job in retried)
         assert finished_on(r, ids, replacement)
         resumed = {entry["job_id"] for entry in log_entries(survivor.logs() + replacement.logs())

@@ -11,14 +11,14 @@ import urllib.request
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from rq import Queue, Retry
+from rq import Retry
 from rq.exceptions import AbandonedJobError
 from rq.job import Job, JobStatus
-from rq.registry import StartedJobRegistry
 
 from models.registry import Registry
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
+from tests import rq_json
 from tests.compare import assert_same_completion
 from tests.stack import registered_workers, start_processor, write_models_toml
 from web.dev.local_redis import free_port
@@ -79,7 +79,7 @@ def make_job(**kw) -> protocol.CompletionJob:
 
 def enqueue(r, job: protocol.CompletionJob | dict, retries: int = 2, model: str = MODEL) -> Job:
     payload = job.to_payload() if isinstance(job, protocol.CompletionJob) else job
-    return Queue(protocol.queue_name(model), connection=r).enqueue_call(
+    return rq_json.queue(protocol.queue_name(model), r).enqueue_call(
         protocol.JOB_FUNCTION, args=(payload,), job_id=payload["id"], retry=Retry(max=retries) if retries else None,
         result_ttl=protocol.RESULT_TTL)
 
@@ -174,20 +174,20 @@ def test_a_job_delivered_again_while_it_runs_ends_once_as_the_running_attempt_do
     job = make_job(max_tokens=120, prompts=[[464]], stream=True)
     rq_job = enqueue(r, job)
     wait_for_delta(r, job.id)
-    Queue(protocol.queue_name(MODEL), connection=r).push_job_id(job.id)  # delivered again
+    rq_json.queue(protocol.queue_name(MODEL), r).push_job_id(job.id)  # delivered again
     deadline = time.monotonic() + 30
     while "job delivered again while it runs" not in worker.logs():  # the second delivery taken
         assert time.monotonic() < deadline, "the second delivery was not taken while the job ran"
         time.sleep(0.02)
     wait_ended([rq_job])
-    started = StartedJobRegistry(protocol.queue_name(MODEL), connection=r)
+    started = rq_json.started(protocol.queue_name(MODEL), r)
     while job.id in started.get_job_ids():  # both deliveries ended
         assert time.monotonic() < deadline, "the second delivery did not end"
         time.sleep(0.02)
 
     kinds = [kind for _, kind, _ in events(r, job.id)]
     assert "error" not in kinds and kinds.count("done") == 1 and kinds[-1] == "done", kinds
-    finished = Job.fetch(job.id, connection=r)
+    finished = rq_json.fetch(job.id, r)
     assert finished.get_status() == JobStatus.FINISHED and finished.retries_left == 2  # no attempt failed
     assert_same_completion(finished.return_value(), reference(job))
 
@@ -208,7 +208,7 @@ def test_refused_requests_end_with_an_error_event_and_are_not_retried(worker, r)
 
     for rq_job in rq_jobs:
         assert rq_job.get_status() == JobStatus.FINISHED and rq_job.return_value() is None
-        assert Job.fetch(rq_job.id, connection=r).retries_left == 2
+        assert rq_json.fetch(rq_job.id, r).retries_left == 2
     [(_, kind, data)] = events(r, too_long.id)
     assert kind == "error"
     assert data["error"]["code"] == "context_length_exceeded" and data["error"]["param"] == "max_tokens"
@@ -220,7 +220,7 @@ def test_refused_requests_end_with_an_error_event_and_are_not_retried(worker, r)
 
 def test_a_job_rq_gives_up_on_gets_an_error_event(r):
     """The exception handler every worker installs, as rq calls it for a dead worker's job."""
-    queue = Queue("completions:nobody-serves-this", connection=r)
+    queue = rq_json.queue("completions:nobody-serves-this", r)
     retried = queue.enqueue_call(protocol.JOB_FUNCTION, args=({},), job_id=protocol.new_completion_id(),
                                  retry=Retry(max=1))
     given_up = queue.enqueue_call(protocol.JOB_FUNCTION, args=({},), job_id=protocol.new_completion_id())
@@ -247,7 +247,7 @@ def test_one_engine_per_device_all_pulling_from_the_model_queue(redis_server, mo
     engines = set()
     for job, rq_job in zip(jobs, rq_jobs):
         assert_same_completion(rq_job.return_value(), reference(job))
-        slot = int(Job.fetch(job.id, connection=r).worker_name.split(":")[-1].split(".")[0])
+        slot = int(rq_json.fetch(job.id, r).worker_name.split(":")[-1].split(".")[0])
         engines.add(slot // 2)  # worker threads 0-1 feed the first engine, 2-3 the second
     assert engines == {0, 1}
 

@@ -31,7 +31,7 @@ from rq import Queue
 from rq.worker_registration import get_keys
 
 from web import access
-from worker.protocol import queue_name
+from worker.protocol import SERIALIZER, queue_name
 
 MULTIPROC_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 if MULTIPROC_DIR:
@@ -68,7 +68,7 @@ class QueueCollector:
         try:
             conn = self.connection()
             for model in self.model_ids():
-                queue = Queue(queue_name(model), connection=conn)
+                queue = Queue(queue_name(model), connection=conn, serializer=SERIALIZER)
                 depth.add_metric([model], queue.count)
                 # A crashed worker's registration outlives it until its key expires: count live keys.
                 keys = get_keys(queue)

@@ -191,6 +191,27 @@ def report_given_up(job: Job, exc_type, exc_value, traceback) -> bool:
 
 # ---- the rq workers ------------------------------------------------------------------------
 
+class ForeignJob(Exception):
+    """A job in a model's queue that does not call `protocol.JOB_FUNCTION`."""
+
+
+class CompletionRqJob(Job):
+    """An rq job that runs `run_completion` and nothing else. rq imports and calls whatever function,
+    callbacks and webhooks a job's hash in Redis names; ours name only the function, so a job written
+    into Redis some other way cannot make a worker import or call code, or send a request, of its choosing."""
+
+    @property
+    def func(self):
+        if self.func_name != protocol.JOB_FUNCTION or self.instance is not None:
+            raise ForeignJob(f"The job calls {self.func_name!r}, not {protocol.JOB_FUNCTION}.")
+        return run_completion
+
+    success_callback = failure_callback = stopped_callback = property(lambda self: None)
+
+    def send_webhooks(self, status, *, exc_string=None) -> None:
+        pass
+
+
 class EngineWorker(SimpleWorker):
     """An rq SimpleWorker that lives on a thread of its own (so many can share one engine).
 
@@ -203,6 +224,7 @@ class EngineWorker(SimpleWorker):
 
     death_penalty_class = TimerDeathPenalty
     queue_class = PriorityQueue
+    job_class = CompletionRqJob
     max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
     def __init__(self, *args, heartbeat_ttl: int, poll_interval: int,
@@ -347,8 +369,8 @@ class WorkerPool:
 
     def _new_worker(self, name: str, queues: list[str], listeners: threading.Semaphore | None = None) -> EngineWorker:
         connection = redis.Redis.from_url(self.redis_url)
-        return EngineWorker(queues, name=name, connection=connection, worker_ttl=self.worker_ttl,
-                            job_monitoring_interval=int(self.heartbeat_interval) or 1,
+        return EngineWorker(queues, name=name, connection=connection, serializer=protocol.SERIALIZER,
+                            worker_ttl=self.worker_ttl, job_monitoring_interval=int(self.heartbeat_interval) or 1,
                             maintenance_interval=self.maintenance_interval,
                             exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
                             poll_interval=self.poll_interval, listeners=listeners)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import redis
 from flask import Flask, current_app
 from rq import Queue, Retry
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
@@ -40,7 +40,7 @@ class JobQueue:
         self.hub = StreamHub(settings.redis_url)
 
     def queue(self, model_id: str) -> Queue:
-        return Queue(protocol.queue_name(model_id), connection=self.redis)
+        return Queue(protocol.queue_name(model_id), connection=self.redis, serializer=protocol.SERIALIZER)
 
     def load(self, model_id: str) -> tuple[int, int]:
         """(live workers, queued jobs) of a model's queue, in two round trips. Live: an rq worker
@@ -78,7 +78,7 @@ class JobQueue:
         s = self.settings
         queue, ttl = self.queue(model_id), s.queue_ttl_s
         if batch_window_left_s is not None:
-            queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis)
+            queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis, serializer=protocol.SERIALIZER)
             ttl = max(0, int(batch_window_left_s)) + s.queue_ttl_s
             queue.remove(job.id)
         return queue.enqueue_call(
@@ -92,14 +92,15 @@ class JobQueue:
         """Every completion job rq still knows, on every model's queue: waiting, running and ended
         ones (for the admin CLI; a request never needs them all)."""
         job_ids: set[str] = set()
-        for queue in Queue.all(connection=self.redis):
+        for queue in Queue.all(connection=self.redis, serializer=protocol.SERIALIZER):
             if queue.name.startswith((protocol.QUEUE_PREFIX, protocol.BATCH_QUEUE_PREFIX)):
                 job_ids.update(queue.get_job_ids())
                 for registry in (queue.started_job_registry, queue.finished_job_registry,
                                  queue.failed_job_registry, queue.canceled_job_registry,
                                  queue.deferred_job_registry, queue.scheduled_job_registry):
                     job_ids.update(registry.get_job_ids())
-        return [job for job in Job.fetch_many(sorted(job_ids), connection=self.redis) if job is not None]
+        jobs = Job.fetch_many(sorted(job_ids), connection=self.redis, serializer=protocol.SERIALIZER)
+        return [job for job in jobs if job is not None and _readable(job)]
 
     def ended(self, job_ids: list[str]) -> list[str]:
         """Those of these jobs that rq will not run again (ended, or forgotten), in one round trip."""
@@ -112,9 +113,10 @@ class JobQueue:
 
     def fetch(self, job_id: str) -> Job | None:
         try:
-            return Job.fetch(job_id, connection=self.redis)
+            job = Job.fetch(job_id, connection=self.redis, serializer=protocol.SERIALIZER)
         except (NoSuchJobError, ValueError):  # ValueError: not even a valid rq job id
             return None
+        return job if _readable(job) else None
 
     def status(self, job_id: str) -> JobStatus | None:
         """The rq status, or None when rq no longer knows the job (never enqueued, or expired)."""
@@ -133,6 +135,16 @@ class JobQueue:
         except InvalidJobOperation:  # cancelled since the fetch, by another thread or process: done
             pass
         return True
+
+
+def _readable(job: Job) -> bool:
+    """Whether the job's call decodes with `protocol.SERIALIZER`: one stored another way (pickled,
+    by an older version or by whoever else writes to Redis) is no job of ours."""
+    try:
+        job.args
+    except DeserializationError:
+        return False
+    return True
 
 
 def init_app(app: Flask, settings: Settings) -> JobQueue:
