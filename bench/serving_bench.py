@@ -2,6 +2,7 @@
 
     python -m bench.serving_bench [--server nanoserve:float32,llama.cpp:f32,...] [--model gpt2-small]
                                   [--rates 0.5,1,2] [--requests 48] [--seed 0] [--max-concurrency 16]
+                                  [--device cpu|cuda]
                                   [--json PATH] [--markdown PATH] [--plot PATH]
     python -m bench.serving_bench --server http://127.0.0.1:8080/v1 --model-name NAME   # any server
 
@@ -30,7 +31,8 @@ Per rate (the definitions of vLLM's benchmark_serving):
 
 Servers: `nanoserve:DTYPE` starts nanoserve's whole stack (a private Redis, `processor.py`, gunicorn:
 bench.gateway_bench.stack) on the random-weight checkpoint of `--model` with `dtype = DTYPE`
-(float32, bfloat16 or int8) and `max_batch` = `--max-concurrency`, its worker compiling the decode
+(float32, bfloat16 or int8), `max_batch` = `--max-concurrency` and `device` = `--device` (default
+the CPU), its worker compiling the decode
 step where it does by default (`nanoserve:DTYPE+compile` or `+eager`: started with `--compile` or
 `--no-compile`); `llama.cpp:PRECISION` starts
 llama.cpp's `llama-server` (bench/llama_cpp.py: built once from source) on the same checkpoint
@@ -193,13 +195,13 @@ def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int 
 
 @contextmanager
 def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
-              workdir: Path, compile: bool | None = None) -> Iterator[str]:
-    """nanoserve's whole stack serving `model_dir` as `model` in `dtype` (with the decode step
-    compiled or not by `compile`, None: the worker's default); yields its base URL."""
+              workdir: Path, compile: bool | None = None, device: str = "cpu") -> Iterator[str]:
+    """nanoserve's whole stack serving `model_dir` as `model` in `dtype` on `device` (with the decode
+    step compiled or not by `compile`, None: the worker's default); yields its base URL."""
     from bench.gateway_bench import stack
     from tests.stack import write_models_toml
 
-    models_file = write_models_toml(workdir / "models.toml", {model: model_dir}, device="cpu", dtype=dtype,
+    models_file = write_models_toml(workdir / "models.toml", {model: model_dir}, device=device, dtype=dtype,
                                     max_batch=max_concurrency, context_length=context_length)
     with stack(models_file, workdir, concurrency=max_concurrency, compile=compile) as web:
         yield web.url + "/v1"
@@ -207,10 +209,10 @@ def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, con
 
 @contextmanager
 def server(spec: str, model: str, max_concurrency: int, context_length: int, workdir: Path,
-           model_dir: Path | None = None) -> Iterator[str]:
+           model_dir: Path | None = None, device: str = "cpu") -> Iterator[str]:
     """The server a `--server` item names, serving `model_dir` (default: the random-weight checkpoint
-    of shape `model`) as `model`: `nanoserve:DTYPE` or `llama.cpp:PRECISION` (started here, stopped
-    after), or the base URL of one already running. Yields its base URL."""
+    of shape `model`) as `model`: `nanoserve:DTYPE` (on `device`) or `llama.cpp:PRECISION` (started
+    here, stopped after), or the base URL of one already running. Yields its base URL."""
     kind, _, precision = spec.partition(":")
     if spec.startswith(("http://", "https://")):
         yield spec
@@ -222,7 +224,7 @@ def server(spec: str, model: str, max_concurrency: int, context_length: int, wor
         if option not in modes:
             raise ValueError(f"unknown nanoserve option {option!r} in {spec!r}: +compile or +eager")
         with nanoserve(model_dir, model, dtype or "float32", max_concurrency, context_length, workdir,
-                       compile=modes[option]) as url:
+                       compile=modes[option], device=device) as url:
             yield url
     elif kind == "llama.cpp":
         from bench import llama_cpp
@@ -237,7 +239,7 @@ def server(spec: str, model: str, max_concurrency: int, context_length: int, wor
 
 def run_benchmark(servers: list[str], model: str, requests: list[Request], rates: list[float], *,
                   model_name: str | None = None, model_dir: Path | None = None, seed: int = 0,
-                  max_concurrency: int = 16, gate=None, log=print) -> dict:
+                  max_concurrency: int = 16, device: str = "cpu", gate=None, log=print) -> dict:
     """Every server in turn through every rate, with the same client and requests (asking for
     `model_name`, default `model`; the servers started here serve `model_dir`, default the
     random-weight checkpoint of shape `model`)."""
@@ -251,7 +253,7 @@ def run_benchmark(servers: list[str], model: str, requests: list[Request], rates
     for spec in servers:
         log(f"== {spec}")
         with tempfile.TemporaryDirectory(prefix="nanoserve-serving-bench-") as tmp, \
-                server(spec, model, max_concurrency, context_length, Path(tmp), model_dir) as base_url:
+                server(spec, model, max_concurrency, context_length, Path(tmp), model_dir, device) as base_url:
             send = openai_sender(base_url, model_name or model, stream=True)
             results["servers"][spec], results["solo"][spec] = sweep(send, requests, rates, seed=seed, gate=gate,
                                                                     log=log)
@@ -347,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-concurrency", type=int, default=16,
                         help="nanoserve's max_batch and rq workers, llama-server's --parallel slots")
+    parser.add_argument("--device", default="cpu", help="where nanoserve's worker runs: cpu, cuda, cuda:N")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each rate, wait up to this many seconds for other processes to go quiet")
     output_arguments(parser, "serving_bench")
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict:
     rates = [float(r) for r in args.rates.split(",")]
     gate = Gate(args.quiet_wait, args.quiet_wait * len(rates) * 4)
     results = run_benchmark(args.server.split(","), args.model, requests, rates, model_name=args.model_name,
-                            seed=args.seed, max_concurrency=args.max_concurrency, gate=gate, log=log)
+                            seed=args.seed, max_concurrency=args.max_concurrency, device=args.device, gate=gate,
+                            log=log)
     write_results(results, markdown(results), args.json, args.markdown, plot, args.plot)
     return results
 
