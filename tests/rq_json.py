@@ -3,6 +3,7 @@ JSON). A test that makes its own rq queue, job, worker or registry makes it here
 writes Redis as the code under test does (rq's default, pickle, could not read the jobs at all)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import redis
@@ -38,3 +39,12 @@ def started(name: str, r: redis.Redis) -> StartedJobRegistry:
 def finished(name: str, r: redis.Redis) -> FinishedJobRegistry:
     return FinishedJobRegistry(name, connection=r, serializer=SERIALIZER)
 
+
+class Touch:
+    """Unpickled, creates the file at `path`: what a job pickled into Redis by someone else might hold."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)

@@ -19,6 +19,7 @@ import redis
 from rq import Queue
 from rq.exceptions import DequeueTimeout
 from rq.job import JobStatus
+from rq.serializers import PickleSerializer
 
 from models.tokenizer import load_tokenizer
 from tests import rq_json
@@ -554,6 +555,22 @@ def test_with_keys_off_anonymous_callers_share_one_scope(client, r):
     other = client.get(f"/v1/jobs/{job_id}", environ_base={"REMOTE_ADDR": "10.0.0.2"})
     assert other.status_code == 200 and other.get_json()["status"] == "queued"
     assert rq_json.fetch(job_id, r).meta["owner"] == "anonymous"
+
+
+def test_a_job_stored_pickled_is_no_job_of_ours_and_is_never_unpickled(app, client, r, tmp_path):
+    """A job pickled into a model's queue (rq's default serializer), as anyone who can write to Redis
+    could: the API answers as for an unknown id, the admin's job list leaves it out, and nothing
+    unpickles it."""
+    touched = tmp_path / "touched"
+    job_id = protocol.new_completion_id()
+    Queue("completions:tiny", connection=r, serializer=PickleSerializer).enqueue_call(
+        protocol.JOB_FUNCTION, args=(rq_json.Touch(touched),), meta={"owner": "anonymous"}, job_id=job_id)
+    for response in (client.get(f"/v1/jobs/{job_id}"), client.delete(f"/v1/jobs/{job_id}")):
+        assert error_of(response, 404)["code"] == "job_not_found"
+    with app.app_context():
+        assert job_id.encode() in r.lrange(rq_json.queue("completions:tiny", r).key, 0, -1)  # queued, as such
+        assert job_id not in [job.id for job in job_queue().jobs()]
+    assert not touched.exists()
 
 
 def test_jobs_refuse_stream(client):

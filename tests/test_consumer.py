@@ -1,6 +1,7 @@
 """The rq worker threads' own bookkeeping (worker/consumer.py's WorkerPool) against a real
 redis-server, with a sleep standing in for the job function: the heartbeats and registry maintenance
-that re-queue a dead worker's jobs, while every worker thread of the pool is busy."""
+that re-queue a dead worker's jobs, while every worker thread of the pool is busy; and what of a job
+in Redis a worker refuses to call."""
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ from rq.job import JobStatus
 
 from tests import rq_json
 from worker import consumer, protocol
-from worker.consumer import Binding, WorkerPool
+from worker.consumer import Binding, CompletionRqJob, ForeignJob, WorkerPool
 
 MODEL = "m"
 
@@ -126,3 +127,32 @@ def test_idle_threads_take_turns_to_listen_and_stay_registered(redis_url, client
     finally:
         pool.stop()
         pool.join(idle_timeout=5)
+
+
+def test_a_worker_calls_the_job_function_and_nothing_else_a_job_names(client, monkeypatch):
+    """rq would import and call whatever function and callbacks a job's hash in Redis names, and
+    send its webhooks: a worker's jobs call the job function, and resolve or send nothing else."""
+    from rq.job import Callback
+    from rq.webhook import Webhook
+
+    sent = []
+    monkeypatch.setattr(Webhook, "send", lambda self, job, **kw: sent.append(job.id))
+    queue = rq_json.queue(protocol.queue_name(MODEL), client)
+    ours = queue.enqueue_call(protocol.JOB_FUNCTION, args=(0,), on_success=Callback("os.mkdir"),
+                              on_failure=Callback("os.mkdir"), on_stopped=Callback("os.mkdir"),
+                              webhooks=[Webhook("http://127.0.0.1:9/hook", JobStatus.FINISHED)])
+    foreign = queue.enqueue_call("os.mkdir", args=("/nowhere",))
+    # as stored, the job names its callbacks and webhook: a plain rq job would call and send them
+    plain = rq_json.fetch(ours.id, client)
+    assert plain.success_callback is not None
+    plain.send_webhooks(JobStatus.FINISHED)
+    assert sent == [ours.id]
+
+    ours, foreign = (CompletionRqJob.fetch(job.id, connection=client, serializer=rq_json.SERIALIZER)
+                     for job in (ours, foreign))
+    assert ours.func is time.sleep  # the job function (here, its stand-in)
+    assert (ours.success_callback, ours.failure_callback, ours.stopped_callback) == (None, None, None)
+    ours.send_webhooks(JobStatus.FINISHED)
+    assert sent == [ours.id]
+    with pytest.raises(ForeignJob):
+        foreign.func

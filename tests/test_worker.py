@@ -7,13 +7,15 @@ import itertools
 import signal
 import time
 import urllib.request
+import zlib
 
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from rq import Retry
+from rq import Queue, Retry
 from rq.exceptions import AbandonedJobError
 from rq.job import Job, JobStatus
+from rq.serializers import PickleSerializer
 
 from models.registry import Registry
 from models.tokenizer import load_tokenizer
@@ -232,6 +234,31 @@ def test_a_job_rq_gives_up_on_gets_an_error_event(r):
     assert events(r, retried.id) == []  # rq will run it again
     [(_, kind, data)] = events(r, given_up.id)
     assert kind == "error" and data["error"]["type"] == "server_error"
+
+
+def test_a_worker_never_unpickles_a_job_nor_calls_a_function_the_job_names(worker, r, reference, tmp_path):
+    """Anyone who can write to Redis can queue a job: one pickled (rq's default serializer) whose
+    unpickling would run code, and one in JSON naming a function other than the job function, fail
+    without either running; ordinary jobs around them run as ever."""
+    pickled_file, pickled_meta, called = tmp_path / "pickled", tmp_path / "meta", tmp_path / "called"
+    queue = protocol.queue_name(MODEL)
+    pickled = Queue(queue, connection=r, serializer=PickleSerializer).enqueue_call(
+        protocol.JOB_FUNCTION, args=(rq_json.Touch(pickled_file),), meta={"owner": rq_json.Touch(pickled_meta)},
+        job_id=protocol.new_completion_id())
+    foreign = rq_json.queue(queue, r).enqueue_call("os.mkdir", args=(str(called),), job_id=protocol.new_completion_id())
+    job = make_job()
+    rq_jobs = [rq_json.fetch(pickled.id, r), foreign, enqueue(r, job)]
+    wait_ended(rq_jobs)
+
+    assert [j.get_status() for j in rq_jobs] == [JobStatus.FAILED, JobStatus.FAILED, JobStatus.FINISHED]
+    assert_same_completion(rq_jobs[2].return_value(), reference(job))
+    assert not pickled_file.exists() and not pickled_meta.exists() and not called.exists()
+    for failed in rq_jobs[:2]:  # their streams end, as any failed job's do
+        [(_, kind, data)] = events(r, failed.id)
+        assert kind == "error" and data["error"]["type"] == "server_error"
+    # and the pickle was live: unpickled, it creates its file
+    PickleSerializer.loads(zlib.decompress(r.hget(pickled.key, "data")))
+    assert pickled_file.exists()
 
 
 def test_one_engine_per_device_all_pulling_from_the_model_queue(redis_server, models_file, tmp_path, reference):
