@@ -19,8 +19,7 @@ from nanogpt.quantize import quantize_int8
 from worker.engine import Engine
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
-from worker.runner import MIXED_ATTENTION
-from worker.scheduler import Prefill
+from worker.decode_routes import MIXED_ATTENTION, Graph, Route
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
 _ids = itertools.count()
@@ -500,32 +499,35 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
     assert (eager_engine.runner.cache.max_slots, eager_engine.runner.cache.max_len) == (8, 128)
     assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (13, 129)
     # the decode step's rows, as the compiled step gets them
-    rows, decode_step = [], engine.runner._decode_step
-    engine.runner._decode_step = lambda tokens, *args: rows.append(len(tokens)) or decode_step(tokens, *args)
+    routes = engine.runner.routes
+    rows, decode_step = [], routes._step
+    routes._step = lambda tokens, *args: rows.append(len(tokens)) or decode_step(tokens, *args)
     # three rows: unpadded through the graph whose rows vary below the kernel's where the engine
-    # mixes (Runner._rows_vary), else padded to the 4-row bucket; compiled before it ran
+    # mixes, else padded to the 4-row bucket; compiled before it ran
+    assert routes.route(3) == (Route(Graph.SMALL, 3) if routes.mixed else Route(Graph.BUCKET, 4))
     graphs = counters["stats"]["unique_graphs"]
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
     assert counters["stats"]["unique_graphs"] == graphs
-    assert 3 in rows and max(rows) == (3 if engine.runner.mixed else 4)
+    assert 3 in rows and max(rows) == (3 if routes.mixed else 4)
     # eight rows: the bucket whose attention the project's kernel takes (decode_attention.ROWS)
     assert decode_attention.ROWS <= 8
     eight = lambda: [job(tok, [p], max_tokens=5) for p in PROMPTS * 2]  # noqa: E731
     assert [r["choices"][0]["text"] for r in run_all(engine, eight())] == \
         [r["choices"][0]["text"] for r in run_all(eager_engine, eight())]
-    # ten rows, between buckets: unpadded through the graph whose rows vary where the engine
-    # mixes (Runner._rows_vary), else padded to the 16-row bucket; compiled before it ran
+    # ten rows, between buckets: unpadded through the kernel's graph whose rows vary where the
+    # engine mixes, else padded to the 16-row bucket; compiled before it ran
+    assert routes.route(10) == (Route(Graph.KERNEL, 10) if routes.mixed else Route(Graph.BUCKET, 16))
     ten = lambda: [job(tok, [p], max_tokens=5) for p in (PROMPTS * 3)[:10]]  # noqa: E731
     rows.clear()
     assert [r["choices"][0]["text"] for r in run_all(engine, ten())] == \
         [r["choices"][0]["text"] for r in run_all(make_engine(small, tok, max_batch=12)[0], ten())]
     assert counters["stats"]["unique_graphs"] == graphs
-    assert 10 in rows and max(rows) == (10 if engine.runner.mixed else 16)
-    engine.runner._decode_step = decode_step
+    assert 10 in rows and max(rows) == (10 if routes.mixed else 16)
+    routes._step = decode_step
 
     # a prompt that arrives while others decode is fed beside them: its tokens as rows of the
-    # compiled graph where the project's kernel attends the cache (Runner.mixed), else in one
+    # kernel's compiled graph where the project's kernel attends the cache (`mixed`), else in one
     # eager packed forward; the decode-only steps around it run the compiled graph
     def staggered(engine):
         first = [engine.submit(j) for j in [job(tok, [p], max_tokens=10) for p in PROMPTS[:2]]]
@@ -537,28 +539,27 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
         return [h.result()["choices"][0]["text"] for h in first + [late]]
 
     expected = staggered(make_engine(load_model(checkpoint), tok)[0])
-    calls = {"forward_packed": 0, "_decode_step": 0, "_run_mixed": 0}
-    for target, name in ((small, "forward_packed"), (engine.runner, "_decode_step"), (engine.runner, "_run_mixed")):
+    calls = {"forward_packed": 0, "_step": 0}
+    for target, name in ((small, "forward_packed"), (routes, "_step")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
             calls[_name] += 1
             return _run(*args, **kwargs)
         setattr(target, name, counted)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs, taken = counters["stats"]["unique_graphs"], engine.runner.routes_taken.copy()
     assert staggered(engine) == expected
     assert counters["stats"]["unique_graphs"] == graphs  # all compiled before the engine ran: no stall
-    assert engine.runner.mixed == engine.runner.cache.own_attention
-    if engine.runner.mixed:  # the decode-only steps of two rows too (Runner._rows_vary)
-        assert calls["_run_mixed"] >= 1 + 3 and calls["forward_packed"] == 0
-        assert calls["_decode_step"] == calls["_run_mixed"]
+    taken = engine.runner.routes_taken - taken
+    assert routes.mixed == engine.runner.cache.own_attention
+    if routes.mixed:  # the decode-only steps of two rows too, through the graph of small rows
+        assert taken[Graph.KERNEL] >= 1 and taken[Graph.SMALL] >= 3 and calls["forward_packed"] == 0
+        assert calls["_step"] == taken[Graph.KERNEL] + taken[Graph.SMALL] == taken.total()
     else:
-        assert calls["forward_packed"] >= 1 and calls["_run_mixed"] == 0
-        assert calls["_decode_step"] >= 3
+        assert taken[Graph.PACKED] == calls["forward_packed"] >= 1
+        assert calls["_step"] == taken[Graph.BUCKET] >= 3
     # chunks whose attention would cost more than the kernel saves go through the eager forward
     n = math.isqrt(MIXED_ATTENTION)  # a prompt's first n tokens attend to n * n keys at most: within the bound
-    unit = Prefill([], list(range(3 * n)), None, time.monotonic())
-    assert engine.runner._mixes([(unit, n)]) == engine.runner.mixed
-    unit.fed = n  # the next n tokens attend to twice as many
-    assert not engine.runner._mixes([(unit, n)])
+    assert routes.route(2, [(0, n)]) == (Route(Graph.KERNEL, 2 + n) if routes.mixed else Route(Graph.PACKED, 2 + n))
+    assert routes.route(2, [(n, n)]) == Route(Graph.PACKED, 2 + n)  # the next n tokens attend to twice as many
 
 
 @pytest.mark.slow

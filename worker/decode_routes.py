@@ -1,0 +1,185 @@
+"""Which forward a step's decoding rows take, and the compiled graphs behind them: a step's route
+is read from one place, `DecodeRoutes.route(rows, chunks, candidates)`.
+
+    eager engine                     EAGER: forward_cached, the rows as they are
+                                     PACKED: with prompt chunks riding along, forward_packed
+    compiled, or CUDA graphs         BUCKET: forward_decode, the batch padded to a bucket of
+                                     BATCH_BUCKETS (a graph each; on a GPU replayed from CUDA
+                                     graphs, one per bucket and span bucket: nanogpt/cuda_graphs.py)
+    compiled, the project's          SMALL: 2..SMALL_ROWS rows, unpadded, inductor's attention
+    attention kernel on the cache    KERNEL: more rows, or any rows with prompt chunks riding along
+    (a CPU: `mixed`)                 (each prompt token a row at its own slot and position), padded
+                                     to the kernel's decode_attention.ROWS; one row stays BUCKET;
+                                     chunks with more attention work than MIXED_ATTENTION go PACKED
+    contrastive candidates           CANDIDATES: forward_cached with hidden states, always eager
+
+Prompts that no decoding row runs beside, and prompts that score their context, are fed by the
+runner's eager prefill forwards, never here. Why each line: docs/notes/decode-routes.md.
+
+The compiled graphs are few and all compiled before serving (`_warm_up`): one per bucket whose
+route is BUCKET, and where the engine mixes, SMALL's and KERNEL's. Their one dynamic size is the
+span (the keys attended, never 1, which would specialize); SMALL's and KERNEL's rows and outputs
+are dynamic too, BUCKET's rows fixed. Padding rows are token 0 at position 0 of the spare slot
+(`slots`, one past the sequences'), which the cache holds for them, with a spare position.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from itertools import accumulate
+from typing import NamedTuple
+
+import torch
+
+from nanogpt import decode_attention
+from nanogpt.compile import compile_decode
+from nanogpt.cuda_graphs import GraphedDecode
+
+log = logging.getLogger(__name__)
+
+# A BUCKET decode pads its batch to one of these sizes (then to multiples of the last): one graph each.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The most attention work (over a step's chunks: tokens x positions reached) that rides through
+# KERNEL: the kernel attends each prompt token alone, so long chunks far into a context run faster
+# eagerly (docs/notes/decode-routes.md#mixed).
+MIXED_ATTENTION = 1 << 16
+# The most rows of SMALL: below the kernel's rows inductor's attention is faster unpadded, up to
+# about half of them (docs/notes/decode-routes.md#small-rows).
+SMALL_ROWS = 4
+
+
+class Graph(enum.Enum):
+    """The forward a route runs (see the module docstring); the last three are `DecodeRoutes.run`'s."""
+    EAGER = "eager"
+    PACKED = "packed"
+    CANDIDATES = "candidates"
+    BUCKET = "bucket"
+    SMALL = "small"
+    KERNEL = "kernel"
+
+
+class Route(NamedTuple):
+    """A step's decode forward: which `graph`, over how many `rows` (decoding rows, the prompt
+    tokens riding along and the padding)."""
+    graph: Graph
+    rows: int
+
+
+def bucket(rows: int) -> int:
+    """The batch bucket a BUCKET decode of `rows` rows is padded to."""
+    last = BATCH_BUCKETS[-1]
+    return next((b for b in BATCH_BUCKETS if b >= rows), -(-rows // last) * last)
+
+
+def chunk_rows(rows: int, chunks: list[int]) -> list[int]:
+    """The output rows of a KERNEL step of `rows` decoding rows and prompt chunks of `chunks`
+    tokens after them: every decoding row, then each chunk's last token."""
+    return list(range(rows)) + [rows - 1 + end for end in accumulate(chunks)]
+
+
+class DecodeRoutes:
+    def __init__(self, model, cache, slots: int, max_len: int, *, compile: bool, graphed: bool):
+        """The routes of an engine over `cache`, whose sequences hold slots 0..slots-1 (and, where
+        `pads`, the cache has the spare slot `slots`). compile: torch.compile forward_decode, all
+        its graphs before serving (serving uncompiled where compiling fails); graphed: replay the
+        BUCKET decode from CUDA graphs, recorded here (launched kernel by kernel where recording fails)."""
+        self.model, self.cache, self.slots, self.device = model, cache, slots, model.device
+        self.pads = self.padded(compile, graphed)
+        self.compiled, self.graphs = compile, None
+        self.mixed = compile and cache.own_attention  # SMALL and KERNEL
+        self._step = model.forward_decode
+        if compile:
+            self._step = compile_decode(model)
+            for i in range(len(cache.k)):  # one graph serves every engine's slot count
+                torch._dynamo.mark_dynamic(cache.k[i], 0)
+                torch._dynamo.mark_dynamic(cache.v[i], 0)
+            try:
+                self._warm_up()
+            except Exception:  # e.g. no C++ compiler for inductor's CPU kernels
+                log.exception("compiling the decode step failed; the engine runs it uncompiled")
+                self.compiled, self.mixed, self._step = False, False, model.forward_decode
+        if graphed:
+            self._record_graphs(max_len)
+
+    @staticmethod
+    def padded(compile: bool, graphed: bool) -> bool:
+        """Whether an engine's decodes may be padded: its cache then needs a spare slot for the
+        padding rows, and a spare position, so that no span is the whole cache (whose slice would
+        specialize the compiled graph: a second compile of every bucket, for the last span)."""
+        return compile or graphed
+
+    def route(self, rows: int, chunks: list[tuple[int, int]] = (), candidates: int = 0) -> Route:
+        """The forward of a step's `rows` decoding rows: with `chunks` ((tokens fed before, tokens)
+        of each prompt chunk that could ride along, those not scoring their context) and
+        `candidates` (contrastive candidate rows, which go with the rows and no chunk)."""
+        if candidates:
+            return Route(Graph.CANDIDATES, rows + candidates)
+        if chunks:
+            tokens = rows + sum(n for _, n in chunks)
+            if self.mixed and sum(n * (fed + n) for fed, n in chunks) <= MIXED_ATTENTION:
+                return Route(Graph.KERNEL, max(tokens, decode_attention.ROWS))
+            return Route(Graph.PACKED, tokens)
+        if self.mixed and rows >= 2:
+            if rows <= SMALL_ROWS:
+                return Route(Graph.SMALL, rows)
+            return Route(Graph.KERNEL, max(rows, decode_attention.ROWS))
+        if self.pads:
+            return Route(Graph.BUCKET, bucket(rows))
+        return Route(Graph.EAGER, rows)
+
+    def run(self, route: Route, tokens: list[int], slots: list[int], positions: list[int],
+            outputs: list[int] | None = None) -> torch.Tensor:
+        """One forward_decode of a BUCKET, SMALL or KERNEL route, each row a token at its (slot, position),
+        padded to route.rows: the logits (B, V) of every real row (BUCKET), or of the rows
+        `outputs` (SMALL, KERNEL: the decoding rows, then each chunk's last token)."""
+        pad = route.rows - len(tokens)
+        rows = [tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad]
+        span = max(positions) + 1
+        if route.graph is Graph.BUCKET and self.graphs is not None:
+            return self.graphs(torch.tensor(rows), span)[:len(tokens)]
+        rows = torch.tensor(rows, device=self.device)
+        keys = torch.arange(max(span, 2), device=self.device)
+        out = None if route.graph is Graph.BUCKET else torch.tensor(outputs, device=self.device)
+        with torch.no_grad():  # as the engine steps (and warms up): grad mode is one of the graph's guards
+            logits = self._call(rows[0], rows[1], rows[2], self.cache, keys, out)
+        return logits[:len(tokens)] if out is None else logits
+
+    def _call(self, tokens, slots, positions, cache, keys, out=None) -> torch.Tensor:
+        """forward_decode, compiled or not, its sizes marked: the span always dynamic; the rows
+        fixed in BUCKET's graphs (`out` None), dynamic in SMALL's and KERNEL's with `out`. Marked
+        `maybe`: a size that specializes anyway compiles a graph of its own, not a failed step."""
+        if self.compiled:
+            torch._dynamo.maybe_mark_dynamic(keys, 0)
+            mark = torch._dynamo.mark_static if out is None else torch._dynamo.maybe_mark_dynamic
+            for tensor in (tokens, slots, positions) if out is None else (tokens, slots, positions, out):
+                mark(tensor, 0)
+        return self._step(tokens, slots, positions, cache, keys, out)
+
+    def buckets(self) -> list[int]:
+        """The batch buckets up to this engine's slots."""
+        return [b for b in BATCH_BUCKETS if b <= bucket(self.slots)]
+
+    def _warm_up(self) -> None:
+        """Compile every graph of this engine's routes, on padding rows only. A graph is traced
+        with equal sizes as one size (dynamo's duck sizing): SMALL's is traced with as many outputs
+        as rows, as its decodes run; KERNEL's with fewer, as a step with chunks runs, which its
+        decodes (as many outputs as rows, from the kernel's rows up) then also match."""
+        for size in self.buckets():
+            if self.route(size).graph is Graph.BUCKET:
+                self.run(Route(Graph.BUCKET, size), [0] * size, [self.slots] * size, [0] * size)
+        if self.mixed:
+            for route, outputs in ((Route(Graph.KERNEL, decode_attention.ROWS), 2),
+                                   (Route(Graph.SMALL, SMALL_ROWS), SMALL_ROWS)):
+                self.run(route, [0] * route.rows, [self.slots] * route.rows, [0] * route.rows, list(range(outputs)))
+
+    def _record_graphs(self, max_len: int) -> None:
+        """The BUCKET decode's CUDA graphs, every batch and span bucket, recorded before serving."""
+        graphs = GraphedDecode(self._call, self.cache, spare_slot=self.slots, max_batch=bucket(self.slots),
+                               max_span=max_len, vocab=self.model.config.vocab_size)
+        try:
+            graphs.record(self.buckets())
+        except Exception:
+            log.exception("recording the decode step's CUDA graphs failed; the engine launches its kernels one by one")
+            return
+        self.graphs = graphs
+
