@@ -231,6 +231,10 @@ def test_context_end_and_too_long_requests(model, tok):
         with pytest.raises(EngineError) as refused:
             engine.generate(job(tok, **kw))
         assert (refused.value.status, refused.value.param) == (400, param)
+    # in the web tier's words (protocol.check_job): a job that reached the queue another way is
+    # refused as its request would have been
+    with pytest.raises(EngineError, match=r"^Token id 50257 in the prompt is out of vocabulary \(vocabulary size: 50257\)\.$"):
+        engine.generate(job(tok, prompts=[[7], [50257]]))
     assert engine.generate(job(tok, max_tokens=2))["usage"]["completion_tokens"] == 2  # still serving
 
 

@@ -206,26 +206,14 @@ class Engine:
 
     def _check(self, job: protocol.CompletionJob, resume: dict[int, list[int]]
                ) -> tuple[SamplingParams, dict[int, list[int]]]:
-        """What only the engine knows: its vocabulary, its context, what a resumed job emitted.
-        OpenAI's ranges and defaults were checked by the web tier's request schema."""
-        V, ctx = self.vocab_size, self.max_len
-        if not job.prompts:
-            raise EngineError("The prompt list is empty.", param="prompt")
-        for prompt in job.prompts:
-            if not prompt:
-                raise EngineError("A prompt has no tokens.", param="prompt")
-            bad = next((t for t in prompt if not 0 <= t < V), None)
-            if bad is not None:
-                raise EngineError(f"Token id {bad} in the prompt is outside the vocabulary (0..{V - 1}).", param="prompt")
-            if len(prompt) + (job.max_tokens or 0) > ctx:
-                error = protocol.context_length_error(ctx, len(prompt), job.max_tokens)
-                raise EngineError(error.message, error.type, error.param, error.code)
-        for param, ids in (("logit_bias", list(job.logit_bias)), ("stop_token_ids", job.stop_token_ids),
-                           ("allowed_token_ids", job.allowed_token_ids or []),
-                           ("bad_words", [t for word in job.bad_words for t in word])):
-            bad = next((t for t in ids if not 0 <= t < V), None)
-            if bad is not None:
-                raise EngineError(f"{param} token id {bad} is outside the vocabulary (0..{V - 1}).", param=param)
+        """The job checked as the web tier checked its request (protocol.check_job, in the same
+        words: a job may reach the queue another way), then against what only the engine knows: its
+        slots, what a resumed job emitted. OpenAI's ranges and defaults are the request schema's."""
+        V = self.vocab_size
+        try:
+            protocol.check_job(job, V, self.max_len)
+        except protocol.APIError as err:
+            raise EngineError(err.message, err.type, err.param, err.code) from None
         width = job.best_of or job.n
         if job.use_beam_search and width > self.runner.slots:
             raise EngineError(f"Beam search of width {width} needs as many KV-cache slots; this worker has "
