@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # The fast tier leaves out what pyproject.toml marks slow, cuda (a GPU's) and browser (Chromium's).
 CHECK_MARKERS := not slow and not cuda and not browser
 
-.PHONY: install install-dev browser serve check test bench train clean
+.PHONY: install install-dev browser serve check test bench gpu-wheels train clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ test: install-dev browser
 
 bench: install-dev
 	$(BIN)/python -m bench.engine_bench
+
+# The packages a GPU machine without internet lacks, as wheels for its Python 3.12 on x86-64, into
+# .wheels/ with the code version they go with: what `python -m bench.gpu_check` installs there
+# (docs/performance.md, "The GPU check").
+gpu-wheels: install-dev
+	$(BIN)/python -m bench.gpu_check wheels --dest .wheels $(DATA_PACKAGES)
 
 train: install
 	$(BIN)/python -m nanogpt.train nanogpt/configs/shakespeare_char.py
