@@ -1,0 +1,149 @@
+"""The one-call GPU check (bench/gpu_check.py) on the CPU: its phases on the tiny shape, a failing
+phase recorded without stopping the others, limits and the budget kept, and what a phase leaves
+running ended. The GPU's numbers themselves come from running it on a GPU."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def ends(pid: int, within: float = 5.0) -> bool:
+    """Whether `pid` is gone (or a zombie) within `within` seconds: a signal takes effect soon, not at once."""
+    deadline = time.monotonic() + within
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not running(pid)
+
+
+def test_a_phase_past_its_limit_is_stopped_with_its_children(tmp_path):
+    pidfile = tmp_path / "child"
+    started = time.monotonic()
+    entry = gpu_check.run_command(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], 1.0, tmp_path / "log")
+    assert entry["status"] == "timed_out" and time.monotonic() - started < 30
+    assert ends(int(pidfile.read_text()))  # the whole group, not only the phase's own process
+
+    entry = gpu_check.run_command([sys.executable, "-c", "print('out'); raise SystemExit(3)"], 30.0, tmp_path / "log")
+    assert entry["status"] == "failed" and entry["returncode"] == 3 and gpu_check.tail(tmp_path / "log") == "out\n"
+
+
+def test_what_a_phase_leaves_running_is_ended(tmp_path):
+    """A stack's services run in sessions of their own: a phase stopped before it stopped them
+    leaves them behind, found by the check's marker in their environment."""
+    token = "test-" + os.urandom(4).hex()
+    pidfile = tmp_path / "service"
+    detach = ("import subprocess, sys; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid))")
+    env = {**os.environ, gpu_check.MARKER: token}
+    assert gpu_check.run_command([sys.executable, "-c", detach], 30.0, tmp_path / "log", env)["status"] == "ok"
+    service = int(pidfile.read_text())
+    assert running(service) and gpu_check.leftovers(token) == [service]
+    assert gpu_check.leftovers(token, keep_groups={os.getpgid(service)}) == []  # a background phase is kept
+    assert gpu_check.end_leftovers(token) == 1
+    assert ends(service) and gpu_check.leftovers(token) == []
+
+
+def test_phases_that_do_not_fit_the_budget_are_skipped_and_recorded(tmp_path):
+    results = gpu_check.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget", "1",
+                              "--device", "cpu", "--quick", "--skip-install", "--phases", "install,environment,stack"])
+    assert {name: e["status"] for name, e in results["phases"].items()} == {
+        "install": "skipped", "environment": "skipped", "stack": "skipped"}
+    assert "budget spent" in results["phases"]["stack"]["reason"]
+    written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert written["phases"] == results["phases"] and written["code"]["tree_sha256"] == gpu_check.tree_hash()
+    assert "| stack | skipped: budget spent" in (tmp_path / "out" / "gpu_check.md").read_text()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path / "out"), "--phases", "nope"])
+
+
+def test_wheels_are_the_versions_tested_here_and_agree_with_each_other():
+    requirements = dict(r.split("==") for r in gpu_check.wheel_requirements() if "==" in r)
+    for name in gpu_check.MISSING:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # not installed here: unpinned
+            assert name in gpu_check.wheel_requirements()
+        else:
+            assert requirements[name] == version
+    # pydantic pins the pydantic-core it runs with: one version of each, the pinned one
+    pin = next(r for r in importlib.metadata.requires("pydantic") if r.startswith("pydantic-core"))
+    assert pin.replace(" ", "") == f"pydantic-core=={requirements['pydantic-core']}"
+    assert any(r.startswith("openai<3") for r in gpu_check.wheel_requirements())
+
+
+def test_the_code_version_comes_from_the_wheels_record_without_git(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "git_version", lambda root=gpu_check.REPO: None)
+    assert gpu_check.code_version(tmp_path)["source"] == "none"
+    record = {"commit": "abc1234", "uncommitted": [" M worker/engine.py"], "tree_sha256": gpu_check.tree_hash()}
+    (tmp_path / gpu_check.CODE_RECORD).write_text(json.dumps(record))
+    code = gpu_check.code_version(tmp_path)
+    assert code["commit"] == "abc1234" and code["source"] == "wheels" and code["same_as_recorded"]
+    assert gpu_check.describe_code(code) == "abc1234 + 1 uncommitted files (as recorded by make gpu-wheels)"
+    (tmp_path / gpu_check.CODE_RECORD).write_text(json.dumps({**record, "tree_sha256": "0" * 16}))
+    assert "changed since" in gpu_check.describe_code(gpu_check.code_version(tmp_path))
+
+
+def test_the_stack_is_held_against_the_engine_of_its_dtype():
+    engine = {"summary": {"by_system": {"engine": {"8": {"tokens_per_s": 100.0}},
+                                        "engine-bf16": {"8": {"tokens_per_s": 200.0}, "1": {"tokens_per_s": 10.0}}}}}
+    stack = {"dtypes": {"float32": {"tokens_per_s": {"8": 50.0}},
+                        "bfloat16": {"tokens_per_s": {"8": 150.0, "64": 300.0}}, "int8": {"tokens_per_s": {"8": 1.0}}}}
+    ratios = gpu_check.stack_over_engine({"engine-small": {"result": engine}, "stack": {"result": stack}})
+    assert ratios == {"float32": {"8": 0.5}, "bfloat16": {"8": 0.75}}  # only where the engine has the row
+    assert gpu_check.stack_over_engine({"stack": {"result": stack}}) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
+    out = tmp_path / "out"
+    results = gpu_check.main(["--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--quick",
+                              "--skip-install", "--pytest-path", "tests/no_such_test.py", "--budget", "1100"])
+    phases = results["phases"]
+    assert set(phases) == set(gpu_check.PHASES)
+    assert phases["install"]["status"] == "skipped"
+    failed = phases["cuda-tests"]
+    assert failed["status"] == "failed" and failed["returncode"] != 0 and "no_such_test" in failed["log_tail"]
+    assert {name: e["status"] for name, e in phases.items() if name not in ("install", "cuda-tests")} == {
+        name: "ok" for name in gpu_check.PHASES if name not in ("install", "cuda-tests")}
+    assert all(e.get("wall_s", 0) <= e.get("limit_s", 0) + gpu_check.STOP_GRACE + 15 for e in phases.values())
+
+    assert results["environment"]["torch"] and results["environment"]["copy_gbps"] > 0
+    small = phases["engine-small"]["result"]["summary"]["by_system"]
+    assert set(small) == {"transformers", "engine"} and all(set(by_c) == {"1", "2"} for by_c in small.values())
+    assert phases["engine-small"]["result"]["summary"]["greedy_equals_transformers"]["engine"]
+    assert set(phases["engine-xl"]["result"]["summary"]["by_system"]["engine"]) == {"1"}
+
+    stack = phases["stack"]["result"]["dtypes"]["float32"]
+    new_tokens = gpu_check.QUICK.new_tokens
+    for c in ("1", "2"):
+        (run,) = stack["runs"][c]
+        assert run["errors"] == 0 and run["completion_tokens"] == int(c) * new_tokens
+        assert results["stack_over_engine"]["float32"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
+    assert stack["streamed"]["errors"] == 0 and stack["streamed"]["itl_p50_s"] > 0
+
+    step = phases["profile"]["result"]["by_concurrency"]["2"]
+    assert step["events_per_step"] > 0 and 0 < step["busy_ms_per_step"] and step["step_ms"] > 0 and step["top"]
+
+    assert json.loads((out / "gpu_check.json").read_text())["phases"].keys() == phases.keys()
+    summary = (out / "gpu_check.md").read_text()
+    assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
+    assert "## Whole stack" in summary and "## One decode step" in summary
+    log = (out / "gpu_check.log").read_text()
+    assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name != "install")
+    assert not any("processes_left_ended" in e for e in phases.values())  # each phase stopped what it started
