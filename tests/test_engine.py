@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -484,55 +485,85 @@ def test_span_buckets_cover_every_span_within_the_cache():
             assert bucket in buckets and span <= bucket <= min(max_span, span + SPAN_QUANTUM - 1)
 
 
-def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
-    import torch._inductor.config as inductor
-    from torch._dynamo.utils import counters
-
-    checkpoint = str(make_hf_checkpoint(tmp_path, n_layer=1, n_embd=32, with_tokenizer=False))
+@pytest.fixture(scope="module")
+def compiled(tok, tmp_path_factory):
+    """A one-layer checkpoint's eager engine and compiled engine (every graph compiled at start), the
+    compiled one with room for ten rows between buckets."""
+    checkpoint = str(make_hf_checkpoint(tmp_path_factory.mktemp("compiled"), n_layer=1, n_embd=32,
+                                        with_tokenizer=False))
     small = load_model(checkpoint)
-    jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731  3 rows
-    eager_engine = make_engine(small, tok)[0]
-    eager = run_all(eager_engine, jobs())
-    engine = make_engine(small, tok, compile=True, max_batch=12)[0]
+    return SimpleNamespace(checkpoint=checkpoint, small=small, eager=make_engine(small, tok)[0],
+                           engine=make_engine(small, tok, compile=True, max_batch=12)[0])
+
+
+def texts(results) -> list[str]:
+    return [r["choices"][0]["text"] for r in results]
+
+
+def decode_rows(compiled, monkeypatch) -> list[int]:
+    """The rows of every decode step the compiled engine runs from here on, as its graph gets them."""
+    routes, rows = compiled.engine.runner.routes, []
+    step = routes._step
+    monkeypatch.setattr(routes, "_step", lambda tokens, *args: rows.append(len(tokens)) or step(tokens, *args))
+    return rows
+
+
+def test_the_compiled_engine_s_cache_and_attention(compiled):
+    import torch._inductor.config as inductor
+
+    eager, engine = compiled.eager, compiled.engine
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
     # its attention by the project's kernel wherever that is built (nanogpt/decode_attention.py)
     assert engine.runner.cache.own_attention == extension.available()
+    assert engine.runner.routes.mixed == engine.runner.cache.own_attention
     # the padded decode's spare slot, and a position past the context (so that no span is the whole
     # cache); neither where the decode is not padded (CUDA graphs pad it on a GPU only)
-    assert eager_engine.runner.graphs is None and engine.runner.graphs is None
-    assert (eager_engine.runner.cache.max_slots, eager_engine.runner.cache.max_len) == (8, 128)
+    assert eager.runner.graphs is None and engine.runner.graphs is None
+    assert (eager.runner.cache.max_slots, eager.runner.cache.max_len) == (8, 128)
     assert (engine.runner.cache.max_slots, engine.runner.cache.max_len) == (13, 129)
-    # the decode step's rows, as the compiled step gets them
-    routes = engine.runner.routes
-    rows, decode_step = [], routes._step
-    routes._step = lambda tokens, *args: rows.append(len(tokens)) or decode_step(tokens, *args)
-    # three rows: unpadded through the graph whose rows vary below the kernel's where the engine
-    # mixes, else padded to the 4-row bucket; compiled before it ran
+
+
+def test_compiled_decode_of_three_rows_gives_the_eager_tokens(compiled, tok, monkeypatch):
+    """Unpadded through the graph whose rows vary below the kernel's where the engine mixes, else
+    padded to the 4-row bucket; compiled before it ran."""
+    from torch._dynamo.utils import counters
+
+    routes, rows = compiled.engine.runner.routes, decode_rows(compiled, monkeypatch)
+    jobs = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[:3]]  # noqa: E731
     assert routes.route(3) == (Route(Graph.SMALL, 3) if routes.mixed else Route(Graph.BUCKET, 4))
     graphs = counters["stats"]["unique_graphs"]
-    compiled = run_all(engine, jobs())
-    assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
+    assert texts(run_all(compiled.engine, jobs())) == texts(run_all(compiled.eager, jobs()))
     assert counters["stats"]["unique_graphs"] == graphs
     assert 3 in rows and max(rows) == (3 if routes.mixed else 4)
-    # eight rows: the bucket whose attention the project's kernel takes (decode_attention.ROWS)
+
+
+def test_compiled_decode_of_eight_rows_gives_the_eager_tokens(compiled, tok):
+    """Eight rows: the bucket whose attention the project's kernel takes (decode_attention.ROWS)."""
     assert decode_attention.ROWS <= 8
     eight = lambda: [job(tok, [p], max_tokens=5) for p in PROMPTS * 2]  # noqa: E731
-    assert [r["choices"][0]["text"] for r in run_all(engine, eight())] == \
-        [r["choices"][0]["text"] for r in run_all(eager_engine, eight())]
-    # ten rows, between buckets: unpadded through the kernel's graph whose rows vary where the
-    # engine mixes, else padded to the 16-row bucket; compiled before it ran
+    assert texts(run_all(compiled.engine, eight())) == texts(run_all(compiled.eager, eight()))
+
+
+def test_compiled_decode_of_ten_rows_gives_the_eager_tokens(compiled, tok, monkeypatch):
+    """Ten rows, between buckets: unpadded through the kernel's graph whose rows vary where the
+    engine mixes, else padded to the 16-row bucket; compiled before it ran."""
+    from torch._dynamo.utils import counters
+
+    routes, rows = compiled.engine.runner.routes, decode_rows(compiled, monkeypatch)
     assert routes.route(10) == (Route(Graph.KERNEL, 10) if routes.mixed else Route(Graph.BUCKET, 16))
     ten = lambda: [job(tok, [p], max_tokens=5) for p in (PROMPTS * 3)[:10]]  # noqa: E731
-    rows.clear()
-    assert [r["choices"][0]["text"] for r in run_all(engine, ten())] == \
-        [r["choices"][0]["text"] for r in run_all(make_engine(small, tok, max_batch=12)[0], ten())]
+    graphs = counters["stats"]["unique_graphs"]
+    assert texts(run_all(compiled.engine, ten())) == texts(run_all(make_engine(compiled.small, tok, max_batch=12)[0], ten()))
     assert counters["stats"]["unique_graphs"] == graphs
     assert 10 in rows and max(rows) == (10 if routes.mixed else 16)
-    routes._step = decode_step
 
-    # a prompt that arrives while others decode is fed beside them: its tokens as rows of the
-    # kernel's compiled graph where the project's kernel attends the cache (`mixed`), else in one
-    # eager packed forward; the decode-only steps around it run the compiled graph
+
+def test_a_prompt_arriving_while_others_decode_is_fed_beside_them_compiled(compiled, tok, monkeypatch):
+    """Its tokens as rows of the kernel's compiled graph where the project's kernel attends the
+    cache (`mixed`), else in one eager packed forward; the decode-only steps around it run the
+    compiled graph, all compiled before the engine ran."""
+    from torch._dynamo.utils import counters
+
     def staggered(engine):
         first = [engine.submit(j) for j in [job(tok, [p], max_tokens=10) for p in PROMPTS[:2]]]
         for _ in range(3):
@@ -542,25 +573,29 @@ def test_compiled_decode_gives_the_eager_tokens(tok, tmp_path):
             engine.step()
         return [h.result()["choices"][0]["text"] for h in first + [late]]
 
-    expected = staggered(make_engine(load_model(checkpoint), tok)[0])
+    engine = compiled.engine
+    routes = engine.runner.routes
+    expected = staggered(make_engine(load_model(compiled.checkpoint), tok)[0])
     calls = {"forward_packed": 0, "_step": 0}
-    for target, name in ((small, "forward_packed"), (routes, "_step")):
+    for target, name in ((compiled.small, "forward_packed"), (routes, "_step")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
             calls[_name] += 1
             return _run(*args, **kwargs)
-        setattr(target, name, counted)
+        monkeypatch.setattr(target, name, counted)
     graphs, taken = counters["stats"]["unique_graphs"], engine.runner.routes_taken.copy()
     assert staggered(engine) == expected
-    assert counters["stats"]["unique_graphs"] == graphs  # all compiled before the engine ran: no stall
+    assert counters["stats"]["unique_graphs"] == graphs  # no stall to compile
     taken = engine.runner.routes_taken - taken
-    assert routes.mixed == engine.runner.cache.own_attention
     if routes.mixed:  # the decode-only steps of two rows too, through the graph of small rows
         assert taken[Graph.KERNEL] >= 1 and taken[Graph.SMALL] >= 3 and calls["forward_packed"] == 0
         assert calls["_step"] == taken[Graph.KERNEL] + taken[Graph.SMALL] == taken.total()
     else:
         assert taken[Graph.PACKED] == calls["forward_packed"] >= 1
         assert calls["_step"] == taken[Graph.BUCKET] >= 3
-    # chunks whose attention would cost more than the kernel saves go through the eager forward
+
+
+def test_chunks_whose_attention_costs_more_than_the_kernel_saves_go_through_the_eager_forward(compiled):
+    routes = compiled.engine.runner.routes
     n = math.isqrt(MIXED_ATTENTION)  # a prompt's first n tokens attend to n * n keys at most: within the bound
     assert routes.route(2, [(0, n)]) == (Route(Graph.KERNEL, 2 + n) if routes.mixed else Route(Graph.PACKED, 2 + n))
     assert routes.route(2, [(n, n)]) == Route(Graph.PACKED, 2 + n)  # the next n tokens attend to twice as many
