@@ -7,12 +7,14 @@ Each step reads like vLLM's, one module per stage:
      beside running sequences as many as keep the step's matmuls within STEP_RATIO times their
      decode's measured cost, so a long prompt slows them for a few steps, never stalls them for
      its whole length);
-  2. run (runner.py): one forward for every running sequence (T = 1) and the prefill chunk,
-     packed together (compiled, where the decode step is); sequences whose prefill completed start (output.py: echo, a resumed history); every
-     sequence with logits draws a token, all brought to the host with one `.tolist()`;
-  3. output (output.py): decode text, match stops, finish sequences (the scheduler frees their
-     slots); hand all of the step's events to `event_sink` at once, which answers with the job
-     ids to cancel.
+  2. execute (runner.py): one forward for every running sequence (T = 1), the prefill chunk
+     riding along where the step's route takes it (decode_routes.py); the sequences whose prefill
+     completed start (output.py: echo, a resumed history);
+  3. sample (strategies.py): each decoding strategy (sampling, beam search, contrastive search)
+     chooses its rows' tokens, all brought to the host with one `.tolist()`; output.py takes them
+     in (text, stops, finishes);
+  4. update: the scheduler takes the finished sequences' slots back; the step's events
+     (output.py) go to `event_sink` at once, which answers with the job ids to cancel.
 
 A fault of the engine itself (EngineFault) writes no event: the job's handle raises it, and a
 retry can resume the job (output.py).
@@ -32,12 +34,12 @@ import torch
 
 from nanogpt.kernels import row_costs
 from worker import protocol
-from worker.beams import BeamGroup
 from worker.errors import EngineError, EngineFault
 from worker.output import OutputProcessor
 from worker.runner import Runner
 from worker.sampling import SamplingParams
-from worker.scheduler import Batch, Event, Request, Scheduler
+from worker.scheduler import Batch, Event, Prefill, Request, Scheduler, Sequence
+from worker.strategies import BeamSearch, ContrastiveSearch, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +89,10 @@ class Engine:
         prepack: on a CPU float32 or bfloat16 model, give each Linear the fastest matmul kernel this
         machine has for it (nanogpt/kernels.py, in place on the model; a prepacked kernel holds as
         much memory again as those weights).
-        compile: torch.compile the decode step (GPT.forward_decode), one graph per batch size of
-        runner.BATCH_BUCKETS (the batch is padded up to one), and on a CPU one whose rows vary
-        instead of the buckets from the attention kernel's rows up, which also serves steps that
-        feed prompt tokens beside decoding rows (Runner._run_mixed), all compiled here before the
-        engine runs (nanogpt/compile.py).
+        compile: torch.compile the decode step (forward_decode), every graph of the engine's
+        decode routes compiled here before the engine runs (worker/decode_routes.py: one per batch
+        bucket, the batch padded up to one; on a CPU, graphs whose rows vary instead from two rows
+        up, which also run steps that feed prompt tokens beside decoding rows).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/cuda_graphs.py)."""
         config = model.config
@@ -107,6 +108,8 @@ class Engine:
                              cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model))
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
+        self.strategies = (Sampling(self.runner, self.output), BeamSearch(self.runner, tokenizer),
+                           ContrastiveSearch(self.runner, self.output))
         self._steps = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -248,14 +251,16 @@ class Engine:
     # ---- one step ----
 
     def step(self) -> None:
-        """One engine iteration: schedule -> run -> output (see the module docstring). Never
-        raises for a request's sake."""
+        """One engine iteration: schedule -> execute -> sample -> update (see the module
+        docstring). Never raises for a request's sake."""
         events: list[Event] = []
         started = time.perf_counter()
         batch = self.scheduler.schedule(events)
         try:
             with torch.no_grad():
-                self._run(batch)
+                rows, logits, prefilled = self._execute(batch)
+                self._sample(batch, rows, logits)
+            self.scheduler.update(batch, prefilled)
         except Exception:
             # A fault (not a bad request: those were refused at submit). The batch's jobs cannot
             # be trusted to continue, but the engine goes on with the next ones.
@@ -269,42 +274,40 @@ class Engine:
         self.scheduler.cancels.extend(self._emit(events))
         self.scheduler.timed(batch, time.perf_counter() - started)
 
-    def _run(self, batch: Batch) -> None:
-        """Forward the decoding sequences and the prefill chunk; start the sequences whose
-        prefill completed; draw a token for every sequence that has logits, and take it in."""
+    def _execute(self, batch: Batch) -> tuple[list[Sequence], torch.Tensor | None, list[Prefill]]:
+        """The step's forwards (runner.py), then the start of the sequences whose prefill completed
+        (output.py). Returns the rows that choose their token from logits (the decoding ones, then
+        those that start and draw now), their logits (R, V), and the prefills completed."""
         self.runner.admit(batch.admitted)
         for unit in batch.ready:
             self.output.start(unit)
-        searching = [s for s in batch.decoding if s.search is not None]  # contrastive search: its own choice
-        rows = [s for s in batch.decoding if s.search is None]
+        rows, searching = [], []  # contrastive searches decode candidates, not rows of logits
+        for s in batch.decoding:
+            (rows if self._strategy(s).reads_logits else searching).append(s)
         decoded, prefilled = self.runner.forward(rows, searching, batch.chunks)
-        logits = [decoded] if decoded is not None else []
-        new_searches = []  # their first candidates go out with the next step's decode
+        pieces = [decoded] if decoded is not None else []
         for unit, last in prefilled:
-            started = self.output.start(unit)  # those not finished by their echo or replay draw
-            if unit.seqs[0].request.contrastive:
-                new_searches += started
-                continue
-            rows += started
-            logits += [last[None]] * len(started)
-            req = unit.seqs[0].request
-            if req.beam and started:
-                req.beams[unit.seqs[0].prompt_index] = BeamGroup(unit.seqs)
-        x = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits else None  # cat copies even one
-        sampled = [i for i, s in enumerate(rows) if not s.request.beam]
-        picked = x if len(sampled) == len(rows) else x[sampled] if sampled else None  # no copy when all sample
-        draws = self.runner.sample([rows[i] for i in sampled], [picked] if sampled else [])
-        self.output.accept([rows[i] for i in sampled], draws)
-        self.runner.step_beams(self._beam_rows(rows, x), self.tokenizer)
-        self.output.accept(searching, self.runner.contrast(searching))
-        self.scheduler.update([unit for unit, _ in prefilled], rows + searching + new_searches)
+            drawing = self._strategy(unit.seqs[0]).start(unit, self.output.start(unit))
+            rows += drawing
+            pieces += [last[None]] * len(drawing)
+        logits = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) if pieces else None  # cat copies even one
+        return rows, logits, [unit for unit, _ in prefilled]
 
-    @staticmethod
-    def _beam_rows(rows, x) -> list:
-        """Each beam group of the step with the logits of its running beams."""
-        where = {id(s): i for i, s in enumerate(rows)}
-        groups = {id(g): g for s in rows if s.request.beam for g in s.request.beams.values() if s in g.seqs}
-        return [(g, x[[where[id(s)] for s in g.rows]]) for g in groups.values()]
+    def _sample(self, batch: Batch, rows: list[Sequence], logits: torch.Tensor | None) -> None:
+        """Each strategy chooses the tokens of its rows: from their `logits` (those of `rows`), or,
+        contrastive search, among its decoding sequences' candidates."""
+        for strategy in self.strategies:
+            if strategy.reads_logits:
+                mine = [i for i, s in enumerate(rows) if strategy.takes(s.request)]
+                if mine:  # no copy when every row is the strategy's
+                    strategy.draw([rows[i] for i in mine], logits if len(mine) == len(rows) else logits[mine])
+            else:
+                mine = [s for s in batch.decoding if strategy.takes(s.request)]
+                if mine:
+                    strategy.draw(mine, None)
+
+    def _strategy(self, seq: Sequence):
+        return next(strategy for strategy in self.strategies if strategy.takes(seq.request))
 
     def _emit(self, events: list[Event]) -> set[str]:
         if self.event_sink is None:

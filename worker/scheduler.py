@@ -13,7 +13,6 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -190,13 +189,15 @@ class Scheduler:
         requests = {s.request for s in self.decoding} | {u.seqs[0].request for u in self.prefilling + ready}
         return Batch(ready, admitted, list(self.decoding), self._chunks(), requests)
 
-    def update(self, prefilled: list[Prefill], rows: list[Sequence]) -> None:
-        """After the step's run: the completed prefills stop prefilling, the sequences that drew a
-        token decode next step unless finished, and finished sequences give their slots back."""
+    def update(self, batch: Batch, prefilled: list[Prefill]) -> None:
+        """After the step ran `batch`: the completed prefills stop prefilling, its sequences (those
+        decoding and those of the prefills) decode next step unless finished, and finished
+        sequences give their slots back."""
         for unit in prefilled:
             self.prefilling.remove(unit)
-        self.decoding = [s for s in rows if s.finish_reason is None]
-        for s in chain(rows, (s for unit in prefilled for s in unit.seqs)):
+        seqs = batch.decoding + [s for unit in prefilled for s in unit.seqs]
+        self.decoding = [s for s in seqs if s.finish_reason is None]
+        for s in seqs:
             if s.finish_reason is not None:
                 self._release(s)
 

@@ -1,0 +1,76 @@
+"""Decoding strategies: how the sequences of a request choose their tokens once the step's forwards
+have run. The engine's step (engine.py) hands each strategy its own rows, in this order:
+
+- `Sampling`: every row on its own, drawn from its logits by its request's parameters (sampling.py);
+- `BeamSearch`: a prompt's beams together, from the logits of its running beams (beams.py);
+- `ContrastiveSearch`: each sequence among the candidates it put in the decode forward
+  (contrastive.py), which gave it no logits of its own.
+
+A strategy decides which of a prefill's sequences draw from its last logits when they start
+(`start`), and chooses its rows' tokens (`draw`): drawn tokens are taken in at once (output.py),
+a beam's are kept by its search until the search ends.
+"""
+from __future__ import annotations
+
+import torch
+
+from worker.beams import BeamGroup
+from worker.scheduler import Prefill, Request, Sequence
+
+
+class Sampling:
+    reads_logits = True
+
+    def __init__(self, runner, output):
+        self.runner, self.output = runner, output
+
+    @staticmethod
+    def takes(request: Request) -> bool:
+        return not request.beam and not request.contrastive
+
+    def start(self, unit: Prefill, seqs: list[Sequence]) -> list[Sequence]:
+        return seqs  # each draws its first token from the prefill's last logits
+
+    def draw(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        self.output.accept(rows, self.runner.sample(rows, [logits]))
+
+
+class BeamSearch:
+    reads_logits = True
+
+    def __init__(self, runner, tokenizer):
+        self.runner, self.tokenizer = runner, tokenizer
+
+    @staticmethod
+    def takes(request: Request) -> bool:
+        return request.beam
+
+    def start(self, unit: Prefill, seqs: list[Sequence]) -> list[Sequence]:
+        """A prompt's beams start as one group, the first step expanding the prompt alone."""
+        if seqs:
+            seqs[0].request.beams[unit.seqs[0].prompt_index] = BeamGroup(unit.seqs)
+        return seqs
+
+    def draw(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """One step of each beam group among `rows`, from the logits of its running beams."""
+        where = {id(s): i for i, s in enumerate(rows)}
+        groups = {id(g): g for s in rows for g in s.request.beams.values() if s in g.seqs}
+        self.runner.step_beams([(g, logits[[where[id(s)] for s in g.rows]]) for g in groups.values()],
+                               self.tokenizer)
+
+
+class ContrastiveSearch:
+    reads_logits = False  # its candidates' logits are its search's (runner.py, contrastive.py)
+
+    def __init__(self, runner, output):
+        self.runner, self.output = runner, output
+
+    @staticmethod
+    def takes(request: Request) -> bool:
+        return request.contrastive
+
+    def start(self, unit: Prefill, seqs: list[Sequence]) -> list[Sequence]:
+        return []  # its first candidates go out with the next step's decode
+
+    def draw(self, rows: list[Sequence], logits: None) -> None:
+        self.output.accept(rows, self.runner.contrast(rows))
