@@ -82,7 +82,7 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
                    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 
 PHASES = ("install", "environment", "checkpoints", "cuda-tests", "engine-small", "stack", "engine-xl", "profile")
-# Each phase's own limit (seconds) on a GPU; one run of all took about 6 minutes on an H200
+# Each phase's own limit (seconds), with room over what its pieces took on an H200
 # (docs/performance.md, "The GPU check").
 LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 200, "engine-small": 180,
           "stack": 150, "engine-xl": 220, "profile": 90}
