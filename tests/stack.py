@@ -195,14 +195,16 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
 
 def spawn_gunicorn(redis_url: str, models_file: Path, *, port: int | None = None, workers: int = 2,
                    threads: int = 16, env: dict[str, str] | None = None, log_dir: Path | None = None,
-                   timeout: float = 60.0) -> Service:
-    """Start `gunicorn wsgi:app` on 127.0.0.1 and wait until /health answers."""
+                   timeout: float = 60.0, worker_class: str = "gthread", host: str = "127.0.0.1") -> Service:
+    """Start `gunicorn wsgi:app` on `host` and wait until /health answers. `worker_class`: gthread
+    (`threads` each) or gevent (a greenlet per connection, up to 10000)."""
     port = port or free_port()
-    args = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", str(threads), "-w", str(workers),
-            "-b", f"127.0.0.1:{port}", "--graceful-timeout", "5", "wsgi:app"]
+    concurrency = ["--threads", str(threads)] if worker_class == "gthread" else ["--worker-connections", "10000"]
+    args = [sys.executable, "-m", "gunicorn", "-k", worker_class, *concurrency, "-w", str(workers),
+            "-b", f"{host}:{port}", "--graceful-timeout", "5", "--no-control-socket", "wsgi:app"]
     service = _spawn("gunicorn", args, {"REDIS_URL": redis_url, "NANOSERVE_MODELS": str(models_file),
                                         **(env or {})}, log_dir)
-    service.url = f"http://127.0.0.1:{port}"
+    service.url = f"http://{host}:{port}"
 
     def ready() -> bool:
         with urllib.request.urlopen(service.url + "/health", timeout=1) as response:

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 # their own package (web/api/, web/access/). `web.dev` stands alone.
 LAYERS = [
     ("web.durations",),
-    ("web.settings",),
+    ("web.settings", "web.redis_pool"),
     ("web.access",),
     ("web.metrics", "web.logs"),
     ("web.batch",),

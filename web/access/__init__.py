@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import redis
 from flask import Flask, Request, current_app, g
 
+from web import redis_pool
 from web.access import abuse, blocklist, keys, quotas, ratelimit
 from web.settings import Settings
 from worker.protocol import APIError
@@ -74,7 +75,7 @@ class _State:
 
 def init_app(app: Flask, settings: Settings) -> None:
     """Open the Redis client of access control (strings, not bytes)."""
-    app.extensions[EXTENSION] = _State(settings, redis.Redis.from_url(settings.redis_url, decode_responses=True))
+    app.extensions[EXTENSION] = _State(settings, redis_pool.client(settings.redis_url, decode_responses=True))
 
 
 def _state() -> _State:

@@ -15,6 +15,7 @@ from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobEr
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
+from web import redis_pool
 from web.api.stream_hub import StreamHub
 from web.settings import Settings
 from worker import protocol
@@ -33,10 +34,9 @@ class JobQueue:
     def __init__(self, settings: Settings):
         self.settings = settings
         # Short timeouts on ordinary commands so a dead Redis is a quick 503, not a hung request.
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        self.redis = redis_pool.client(settings.redis_url, socket_timeout=5)
         # XREAD BLOCK waits up to one keepalive period; its socket must outlast that.
-        self.blocking_redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                                   socket_timeout=settings.keepalive_s + 10)
+        self.blocking_redis = redis_pool.client(settings.redis_url, socket_timeout=settings.keepalive_s + 10)
         self.hub = StreamHub(settings.redis_url)
 
     def queue(self, model_id: str) -> Queue:
