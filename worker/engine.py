@@ -108,8 +108,7 @@ class Engine:
                              cuda_graphs=cuda_graphs)
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model))
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
-        self.strategies = (Sampling(self.runner, self.output), BeamSearch(self.runner, tokenizer),
-                           ContrastiveSearch(self.runner, self.output))
+        self.strategies = tuple(kind(self.runner, self.output) for kind in (Sampling, BeamSearch, ContrastiveSearch))
         self._steps = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None

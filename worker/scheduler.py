@@ -27,8 +27,8 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 # STEP_RATIO times those of their decode alone (decode and prefill share one forward, runner.py), and
 # at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
 # 1.6 and 4 were measured on an in-process int8 engine under the serving benchmark's workload at
-# 1 request/s on the AVX2 EPYC, where a step that feeds prompt tokens runs compiled (runner.py
-# `_run_mixed`) and a small chunk costs its decoding rows little: TPOT p99 1.67x the single
+# 1 request/s on the AVX2 EPYC, where a step that feeds prompt tokens runs compiled (decode_routes.py
+# KERNEL) and a small chunk costs its decoding rows little: TPOT p99 1.67x the single
 # sequence's step against 2.5x at ratio 2 and 1.8x at 1.3 (whose prompts fell behind: TTFT p99
 # 8.1 s); through the whole stack 2.9x (with a fixed 2 s wait before prompts sped up), where 6 with
 # whole chunks during bursts, the policy while such a step ran eagerly, gave 4-5x.

@@ -18,29 +18,36 @@ from worker.beams import BeamGroup
 from worker.scheduler import Prefill, Request, Sequence
 
 
-class Sampling:
-    reads_logits = True
+class Strategy:
+    """A decoding strategy: the engine hands it the rows of the requests it `takes`."""
+    reads_logits = True  # whether its rows' tokens come from their logits in the step's forward
 
     def __init__(self, runner, output):
         self.runner, self.output = runner, output
 
     @staticmethod
     def takes(request: Request) -> bool:
-        return not request.beam and not request.contrastive
+        raise NotImplementedError
 
     def start(self, unit: Prefill, seqs: list[Sequence]) -> list[Sequence]:
-        return seqs  # each draws its first token from the prefill's last logits
+        """Of a completed prefill's sequences that start, those that draw from its last logits now."""
+        return seqs
+
+    def draw(self, rows: list[Sequence], logits: torch.Tensor | None) -> None:
+        """Choose the tokens of `rows` (from `logits`, theirs, where the strategy reads logits)."""
+        raise NotImplementedError
+
+
+class Sampling(Strategy):
+    @staticmethod
+    def takes(request: Request) -> bool:
+        return not request.beam and not request.contrastive
 
     def draw(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         self.output.accept(rows, self.runner.sample(rows, [logits]))
 
 
-class BeamSearch:
-    reads_logits = True
-
-    def __init__(self, runner, tokenizer):
-        self.runner, self.tokenizer = runner, tokenizer
-
+class BeamSearch(Strategy):
     @staticmethod
     def takes(request: Request) -> bool:
         return request.beam
@@ -56,14 +63,11 @@ class BeamSearch:
         where = {id(s): i for i, s in enumerate(rows)}
         groups = {id(g): g for s in rows for g in s.request.beams.values() if s in g.seqs}
         self.runner.step_beams([(g, logits[[where[id(s)] for s in g.rows]]) for g in groups.values()],
-                               self.tokenizer)
+                               self.output.tokenizer)
 
 
-class ContrastiveSearch:
+class ContrastiveSearch(Strategy):
     reads_logits = False  # its candidates' logits are its search's (runner.py, contrastive.py)
-
-    def __init__(self, runner, output):
-        self.runner, self.output = runner, output
 
     @staticmethod
     def takes(request: Request) -> bool:
