@@ -9,9 +9,10 @@ Where the package registry is reachable (here), then the device tool's `run`:
          command: python3 -m bench.gpu_check --out $OUT --budget 480
 
 From a plain checkout anywhere else: `python3 -m bench.gpu_check --out DIR [--budget 480]
-[--device cuda] [--phases NAME,...] [--skip-install]`. No PYTHONPATH is needed: the check installs
-.wheels/*.whl with `pip install --no-index --no-deps --target /tmp/site` and runs every phase with
-/tmp/site and the checkout on PYTHONPATH.
+[--device cuda] [--phases NAME,...] [--skip-install]` (--phases: some of the measuring phases,
+cuda-tests to profile below; the first three run wherever needed). No PYTHONPATH is needed: the
+check installs .wheels/*.whl with `pip install --no-index --no-deps --target /tmp/site` and runs
+every phase with /tmp/site and the checkout on PYTHONPATH.
 
 The phases, in this order, each a subprocess with a time limit of its own, cut to what is left of
 --budget (a phase that would start with too little left is skipped):
@@ -81,7 +82,9 @@ UNPINNED = ("openai<3",)
 TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 
-PHASES = ("install", "environment", "checkpoints", "cuda-tests", "engine-small", "stack", "engine-xl", "profile")
+# the measuring phases, which --phases chooses from, and those that prepare them, which always run
+MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile")
+PHASES = ("install", "environment", "checkpoints", *MEASURED)
 # Each phase's own limit (seconds), with room over what its pieces took on an H200
 # (docs/performance.md, "The GPU check").
 LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 200, "engine-small": 180,
@@ -346,7 +349,7 @@ class Check:
         return self.record(name, {"status": "skipped", "reason": reason, "wall_s": 0.0})
 
     def wanted(self, name: str) -> bool:
-        return name in self.args.phases
+        return name in self.args.phases or name not in MEASURED
 
     def runnable(self, name: str) -> bool:
         """Whether `name` runs: asked for and with time left (else it is recorded as skipped)."""
@@ -1011,7 +1014,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for every phase together")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="the tiny shape, one short round each (a smoke run)")
-    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
+    parser.add_argument("--phases", default=",".join(MEASURED),
+                        help=f"comma-separated, of {', '.join(MEASURED)} (the others run where needed)")
     parser.add_argument("--skip-install", action="store_true", help="use the packages already importable")
     parser.add_argument("--wheels", default=str(WHEELS))
     parser.add_argument("--site", default=str(SITE), help="where the wheels are installed")
@@ -1021,9 +1025,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parser.parse_args(argv)
     args.argv = argv
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = set(args.phases) - set(PHASES)
+    unknown = set(args.phases) - set(MEASURED)
     if unknown:
-        parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)}")
+        parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(MEASURED)}")
     return run_check(args, QUICK if args.quick else Plan())
 
 
