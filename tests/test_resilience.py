@@ -298,3 +298,24 @@ def test_a_dead_engine_thread_exits_the_process_and_its_stream_resumes_elsewhere
     finally:
         stop_all(web, faulty, healthy)
         server.stop()
+
+
+# ---- a worker told to stop while its Redis is gone -------------------------------------------
+
+def test_a_worker_whose_redis_is_gone_stops_within_seconds(models_file, tmp_path):
+    """SIGTERM with Redis unreachable: nothing runs and nothing can be taken, so nothing is waited for
+    (rq's reconnect loop would hold the process past a container's grace period)."""
+    server = start_redis()
+    worker = spawn_processor(server.url, models_file, concurrency=4, log_dir=tmp_path)
+    try:
+        server.stop()
+        time.sleep(2)  # the worker's threads are now failing to reach Redis
+        started = time.monotonic()
+        worker.signal(15)
+        assert worker.wait(timeout=60) == 0
+        took = time.monotonic() - started
+        print(f"\nstopped {took:.1f} s after SIGTERM with Redis gone")
+        assert took < 8, worker.logs()[-2000:]
+    finally:
+        stop_all(worker)
+        server.stop()

@@ -449,15 +449,26 @@ class WorkerPool:
             if worker is not None:
                 worker.request_stop()
 
-    def join(self, idle_timeout: float = 30.0) -> None:
-        """Wait for every thread; a thread stuck reconnecting to Redis is left after `idle_timeout`
-        unless it still runs a job."""
-        deadline = time.monotonic() + idle_timeout
+    def join(self, idle_grace: float = 2.0) -> None:
+        """Wait for the threads running a job to finish it, while Redis answers (its result has
+        somewhere to go; with Redis gone the job is re-queued from its registry once Redis is back).
+        An idle thread gets `idle_grace` to leave: one stuck in rq's reconnect loop is left behind
+        (the threads are daemons)."""
+        deadline = time.monotonic() + idle_grace
         for slot, thread in enumerate(self.threads):
             while thread.is_alive():
                 thread.join(timeout=0.5)
                 worker = self.workers[slot]
-                if time.monotonic() > deadline and not (worker is not None and worker.busy):
+                if time.monotonic() > deadline and not (worker is not None and worker.busy and self._redis_answers()):
                     break
-        self._heartbeat.join(timeout=self.heartbeat_interval + 1)
+        self._heartbeat.join(timeout=(self.heartbeat_interval + 1) if self._redis_answers() else 0.5)
+
+    def _redis_answers(self) -> bool:
+        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=1, socket_timeout=1)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
 
