@@ -22,7 +22,7 @@ RUN useradd --create-home --uid 1000 nanoserve \
     && chown -R nanoserve /app /data
 
 # A C++ compiler: a CPU worker compiles its decode step with it (torch.compile) and builds the
-# project's own kernels (nanogpt/extension.py); without one it serves on slower paths.
+# project's own kernels (nanogpt/kernels/extension.py); without one it serves on slower paths.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # Dependencies first, so editing the code does not reinstall them.

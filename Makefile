@@ -58,7 +58,7 @@ gpu-wheels: install-dev
 	$(BIN)/python -m bench.gpu_check wheels --dest .wheels $(DATA_PACKAGES)
 
 train: install
-	$(BIN)/python -m nanogpt.train nanogpt/configs/shakespeare_char.py
+	$(BIN)/python -m nanogpt.training.train nanogpt/training/configs/shakespeare_char.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the decode step (a slower first start, faster steps); default: "
                              "where it pays, float32, bfloat16 and int8 on a CPU with a C++ compiler "
-                             "(nanogpt/compile.py)")
+                             "(nanogpt/runtime/compile.py)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics of the engines on this port")
     parser.add_argument("--log-level", default="info")
@@ -100,18 +100,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_engine(spec, device: str, sink, compile: bool | None = False):
     """Load the model and tokenizer onto one device and wrap them in a started engine, in the
-    precision nanogpt.precision chooses for the registry's dtype on this hardware (a CPU without
+    precision nanogpt.runtime.precision chooses for the registry's dtype on this hardware (a CPU without
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
-    kernels (nanogpt.kernels). `compile`: compile the decode step, or None: where it pays
-    (nanogpt.compile.compiles_by_default). The model is loaded on the engine's thread (Engine.launch)."""
+    kernels (nanogpt.kernels.planner). `compile`: compile the decode step, or None: where it pays
+    (nanogpt.runtime.compile.compiles_by_default). The model is loaded on the engine's thread (Engine.launch)."""
     from models.tokenizer import load_tokenizer
-    from nanogpt import kernels, precision
     from nanogpt.checkpoint import load_model
-    from nanogpt.compile import compiles_by_default
-    from nanogpt.quantize import quantize_int8
+    from nanogpt.kernels import planner
+    from nanogpt.kernels.machine import cpu_flags
+    from nanogpt.kernels.quantize import quantize_int8
+    from nanogpt.runtime import precision
+    from nanogpt.runtime.compile import compiles_by_default
     from worker.engine import Engine
 
-    flags = precision.cpu_flags()
+    flags = cpu_flags()
     try:
         chosen = precision.choose(spec.dtype, device, flags)
     except ValueError as err:
@@ -135,7 +137,7 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
                            event_sink=sink, compile=compile)
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
-                                    "kernels": kernels.describe(model), "max_batch": spec.max_batch,
+                                    "kernels": planner.describe(model), "max_batch": spec.max_batch,
                                     "compiled": engine.runner.compiled,
                                     # keys and values: the model's dtype, float32 or bfloat16 (kv_cache.cache_dtype)
                                     "kv_cache": str(engine.runner.cache.k[0].dtype).removeprefix("torch."),
@@ -169,11 +171,11 @@ def log_faster_options(model_id: str, model, options: list[str]) -> None:
     sample of this model's weight matmuls just now against float32."""
     import torch
 
-    from nanogpt import kernels
+    from nanogpt.kernels import planner
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dtypes = {"bfloat16": torch.bfloat16, "int8": torch.qint8}
-    factors = kernels.speedups(layers, [dtypes[o] for o in options]) if layers else {}
+    factors = planner.speedups(layers, [dtypes[o] for o in options]) if layers else {}
     measured = {o: {rows: round(f, 2) for rows, f in factors[dtypes[o]].items()} for o in options if factors}
     log.info(f"float32 on a CPU that runs {' and '.join(options)} faster (set dtype in "
              "models.toml; float32 is the exact one); this model's weight matmuls, "

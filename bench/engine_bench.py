@@ -20,7 +20,7 @@ all of them alike:
   C = 16 up it runs once per benchmark, one run already holding C requests, and not above 32);
 - `engine-int8`, `engine-compile`: the engine's int8 and torch.compile modes (`engine_mode`).
 - `engine-bf16`: the engine on the model in bfloat16, where the CPU multiplies bf16 natively
-  (nanogpt/precision.py), else "not available".
+  (nanogpt/runtime/precision.py), else "not available".
 - `engine-bf16-compile`, `engine-int8-compile` (only when named in `--systems`): those two with
   the decode step compiled.
 
@@ -273,18 +273,18 @@ class EngineRun:
 
     def kernels(self) -> str:
         """What the engine chose as it loaded: its layers' kernels and its KV cache's dtype."""
-        from nanogpt import kernels
-        from nanogpt.kv_cache import model_cache_dtype
+        from nanogpt.kernels import planner
+        from nanogpt.runtime.precision import model_cache_dtype
 
         cache = str(model_cache_dtype(self.model)).removeprefix("torch.")
-        return f"{kernels.describe(self.model) or 'no packed layers'}; KV cache {cache}"
+        return f"{planner.describe(self.model) or 'no packed layers'}; KV cache {cache}"
 
 
 def engine_mode(mode: str) -> tuple:
     """(prepare, engine keyword arguments) of the engine's `int8` mode (the model transform
-    `nanogpt.quantize.quantize_int8`) or `compile` mode (the Engine's `compile` option)."""
+    `nanogpt.kernels.quantize.quantize_int8`) or `compile` mode (the Engine's `compile` option)."""
     if mode == "int8":
-        from nanogpt.quantize import quantize_int8
+        from nanogpt.kernels.quantize import quantize_int8
         return quantize_int8, {}
     if mode == "compile":
         return None, {"compile": True}
@@ -292,12 +292,13 @@ def engine_mode(mode: str) -> tuple:
 
 
 def chosen_precision(requested: str, device: str):
-    """What the worker runs for the registry dtype `requested` on `device` (nanogpt.precision);
+    """What the worker runs for the registry dtype `requested` on `device` (nanogpt.runtime.precision);
     NotAvailable where it refuses (int8 on a GPU)."""
-    from nanogpt import precision
+    from nanogpt.kernels.machine import cpu_flags
+    from nanogpt.runtime import precision
 
     try:
-        return precision.choose(requested, device, precision.cpu_flags())
+        return precision.choose(requested, device, cpu_flags())
     except ValueError as err:
         raise NotAvailable(str(err)) from err
 
@@ -416,8 +417,8 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
     # First calls allocate, pack weights and meet every sequence length; a compiled system compiles
     # for each batch size it meets, so it runs the whole workload once at every concurrency first.
     # One system loads at a time: an engine times its kernels and its attention as it loads
-    # (nanogpt/kernels.py, kv_cache.py) and trusts no timing taken while other processes are busy,
-    # so systems loading side by side fell back to the rules (int8 at 32 requests: 1044 against
+    # (nanogpt/kernels/planner.py, decode_attention.py) and trusts no timing taken while other
+    # processes are busy, so systems loading side by side fell back to the rules (int8 at 32 requests: 1044 against
     # 1431 tok/s loaded alone, docs/notes/kernel-plan.md).
     procs: dict[str, SystemProcess] = {}
     try:

@@ -12,10 +12,10 @@ On the held-out split (val.bin), in windows of the model's context taken at even
   float32's, and where the first different token falls (median over those that differ).
 
 Each precision runs as the worker would run it on this CPU: bfloat16 with the model loaded in
-bf16 and this machine's bf16 kernels (nanogpt/kernels.py), int8 with the engine's quantize_int8;
+bf16 and this machine's bf16 kernels (nanogpt/kernels/planner.py), int8 with the engine's quantize_int8;
 every position through the worker's KV cache (prefill, then decode steps), whose keys and values
 are bfloat16 for bfloat16 and int8 where this CPU's attention runs faster so
-(kv_cache.cache_dtype: the JSON names it). bfloat16 is measured even on a CPU without native bf16
+(precision.cache_dtype: the JSON names it). bfloat16 is measured even on a CPU without native bf16
 (emulated: slow, same numerics).
 """
 from __future__ import annotations
@@ -31,14 +31,14 @@ import torch
 
 def load(checkpoint: str, precision: str):
     from bench.engine_bench import engine_mode
-    from nanogpt import kernels
     from nanogpt.checkpoint import load_model
+    from nanogpt.kernels.planner import pack_linears
 
     model = load_model(checkpoint, dtype=torch.bfloat16 if precision == "bfloat16" else torch.float32)
     if precision == "int8":
         prepare, _ = engine_mode("int8")
         return prepare(model)
-    kernels.pack_linears(model)
+    pack_linears(model)
     return model
 
 
@@ -51,8 +51,9 @@ def windows(data: Path, count: int, length: int) -> torch.Tensor:
 
 def served_cache(model, rows: int, positions: int):
     """A KV cache of `rows` slots as the worker makes it for this model on this CPU: its keys and
-    values in kv_cache.model_cache_dtype (bfloat16 for bfloat16 and int8 where attention pays)."""
-    from nanogpt.kv_cache import KVCache, model_cache_dtype
+    values in precision.model_cache_dtype (bfloat16 for bfloat16 and int8 where attention pays)."""
+    from nanogpt.runtime.kv_cache import KVCache
+    from nanogpt.runtime.precision import model_cache_dtype
 
     return KVCache(model.config, rows, positions, model.device, model_cache_dtype(model))
 
@@ -108,7 +109,7 @@ def compare(reference: dict, other: dict) -> dict:
 
 def measure(checkpoint: str, data: Path, precisions: list[str], count: int = 256, prompts: int = 32,
             prompt_tokens: int = 16, new_tokens: int = 48) -> dict:
-    from nanogpt.kv_cache import model_cache_dtype
+    from nanogpt.runtime.precision import model_cache_dtype
 
     results = {}
     for precision in ["float32", *precisions]:

@@ -5,7 +5,7 @@
 - ceilings: per precision the machine runs natively (float32; bfloat16 on a CPU with native bf16
   or on CUDA; int8 on a CPU), the time of one decode step's weight matmuls alone (GPT-2 small's
   49: 4 per block and the LM head) at 1 / 8 / 32 / 64 rows, with each kernel PyTorch offers
-  (nanogpt/kernels.py: F.linear, MKL's packed GEMM, oneDNN's prepacked linear, fbgemm's and
+  (nanogpt/kernels/matmuls.py: F.linear, MKL's packed GEMM, oneDNN's prepacked linear, fbgemm's and
   oneDNN's dynamic int8) and the fastest of them: the ceiling each engine row is held against (bench.engine_bench);
 - matmul: float32 GFLOP/s of `torch.matmul` at a large square shape (the compute ceiling) and at
   the shapes of GPT-2 small's MLP for a decode batch of B rows (what batched decoding can reach);
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from nanogpt.kernels import best_seconds, busy_cpu_seconds
+from nanogpt.kernels.machine import best_seconds, busy_cpu_seconds
 
 
 def matmul_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
@@ -119,13 +119,13 @@ class Gate:
         return result
 
 
-# flags that decide which kernels and precisions are fast (nanogpt/precision.py)
+# flags that decide which kernels and precisions are fast (nanogpt/runtime/precision.py)
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
                 "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_flags() -> list[str]:
-    from nanogpt.precision import cpu_flags as all_flags
+    from nanogpt.kernels.machine import cpu_flags as all_flags
 
     flags = all_flags()
     return [flag for flag in KERNEL_FLAGS if flag in flags]
@@ -141,7 +141,8 @@ GPT2_SMALL = (12, 768, 50257)  # n_layer, n_embd, vocab_size
 def precisions(device: str = "cpu") -> list[str]:
     """The precisions this machine runs natively: float32 everywhere, bfloat16 on CUDA or a CPU
     with native bf16, int8 on a CPU."""
-    from nanogpt.precision import cpu_flags as all_flags, has_native_bf16
+    from nanogpt.kernels.machine import cpu_flags as all_flags
+    from nanogpt.runtime.precision import has_native_bf16
 
     if device.startswith("cuda"):
         return ["float32", "bfloat16"]
@@ -165,22 +166,22 @@ def ceiling(precision: str, shape=GPT2_SMALL, rows=DECODE_ROWS, prefill_rows: in
     rows (the blocks also at `prefill_rows`, a prefill chunk), and per rows PyTorch's fastest: its decode
     step (`step_seconds` = blocks + head) and tokens/s (rows / step). `only`: time these of the
     available kernels alone (the ones known to be fastest)."""
-    from nanogpt import kernels
+    from nanogpt.kernels import matmuls, planner
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}[precision]
-    names = (kernels.available(torch.qint8) if precision == "int8" else
-             [kernels.PLAIN] if device.startswith("cuda") else kernels.available(dtype))
+    names = (matmuls.available(torch.qint8) if precision == "int8" else
+             [matmuls.PLAIN] if device.startswith("cuda") else matmuls.available(dtype))
     names = [name for name in names if only is None or name in only]
     blocks, head = decode_weights(shape, dtype, device)
     block_rows = sorted({*rows, *([prefill_rows] if prefill_rows else [])})
     time_pass = graphed_pass_seconds if device.startswith("cuda") else \
-        lambda weights, rows, repeats: kernels.time_kernels(weights, names, rows, repeats, budget=math.inf)
+        lambda weights, rows, repeats: planner.time_kernels(weights, names, rows, repeats, budget=math.inf)
     timings = {"blocks": time_pass(blocks, block_rows, repeats)}
     del blocks
     timings["head"] = time_pass(head, list(rows), repeats)
     # the ceiling is PyTorch's fastest kernel (the issue's definition); the project's own are timed
     # beside it for the record
-    pytorch = [name for name in names if name not in kernels.OWN]
+    pytorch = [name for name in names if name not in matmuls.OWN]
     best = {part: {r: min(by_kernel[k][r] for k in pytorch) for r in (block_rows if part == "blocks" else rows)}
             for part, by_kernel in timings.items()}
     fastest = {r: min(pytorch, key=lambda k: timings["blocks"][k][r] + timings["head"][k][r]) for r in rows}
@@ -193,8 +194,8 @@ def graphed_pass_seconds(weights, rows, repeats: int) -> dict[str, dict[int, flo
     """On a GPU: {PLAIN: {rows: best seconds}} of one pass of F.linear over `weights`, replayed
     from a CUDA graph and timed by CUDA events, so that the pass costs the GPU's time, not the
     host's launches (the engine replays its decode step from CUDA graphs too)."""
-    from nanogpt import kernels
-    from nanogpt.cuda_graphs import record
+    from nanogpt.kernels.matmuls import PLAIN
+    from nanogpt.runtime.cuda_graphs import record
 
     device = weights[0][0].device
     best = {}
@@ -216,7 +217,7 @@ def graphed_pass_seconds(weights, rows, repeats: int) -> dict[str, dict[int, flo
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         best[r] = min(times[1:])
-    return {kernels.PLAIN: best}
+    return {PLAIN: best}
 
 
 def fastest_kernels(ceiling: dict, rows: int) -> list[str]:
@@ -254,7 +255,7 @@ def measure(quick: bool = False, device: str = "cpu", shape=GPT2_SMALL, rows=Non
     """The limits as a JSON-able dict (GFLOP/s, GB/s, ceilings of a model of `shape`: n_layer,
     n_embd, vocab_size, at `rows` rows, default DECODE_ROWS); `quick` uses small sizes and few
     repeats (a smoke check)."""
-    from nanogpt.precision import cpu_name
+    from nanogpt.kernels.machine import cpu_name
 
     size = 512 if quick else 2048
     decode_rows = tuple(rows or ((1, 8) if quick else DECODE_ROWS))

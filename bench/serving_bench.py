@@ -244,7 +244,7 @@ def run_benchmark(servers: list[str], model: str, requests: list[Request], rates
     `model_name`, default `model`; the servers started here serve `model_dir`, default the
     random-weight checkpoint of shape `model`)."""
     from bench.machine import cpu_flags
-    from nanogpt.precision import cpu_name
+    from nanogpt.kernels.machine import cpu_name
 
     context_length = max(r.prompt_tokens + r.max_tokens for r in requests)
     results = {"model": model, "rates": rates, "seed": seed, "max_concurrency": max_concurrency,

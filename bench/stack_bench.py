@@ -45,7 +45,7 @@ def run_benchmark(precisions: list[str], model: str, concurrency: list[int], rep
     from bench.engine_bench import code_version, round_ceilings
     from bench.machine import Gate, ceiling, cpu_flags, workload_ceiling
     from bench.serving_bench import server
-    from nanogpt.precision import cpu_name
+    from nanogpt.kernels.machine import cpu_name
 
     gate = gate or Gate()
     model_dir = model_dir or checkpoint(model)

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--connect-rate", type=float, default=500.0, help="new connections a second")
     parser.add_argument("--json", default="bench/.cache/streams_bench.json")
     args = parser.parse_args(argv)
-    from nanogpt.precision import cpu_name
+    from nanogpt.kernels.machine import cpu_name
 
     results = {"cpu": cpu_name(), "cores": os.cpu_count(), "rounds": [
         run_class(worker_class, args.streams, web_workers=args.web_workers, threads=args.threads,

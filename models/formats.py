@@ -1,5 +1,5 @@
 """Checkpoint formats, read without torch: where a checkpoint's files are and what its model is.
-The registry (models/registry.py, which the web tier imports) and the loader (checkpoint.py) both
+The registry (registry.py, which the web tier imports) and the loader (nanogpt/checkpoint.py) both
 resolve checkpoints here, so they cannot disagree.
 
 A checkpoint is named by one of

@@ -9,7 +9,7 @@
 
 `checkpoint` is a nanoGPT `ckpt.pt` (or the directory holding it), a Hugging Face directory of a
 supported family (GPT-2, GPT-Neo, GPT-J, OPT, GPT-NeoX/Pythia), or `hf:<repo>[@revision]` (read from
-the local Hugging Face cache, never downloaded here), resolved by nanogpt/formats.py (torch-free) as
+the local Hugging Face cache, never downloaded here), resolved by models/formats.py (torch-free) as
 `nanogpt.checkpoint.load_model` resolves them. Relative paths resolve against the directory of the toml
 file. Optional keys: `aliases`, `device` ("auto", "cpu", "cuda", "cuda:N", "mps"), `dtype`
 (float32, bfloat16, float16, int8), `max_batch`, `owned_by`, `created` (unix time; default the toml's
@@ -36,7 +36,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from models.tokenizer import TokenizerError, TokenizerSpec, find_tokenizer
-from nanogpt.formats import (CheckpointError, cached_snapshot, hf_repo, local_checkpoint, positive_int,
+from models.formats import (CheckpointError, cached_snapshot, hf_repo, local_checkpoint, positive_int,
                              read_hf_config)
 
 DEFAULT_PATH = Path(__file__).with_name("models.toml")
@@ -234,7 +234,7 @@ class _Unusable(Exception):
 def inspect_checkpoint(checkpoint: str, context_length: int | None = None,
                        vocab_size: int | None = None) -> CheckpointInfo:
     """Shape and tokenizer of a checkpoint: `hf:<repo>`, a Hugging Face directory (any family
-    nanogpt.formats knows) or a nanoGPT ckpt.pt. `context_length`/`vocab_size` stand in for an `hf:`
+    models.formats knows) or a nanoGPT ckpt.pt. `context_length`/`vocab_size` stand in for an `hf:`
     repo that cannot be read."""
     try:
         if hf_repo(checkpoint) is not None:

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Literal
 import tiktoken
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-from nanogpt.formats import CheckpointError, read_hf_config
+from models.formats import CheckpointError, read_hf_config
 
 # File names, in order of preference, for each way a checkpoint can ship its tokenizer.
 CHAR_VOCAB = "meta.pkl"

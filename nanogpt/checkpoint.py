@@ -1,5 +1,5 @@
 """Weights in and out: Hugging Face checkpoints of every family, nanoGPT ckpt.pt files, and
-`hf:<repo>` names (resolved as nanogpt/formats.py says).
+`hf:<repo>` names (resolved as models/formats.py says).
 
     load_model("path/to/hf-dir")                 # config.json + model.safetensors (or shards, or .bin)
     load_model("out-shakespeare-char/ckpt.pt")   # nanoGPT's train.py output (or its directory)
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from nanogpt.formats import CheckpointError, hf_repo, local_checkpoint, read_hf_config, snapshot
+from models.formats import CheckpointError, hf_repo, local_checkpoint, read_hf_config, snapshot
 from nanogpt.model import GPT, GPTConfig
 
 __all__ = ["CheckpointError", "load_model", "resolve_checkpoint", "save_nanogpt_checkpoint"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from nanogpt.formats import CheckpointError
+from models.formats import CheckpointError
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
 from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention
 from nanogpt.serving import GPT2Layout

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from models.formats import CheckpointError
 from nanogpt.hf_weights import copy, per_head_qkv, weight_and_bias
 from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary
 from nanogpt.serving import ServingModel
@@ -101,7 +102,6 @@ def config_from_hf(hf) -> GPTNeoXConfig:
     rope = hf.get("rope_parameters") or {}
     hf.check({"rope_scaling": (None,)})
     if rope.get("rope_type", "default") != "default":
-        from nanogpt.formats import CheckpointError
         raise CheckpointError(f"{hf.path / 'config.json'}: unsupported rope_type={rope['rope_type']!r} "
                               "(supported: ['default'])")
     n_embd = hf.get("hidden_size", 6144)

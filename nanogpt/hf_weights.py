@@ -25,7 +25,7 @@ def copy(name: str) -> Source:
 def transposed(name: str) -> Source:
     """GPT-2's Conv1D weights are stored (in, out): the transpose of nn.Linear's, laid out as
     nn.Linear's (a transposed view would make every kernel that reads the weight row by row, the
-    one-row GEMV of nanogpt/gemv.py among them, copy it on each call)."""
+    one-row GEMV of nanogpt/kernels/gemv.py among them, copy it on each call)."""
     return Source((name,), lambda t: t.t().contiguous(), lambda shape: [shape[::-1]])
 
 

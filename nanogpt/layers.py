@@ -1,9 +1,13 @@
 """The layers every family is built from: causal self-attention over the slot KV cache (with the
 scale, local window and rotary embeddings the families differ in), the MLP, rotary embeddings.
 
-Attention always runs through a window (kv_cache.py): `FullWindow` for a forward without a cache,
+Attention always runs through a window (nanogpt/runtime/kv_cache.py): `FullWindow` for a forward without a cache,
 `CacheWindow` for a ragged batch over the cache, `DecodeWindow` for the compiled decode step; the
 layer itself only projects, rotates and re-assembles heads.
+
+The layers are plain nn.Linear modules, as nanoGPT writes them. Loading may swap them for a CPU
+kernel's (nanogpt/kernels/), which `project` lets apply an activation or add a residual in the
+matmul's own pass over the output.
 """
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from nanogpt.kernels import project
 
 # transformers' activation names -> the function each stands for
 ACTIVATIONS = {
@@ -20,6 +23,22 @@ ACTIVATIONS = {
     "gelu": nn.GELU,  # the exact (erf) form
     "relu": nn.ReLU,
 }
+
+
+def project(linear: nn.Module, x: torch.Tensor, activation: nn.Module | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """activation(linear(x)), or residual + linear(x). A linear layer that a kernel swapped in at load
+    computes either in its own pass over the output where it can (its `fused`, None where not)."""
+    if activation is not None and residual is not None:
+        return residual + project(linear, x, activation)
+    fused = getattr(type(linear), "fused", None)  # on the class: nn.Module's __getattr__ costs microseconds
+    y = None if fused is None else fused(linear, x, activation, residual)
+    if y is not None:
+        return y
+    y = linear(x)
+    if activation is not None:
+        y = activation(y)
+    return y if residual is None else residual + y
 
 
 class Rotary:
@@ -74,7 +93,7 @@ class CausalSelfAttention(nn.Module):
         """cache_layer: None for the training forward (causal over x itself, with dropout), else
         (keys, values, window): one layer of a KVCache (None, None for a FullWindow) and the window.
         residual: added to the output (residual + attention(x)), by the output projection's kernel
-        where it can (kernels.project)."""
+        where it can (`project`)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -105,7 +124,7 @@ class MLP(nn.Module):
 
     def forward(self, x, residual=None):
         """c_proj(act(c_fc(x))), plus `residual` when given; at inference the activation and the
-        residual add run in the matmuls' own kernels where they can (kernels.project)."""
+        residual add run in the matmuls' own kernels where they can (`project`)."""
         if self.training:
             y = self.dropout(self.c_proj(self.act(self.c_fc(x))))
             return y if residual is None else residual + y

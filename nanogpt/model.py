@@ -155,7 +155,7 @@ MODEL = GPT
 
 
 def config_from_hf(hf) -> GPTConfig:
-    """GPTConfig from a config.json (nanogpt.formats.HFConfig), refusing what this model does not
+    """GPTConfig from a config.json (models.formats.HFConfig), refusing what this model does not
     compute: anything else would load but give different logits."""
     n_embd = hf.get("n_embd", 768)
     supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nanogpt.kv_cache import CacheWindow, DecodeWindow, FullWindow, KVCache, PackedWindow
+from nanogpt.runtime.kv_cache import CacheWindow, DecodeWindow, FullWindow, KVCache, PackedWindow
 
 
 class ServingModel(nn.Module):

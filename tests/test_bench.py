@@ -12,10 +12,11 @@ import torch
 
 from bench import SHAPES, engine_bench, gateway_bench, loadgen, model_shape
 from bench.machine import ForeignCpu, Gate, ceiling, fastest_kernels, measure, wait_until_quiet, workload_ceiling
-from nanogpt import kernels, precision
+from nanogpt.kernels import machine, matmuls
+from nanogpt.runtime import precision
 from tests.stack import start_gunicorn, start_processor, write_models_toml
 
-NATIVE_BF16 = precision.has_native_bf16(precision.cpu_flags())
+NATIVE_BF16 = precision.has_native_bf16(machine.cpu_flags())
 TINY = (2, 64, 50257)  # n_layer, n_embd, vocab_size of the hf_checkpoint fixture
 
 
@@ -29,8 +30,8 @@ def test_machine_limits_are_measured(limits):
     assert limits["matmul_gflops"] > 0 and limits["copy_gbps"] > 0
     assert set(limits["decode_matmul_gflops"]) == {1, 8}
     assert limits["cores"] >= 1 and limits["torch_threads"] >= 1
-    assert limits["cpu"] == precision.cpu_name() and "avx2" in limits["cpu_flags"]  # every CPU seen has AVX2
-    assert ("avx512_bf16" in limits["cpu_flags"]) == ("avx512_bf16" in precision.cpu_flags())
+    assert limits["cpu"] == machine.cpu_name() and "avx2" in limits["cpu_flags"]  # every CPU seen has AVX2
+    assert ("avx512_bf16" in limits["cpu_flags"]) == ("avx512_bf16" in machine.cpu_flags())
 
 
 @pytest.mark.slow
@@ -39,9 +40,9 @@ def test_a_ceiling_per_precision_the_machine_runs_natively(limits):
     assert list(ceilings) == ["float32"] + (["bfloat16"] if NATIVE_BF16 else []) + ["int8"]
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.qint8}
     for name, c in ceilings.items():
-        assert set(c["kernels"]["head"]) == set(kernels.available(dtypes[name]))  # every kernel, timed
+        assert set(c["kernels"]["head"]) == set(matmuls.available(dtypes[name]))  # every kernel, timed
         assert set(c["step_seconds"]) == {1, 8} and set(c["blocks_seconds"]) == {1, 8, 256}
-        pytorch = [k for k in c["kernels"]["blocks"] if k not in kernels.OWN]  # the ceiling is PyTorch's
+        pytorch = [k for k in c["kernels"]["blocks"] if k not in matmuls.OWN]  # the ceiling is PyTorch's
         for rows, seconds in c["step_seconds"].items():
             fastest = c["fastest_kernel"][rows]
             assert fastest in pytorch
@@ -160,7 +161,7 @@ def test_int8_and_compile_modes_are_the_engines(hf_checkpoint):
     """int8 is the engine's quantization (every Linear becomes a dynamically quantized one, and
     nothing else changes), compile its compile option; a mode the engine lacks is said missing."""
     from nanogpt.checkpoint import load_model
-    from nanogpt.quantize import quantize_int8
+    from nanogpt.kernels.quantize import quantize_int8
     from worker.engine import Engine
 
     assert engine_bench.engine_mode("int8") == (quantize_int8, {})
@@ -237,7 +238,7 @@ def test_fidelity_compares_each_precision_with_float32(hf_checkpoint, tmp_path):
     import numpy as np
 
     from bench import fidelity
-    from nanogpt.kv_cache import cache_dtype
+    from nanogpt.runtime.precision import cache_dtype
 
     np.random.default_rng(0).integers(0, 50257, 5000, dtype=np.uint16).tofile(tmp_path / "val.bin")
     result = fidelity.measure(str(hf_checkpoint), tmp_path, ["int8"], count=4, prompts=3, prompt_tokens=5,

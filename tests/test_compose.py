@@ -142,8 +142,9 @@ def test_worker_command_is_one_processor_accepts(file):
 
 def test_the_worker_image_has_a_compiler_and_keeps_what_it_builds():
     # torch.compile's decode step and the project's own kernels need a C++ compiler, and their
-    # builds a directory that outlives the container (nanogpt/compile_cache.py, nanogpt/extension.py)
-    from nanogpt import compile_cache, extension
+    # builds a directory that outlives the container (nanogpt/runtime/compile_cache.py, nanogpt/kernels/extension.py)
+    from nanogpt.kernels import extension
+    from nanogpt.runtime import compile_cache
 
     lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()]
     assert any(line.startswith("RUN apt-get") and " g++ " in line for line in lines)

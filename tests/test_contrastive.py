@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from conftest import FAMILY_CONFIGS
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
-from nanogpt.kv_cache import KVCache
+from nanogpt.runtime.kv_cache import KVCache
 from test_engine import Sink, hf, job, model, run_all, tok  # noqa: F401 (fixtures)
 from worker.engine import Engine
 from worker.errors import EngineError, RequestCancelled

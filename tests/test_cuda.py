@@ -23,7 +23,7 @@ from torch.testing import assert_close
 import test_engine
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
-from nanogpt.kv_cache import KVCache
+from nanogpt.runtime.kv_cache import KVCache
 from test_engine import PROMPTS, hf_greedy, job, make_engine, run_all, tok  # noqa: F401  (tok: the fixture)
 from test_families import CONTEXT, Family
 from test_model import SHAPES, cached_call, make_pair, random_seq
@@ -45,7 +45,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 @pytest.fixture(autouse=True)
 def exact_float32_matmuls():
     """float32 matmuls in float32, not TF32: PyTorch's default, which a training run in the same
-    process (nanogpt/train.py) switches off."""
+    process (nanogpt/training/train.py) switches off."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
@@ -167,9 +167,9 @@ def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
 def test_graphed_decode_gives_the_launched_tokens(model, tok, tmp_path, monkeypatch, compile):
     """The decode step replayed from CUDA graphs (the default on a GPU), eager or compiled, gives
     the tokens and logprobs of the step launched kernel by kernel: 3 rows padded to the graphs of 4,
-    through two span buckets (nanogpt/cuda_graphs.py)."""
-    from nanogpt import compile_cache
-    from nanogpt.cuda_graphs import SPAN_QUANTUM
+    through two span buckets (nanogpt/runtime/cuda_graphs.py)."""
+    from nanogpt.runtime import compile_cache
+    from nanogpt.runtime.cuda_graphs import SPAN_QUANTUM
 
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "compile-cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

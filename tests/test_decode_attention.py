@@ -1,5 +1,5 @@
-"""The decode step's attention by the project's own kernel (nanogpt/decode_attention.cpp) against
-the same attention spelled in PyTorch's ops (nanogpt/kv_cache.py DecodeWindow without it)."""
+"""The decode step's attention by the project's own kernel (nanogpt/kernels/csrc/decode_attention.cpp) against
+the same attention spelled in PyTorch's ops (nanogpt/runtime/kv_cache.py DecodeWindow without it)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from nanogpt import decode_attention, extension
-from nanogpt.kv_cache import CacheWindow, DecodeWindow, KVCache
+from nanogpt.kernels import decode_attention, extension
+from nanogpt.runtime.kv_cache import CacheWindow, DecodeWindow, KVCache
 
 pytestmark = pytest.mark.skipif(not extension.available(), reason="the project's kernels cannot be built here")
 

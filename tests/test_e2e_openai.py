@@ -59,9 +59,9 @@ def tokenizer(hf_checkpoint):
 
 
 def test_the_worker_compiles_its_float32_cpu_decode_step_by_default(stack):
-    """Where it was measured to pay (nanogpt.compile.compiles_by_default), the worker every other
+    """Where it was measured to pay (nanogpt.runtime.compile.compiles_by_default), the worker every other
     test here talks to runs the compiled decode step unless told otherwise."""
-    from nanogpt.compile import compiles_by_default
+    from nanogpt.runtime.compile import compiles_by_default
 
     ready = next(line for line in stack["worker"].logs().splitlines() if "engine ready" in line)
     assert compiles_by_default("cpu", "float32")  # this machine has the C++ compiler inductor needs

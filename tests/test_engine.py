@@ -14,9 +14,9 @@ from torch.testing import assert_close
 
 from conftest import make_hf_checkpoint
 from models.tokenizer import load_tokenizer
-from nanogpt import decode_attention, extension
+from nanogpt.kernels import decode_attention, extension
 from nanogpt.checkpoint import load_model
-from nanogpt.quantize import quantize_int8
+from nanogpt.kernels.quantize import quantize_int8
 from worker.engine import Engine
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
@@ -452,13 +452,13 @@ def test_int8_model_serves_close_to_float32(model, tok, hf_checkpoint):
 
 
 def test_int8_tokens_do_not_depend_on_the_int8_kernel(tok, hf_checkpoint, monkeypatch):
-    """fbgemm's, oneDNN's and the project's int8 kernels (nanogpt/kernels.py) sum the same int8
+    """fbgemm's, oneDNN's and the project's int8 kernels (nanogpt/kernels/matmuls.py) sum the same int8
     products exactly: the engine's tokens and logprobs are the same whichever serves a step's rows
     (many prompts at once: decode steps of several rows, a packed prefill)."""
-    from nanogpt import kernels
+    from nanogpt.kernels.matmuls import available
 
     served = {}
-    for kernel in kernels.available(torch.qint8):
+    for kernel in available(torch.qint8):
         monkeypatch.setenv("NANOSERVE_KERNEL", kernel)  # the engine's own pack_linears then forces it
         quantized = quantize_int8(load_model(str(hf_checkpoint)))
         served[kernel] = run_all(make_engine(quantized, tok)[0], [job(tok, [p], max_tokens=10, logprobs=0)
@@ -473,9 +473,9 @@ def test_int8_tokens_do_not_depend_on_the_int8_kernel(tok, hf_checkpoint, monkey
 
 @pytest.mark.slow
 def test_span_buckets_cover_every_span_within_the_cache():
-    """A CUDA graph attends to a span bucket's keys (nanogpt/cuda_graphs.py): never fewer than the
+    """A CUDA graph attends to a span bucket's keys (nanogpt/runtime/cuda_graphs.py): never fewer than the
     step's span, never more than the cache holds, and few graphs for a long context."""
-    from nanogpt.cuda_graphs import SPAN_QUANTUM, span_bucket, span_buckets
+    from nanogpt.runtime.cuda_graphs import SPAN_QUANTUM, span_bucket, span_buckets
 
     for max_span in (2, 40, 128, 129, 1024, 2048):
         buckets = span_buckets(max_span)
@@ -513,7 +513,7 @@ def test_the_compiled_engine_s_cache_and_attention(compiled):
 
     eager, engine = compiled.eager, compiled.engine
     assert engine.runner.compiled and not inductor.freezing  # packed layers need no weight freezing
-    # its attention by the project's kernel wherever that is built (nanogpt/decode_attention.py)
+    # its attention by the project's kernel wherever that is built (nanogpt/kernels/decode_attention.py)
     assert engine.runner.cache.own_attention == extension.available()
     assert engine.runner.routes.mixed == engine.runner.cache.own_attention
     # the padded decode's spare slot, and a position past the context (so that no span is the whole

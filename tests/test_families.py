@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from conftest import FAMILY_CONFIGS, make_family_checkpoint
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
-from nanogpt.kv_cache import KVCache
+from nanogpt.runtime.kv_cache import KVCache
 from test_engine import PROMPTS, job, make_engine, run_all
 from test_model import cached_batch, cached_call, random_seq
 from worker.protocol import CompletionJob
@@ -370,7 +370,7 @@ def test_bfloat16_is_close(family):
 def test_int8_serves_close_to_float32(family):
     """int8 linear layers (CPU): the engine scores the same text within 0.2 of float32's logprobs
     (scored, not generated: random weights have near ties that int8 may break either way)."""
-    from nanogpt.quantize import quantize_int8
+    from nanogpt.kernels.quantize import quantize_int8
 
     quantized = quantize_int8(load_model(family.directory))
     assert type(quantized.blocks[0].mlp.c_fc) is not torch.nn.Linear

@@ -1,4 +1,4 @@
-"""CPU matmul kernels chosen per machine (nanogpt/kernels.py) and the compile-friendly decode step
+"""CPU matmul kernels chosen per machine (nanogpt/kernels/) and the compile-friendly decode step
 (GPT.forward_decode) against the plain model."""
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ from torch.nn import functional as F
 from torch.testing import assert_close
 
 from conftest import make_hf_checkpoint
-from nanogpt import gemv, kernels
 from nanogpt.checkpoint import load_model
-from nanogpt.kv_cache import KVCache
+from nanogpt.kernels import gemv, machine, matmuls, planner
+from nanogpt.kernels.linear import KernelLinear
+from nanogpt.kernels.ops import publish
+from nanogpt.layers import project
+from nanogpt.runtime.kv_cache import KVCache
 
-FLOAT_KERNELS = kernels.available(torch.float32)
-BF16_KERNELS = kernels.available(torch.bfloat16)
-INT8_KERNELS = kernels.available(torch.qint8)
+FLOAT_KERNELS = matmuls.available(torch.float32)
+BF16_KERNELS = matmuls.available(torch.bfloat16)
+INT8_KERNELS = matmuls.available(torch.qint8)
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +45,21 @@ def test_the_own_kernel_is_built_wherever_a_compiler_and_its_vector_width_are():
     # would silently leave the one-row matmul to PyTorch's slower kernels
     import shutil
 
-    from nanogpt import extension
+    from nanogpt.kernels import extension
 
     expected = torch.backends.cpu.get_cpu_capability() in extension.FLAGS and shutil.which("c++") is not None
     assert expected == ("gemv" in FLOAT_KERNELS) == ("gemv" in BF16_KERNELS) \
         == ("int8-gemv" in INT8_KERNELS)
     if expected:  # built with the CPU's bfloat16 dot products where it has them, and only there
-        from nanogpt.precision import cpu_flags
-
-        with_bf16 = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in cpu_flags()
+        with_bf16 = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in machine.cpu_flags()
         assert ("_avx512_bf16_" in Path(extension.extension().__file__).parent.name) == with_bf16
 
 
 def test_without_a_compiler_or_a_place_to_build_the_gemv_is_not_offered(monkeypatch, tmp_path, caplog):
-    from nanogpt import extension, gemv
+    from nanogpt.kernels import extension
 
     def offered():
-        return {name for dtype in (torch.float32, torch.bfloat16, torch.qint8) for name in kernels.available(dtype)}
+        return {name for dtype in (torch.float32, torch.bfloat16, torch.qint8) for name in matmuls.available(dtype)}
 
     (tmp_path / "a-file").write_text("")
     cases = [("CXX", str(tmp_path / "no-such-compiler"), "no C++ compiler"),
@@ -68,14 +69,14 @@ def test_without_a_compiler_or_a_place_to_build_the_gemv_is_not_offered(monkeypa
             with monkeypatch.context() as patch:
                 patch.setenv(variable, value)
                 extension.extension.cache_clear()
-                assert not gemv.available() and "gemv" not in kernels.available(torch.float32)
+                assert not gemv.available() and "gemv" not in matmuls.available(torch.float32)
                 assert any(said in record.getMessage() for record in caplog.records)
                 without = offered()
     finally:
         extension.extension.cache_clear()  # built (or not) again as this machine allows
-    assert ("gemv" in kernels.available(torch.float32)) == ("gemv" in FLOAT_KERNELS)
+    assert ("gemv" in matmuls.available(torch.float32)) == ("gemv" in FLOAT_KERNELS)
     # what the build adds is what the benchmarks' ceiling leaves out as not PyTorch's
-    assert offered() - without == (set(kernels.OWN) if gemv.available() else set())
+    assert offered() - without == (set(matmuls.OWN) if gemv.available() else set())
 
 
 @pytest.mark.skipif("gemv" not in FLOAT_KERNELS, reason="the gemv kernel cannot be built here")
@@ -84,7 +85,7 @@ def test_gemv_at_every_row_count_and_ragged_shapes(dtype):
     """Every row count the kernel keeps in registers (1-8) and blocks beyond, a reduction length
     that is no multiple of the vector width, output rows that fill no whole tile or block, and
     every epilogue, against F.linear in float32."""
-    from nanogpt import gemv
+    from nanogpt.kernels import gemv
 
     torch.manual_seed(0)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -111,7 +112,7 @@ def test_gemv_at_every_row_count_and_ragged_shapes(dtype):
 
 @pytest.mark.parametrize("name", FLOAT_KERNELS)
 def test_every_float32_kernel_computes_what_linear_computes(name):
-    kernel = kernels.KERNELS[name]
+    kernel = matmuls.KERNELS[name]
     torch.manual_seed(0)
     for out_features, in_features, bias in ((192, 64, True), (50257, 64, False)):
         w = torch.randn(out_features, in_features) * 0.1
@@ -124,7 +125,7 @@ def test_every_float32_kernel_computes_what_linear_computes(name):
 
 @pytest.mark.parametrize("name", BF16_KERNELS)
 def test_every_bfloat16_kernel_computes_what_linear_computes_in_bfloat16(name):
-    kernel = kernels.KERNELS[name]
+    kernel = matmuls.KERNELS[name]
     torch.manual_seed(0)
     w, b = (torch.randn(192, 64) * 0.1).bfloat16(), torch.randn(192).bfloat16()
     packed = kernel.pack_of(w, b)
@@ -144,12 +145,12 @@ def packed_with_counted_epilogues(monkeypatch, name):
     """A 64 -> 192 layer packed with kernel `name`, and the list of the epilogues its kernel runs itself."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 192).eval()
-    kernels.pack_linears(layer, kernel=name)
+    planner.pack_linears(layer, kernel=name)
     calls = []
-    kernel = kernels.KERNELS[name]
+    kernel = matmuls.KERNELS[name]
     counted = {field: (lambda f, field: lambda *a: calls.append(field) or f(*a))(getattr(kernel, field), field)
                for field in ("with_activation", "with_residual") if getattr(kernel, field) is not None}
-    monkeypatch.setitem(kernels.KERNELS, name, replace(kernel, **counted))
+    monkeypatch.setitem(matmuls.KERNELS, name, replace(kernel, **counted))
     return layer, calls
 
 
@@ -164,9 +165,9 @@ def test_an_epilogue_in_the_kernel_computes_what_follows_the_linear(monkeypatch,
         want = activation(want) if activation is not None else want
         want = residual + want if with_residual else want
         with torch.no_grad():
-            assert_close(kernels.project(layer, x, activation, residual), want, rtol=1e-5, atol=1e-5)
+            assert_close(project(layer, x, activation, residual), want, rtol=1e-5, atol=1e-5)
     # oneDNN and gemv run the activation (or the add) in their own pass: what the serving forward relies on
-    if kernels.KERNELS[name].with_activation is not None:
+    if matmuls.KERNELS[name].with_activation is not None:
         assert set(calls) == {"with_activation" if activation is not None else "with_residual"}
     else:
         assert calls == []
@@ -175,15 +176,15 @@ def test_an_epilogue_in_the_kernel_computes_what_follows_the_linear(monkeypatch,
 def test_an_epilogue_of_a_layer_that_cannot_take_it_is_applied_after():
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 192).eval()
-    kernels.pack_linears(layer, kernel="onednn")
+    planner.pack_linears(layer, kernel="onednn")
     x, sigmoid = torch.randn(4, 64), torch.nn.Sigmoid()  # no oneDNN post-op for it here
     with torch.no_grad():
-        assert_close(kernels.project(layer, x, sigmoid), torch.sigmoid(F.linear(x, layer.weight, layer.bias)))
+        assert_close(project(layer, x, sigmoid), torch.sigmoid(F.linear(x, layer.weight, layer.bias)))
         residual = torch.randn(192, 4).t()  # not contiguous: added after the kernel
-        assert_close(kernels.project(layer, x, residual=residual), residual + F.linear(x, layer.weight, layer.bias),
+        assert_close(project(layer, x, residual=residual), residual + F.linear(x, layer.weight, layer.bias),
                      rtol=1e-5, atol=1e-5)
         layer.weight.mul_(2)  # a stale pack: the plain layer, then the epilogue
-        assert_close(kernels.project(layer, x, torch.nn.ReLU()), F.linear(x, layer.weight, layer.bias).relu())
+        assert_close(project(layer, x, torch.nn.ReLU()), F.linear(x, layer.weight, layer.bias).relu())
 
 
 @pytest.mark.parametrize("name", FLOAT_KERNELS)
@@ -194,8 +195,8 @@ def test_a_model_on_each_kernel_gives_transformers_logits(checkpoint, name):
     model = load_model(str(checkpoint))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     expected = 0 if name == "linear" else 2 * 4 + 1  # 4 Linears a block, and the LM head
-    assert kernels.pack_linears(model, kernel=name) == expected
-    assert type(model.lm_head) is kernels.KernelLinear
+    assert planner.pack_linears(model, kernel=name) == expected
+    assert type(model.lm_head) is KernelLinear
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied
     assert model.state_dict().keys() == state.keys()
     tokens = torch.randint(0, 50257, (3, 20))
@@ -215,13 +216,13 @@ def test_only_cpu_layers_are_packed():
     """The packed kernels are CPU ones: a layer on another device (a GPU; here the meta device,
     which every machine has) stays a plain nn.Linear."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8, device="meta"))
-    assert kernels.pack_linears(model, kernel="onednn") == 1
-    assert type(model[0]) is kernels.KernelLinear and type(model[1]) is torch.nn.Linear
+    assert planner.pack_linears(model, kernel="onednn") == 1
+    assert type(model[0]) is KernelLinear and type(model[1]) is torch.nn.Linear
 
 
 def test_the_choice_takes_only_kernels_this_machine_runs(checkpoint):
     model = load_model(str(checkpoint))
-    kernels.pack_linears(model)  # measured here
+    planner.pack_linears(model)  # measured here
     plan = model.lm_head._plan
     assert set(plan.seconds) == set(FLOAT_KERNELS)
     assert all(all(0 < s < math.inf for s in by_rows.values()) for by_rows in plan.seconds.values())
@@ -231,7 +232,7 @@ def test_the_choice_takes_only_kernels_this_machine_runs(checkpoint):
     assert set(head.seconds) == set(plan.seconds) and head.seconds != plan.seconds
     assert all(m._plan is plan for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head)
     with pytest.raises(ValueError, match=f"available: {', '.join(BF16_KERNELS)}$"):
-        kernels.pack_linears(model.to(torch.bfloat16), kernel="mkl")  # float32 only
+        planner.pack_linears(model.to(torch.bfloat16), kernel="mkl")  # float32 only
 
 
 def test_the_plan_follows_the_timings():
@@ -240,32 +241,32 @@ def test_the_plan_follows_the_timings():
     seconds = {"linear": {1: 1.0, 8: 2.0, 64: 8.0, 256: 30.0},
                "mkl": {1: 1.1, 8: 1.7, 64: 7.0, 256: 20.0},
                "onednn": {1: 1.5, 8: 1.9, 64: 6.0, 256: 26.0}}
-    plan = kernels.plan_from(seconds)
+    plan = planner.plan_from(seconds)
     assert plan.packed == "onednn"
     assert plan.ranges == ((2, "linear"), (22, "onednn"), (128, "onednn"), (math.inf, "onednn"))
     assert plan.describe() == "linear up to 2 rows, onednn above (measured)"
     # another packed kernel clearly faster overall replaces it
     seconds["mkl"] = {1: 0.5, 8: 1.0, 64: 4.0, 256: 15.0}
-    assert kernels.plan_from(seconds) == kernels.Plan("mkl", ((2, "mkl"), (22, "mkl"), (128, "mkl"), (math.inf, "mkl")))
+    assert planner.plan_from(seconds) == matmuls.Plan("mkl", ((2, "mkl"), (22, "mkl"), (128, "mkl"), (math.inf, "mkl")))
     # packed kernels that never clearly beat F.linear are not packed (no memory spent on them)
-    slow = kernels.plan_from({"linear": {1: 1.0, 8: 1.0}, "mkl": {1: 1.5, 8: 1.3}, "onednn": {1: 2.0, 8: 1.4}})
-    assert slow == kernels.Plan("linear", ((math.inf, "linear"),)) and slow.describe().startswith("linear at every")
+    slow = planner.plan_from({"linear": {1: 1.0, 8: 1.0}, "mkl": {1: 1.5, 8: 1.3}, "onednn": {1: 2.0, 8: 1.4}})
+    assert slow == matmuls.Plan("linear", ((math.inf, "linear"),)) and slow.describe().startswith("linear at every")
 
 
 def test_the_gemv_serves_one_or_two_rows_unless_clearly_slower():
     seconds = {"linear": {1: 2.0, 8: 2.0, 64: 8.0}, "onednn": {1: 1.1, 8: 1.0, 64: 4.0},
                "gemv": {1: 1.0, 8: 0.9, 64: 9.0}}
-    plan = kernels.plan_from(seconds)
+    plan = planner.plan_from(seconds)
     # the rule's at 1-2 rows; within the margin at 8 (0.9 against 1.0): oneDNN, the packed kernel
-    assert plan == kernels.Plan("onednn", ((2, "gemv"), (22, "onednn"), (math.inf, "onednn")))
+    assert plan == matmuls.Plan("onednn", ((2, "gemv"), (22, "onednn"), (math.inf, "onednn")))
     assert plan.describe() == "gemv up to 2 rows, onednn above (measured)" and not plan.plain
     seconds["onednn"][1] = 0.7  # clearly faster than gemv at one row: it serves it
-    assert kernels.plan_from(seconds).ranges[0] == (2, "onednn")
+    assert planner.plan_from(seconds).ranges[0] == (2, "onednn")
     # the packed kernel's choice ignores gemv, which needs no pack
     seconds["gemv"] = {1: 0.1, 8: 0.1, 64: 0.1}
-    plan = kernels.plan_from(seconds)
-    assert plan == kernels.Plan("linear", ((2, "gemv"), (22, "gemv"), (math.inf, "gemv")))  # nothing packed
-    assert kernels.plan_from({"linear": {1: 1.0}, "onednn": {1: 2.0}, "gemv": {1: 1.3}}).plain  # F.linear fastest
+    plan = planner.plan_from(seconds)
+    assert plan == matmuls.Plan("linear", ((2, "gemv"), (22, "gemv"), (math.inf, "gemv")))  # nothing packed
+    assert planner.plan_from({"linear": {1: 1.0}, "onednn": {1: 2.0}, "gemv": {1: 1.3}}).plain  # F.linear fastest
 
 
 def test_the_timed_sample_outgrows_the_last_level_cache(tmp_path, monkeypatch):
@@ -273,18 +274,18 @@ def test_the_timed_sample_outgrows_the_last_level_cache(tmp_path, monkeypatch):
     for index, size in enumerate(["48K", "2048K", "491520K"]):
         (tmp_path / f"index{index}").mkdir()
         (tmp_path / f"index{index}" / "size").write_text(size + "\n")
-    monkeypatch.setattr(kernels.glob, "glob", lambda pattern: [str(p) for p in tmp_path.glob("index*/size")])
-    assert kernels.last_level_cache_bytes() == 491520 << 10
-    kernels.sample_bytes.cache_clear()
+    monkeypatch.setattr(machine.glob, "glob", lambda pattern: [str(p) for p in tmp_path.glob("index*/size")])
+    assert machine.last_level_cache_bytes() == 491520 << 10
+    planner.sample_bytes.cache_clear()
     try:
-        assert kernels.sample_bytes() == 2 * (491520 << 10)
+        assert planner.sample_bytes() == 2 * (491520 << 10)
         (tmp_path / "index2" / "size").write_text("8192K\n")  # a small cache: the fixed floor
-        kernels.sample_bytes.cache_clear()
-        assert kernels.sample_bytes() == kernels.SAMPLE_BYTES
+        planner.sample_bytes.cache_clear()
+        assert planner.sample_bytes() == planner.SAMPLE_BYTES
     finally:
-        kernels.sample_bytes.cache_clear()
+        planner.sample_bytes.cache_clear()
     layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]  # 4 MiB each
-    assert kernels._sample(layers, 8 << 20) == layers[:2] and kernels._sample(layers, 1 << 30) == layers
+    assert planner._sample(layers, 8 << 20) == layers[:2] and planner._sample(layers, 1 << 30) == layers
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -294,7 +295,7 @@ def test_the_output_head_is_planned_on_its_own_timings(checkpoint, monkeypatch, 
     model = _int8_model(checkpoint)[0] if int8 else load_model(str(checkpoint))
     dtype = torch.qint8 if int8 else torch.float32
     other = "int8-onednn" if int8 else "mkl"
-    if other not in kernels.available(dtype):
+    if other not in matmuls.available(dtype):
         pytest.skip(f"{other} does not run here")
     vocab = model.lm_head.out_features
 
@@ -302,24 +303,24 @@ def test_the_output_head_is_planned_on_its_own_timings(checkpoint, monkeypatch, 
         head = any(w.shape[0] == vocab for w, _ in weights)
         return {name: {r: 1.0 if name != other or r < 8 else (0.5 if head else 2.0) for r in rows} for name in names}
 
-    monkeypatch.setattr(kernels, "time_kernels", timings)
-    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)
-    monkeypatch.setattr(kernels, "_plans", {})
-    monkeypatch.delenv(kernels.ENV, raising=False)
-    kernels.pack_linears(model)
+    monkeypatch.setattr(planner, "time_kernels", timings)
+    monkeypatch.setattr(machine, "QUIET_CORES", math.inf)
+    monkeypatch.setattr(planner, "_plans", {})
+    monkeypatch.delenv(planner.ENV, raising=False)
+    planner.pack_linears(model)
     head, blocks = model.lm_head._plan, model.transformer.h[0].mlp.c_fc._plan
     assert head.kernel_for(1).name == blocks.kernel_for(1).name != other
     assert head.kernel_for(8).name == head.kernel_for(64).name == other
     assert other not in (blocks.kernel_for(8).name, blocks.kernel_for(64).name)
-    assert kernels.describe(model).startswith(("int8: " if int8 else "float32: ") + blocks.describe())
-    assert kernels.describe(model).endswith(" head: " + head.describe())
+    assert planner.describe(model).startswith(("int8: " if int8 else "float32: ") + blocks.describe())
+    assert planner.describe(model).endswith(" head: " + head.describe())
 
 
 def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
     model = load_model(str(checkpoint))
-    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
-    monkeypatch.setattr(kernels, "_plans", {})
-    kernels.pack_linears(model)
+    monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # as if other processes had been busy
+    monkeypatch.setattr(planner, "_plans", {})
+    planner.pack_linears(model)
     plan = model.lm_head._plan
     one_row = "gemv" if "gemv" in FLOAT_KERNELS else "onednn"
     assert plan.ranges == ((2, one_row), (5, "onednn"), (22, "onednn"), (128, "onednn"), (math.inf, "onednn"))
@@ -329,15 +330,15 @@ def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
 
 def test_the_forced_kernel_comes_from_the_environment(checkpoint, monkeypatch):
     model = load_model(str(checkpoint))
-    monkeypatch.setenv(kernels.ENV, "mkl")
-    kernels.pack_linears(model)
-    assert model.lm_head._plan == kernels.Plan.only("mkl")
+    monkeypatch.setenv(planner.ENV, "mkl")
+    planner.pack_linears(model)
+    assert model.lm_head._plan == matmuls.Plan.only("mkl")
 
 
 @pytest.mark.skipif("onednn" not in BF16_KERNELS, reason="oneDNN runs no bfloat16 on this CPU (no native bf16)")
 def test_a_bfloat16_model_is_packed_in_bfloat16(checkpoint):
     model = load_model(str(checkpoint), dtype=torch.bfloat16)
-    assert kernels.pack_linears(model, kernel="onednn") == 9
+    assert planner.pack_linears(model, kernel="onednn") == 9
     reference = load_model(str(checkpoint), dtype=torch.bfloat16)
     tokens = torch.randint(0, 50257, (2, 6))
     caches = [KVCache(m.config, 2, 16, dtype=torch.bfloat16) for m in (model, reference)]
@@ -350,13 +351,13 @@ def test_a_bfloat16_model_is_packed_in_bfloat16(checkpoint):
 
 def test_a_changed_weight_is_not_served_from_a_stale_pack(checkpoint):
     model = load_model(str(checkpoint))
-    kernels.pack_linears(model, kernel="onednn")
+    planner.pack_linears(model, kernel="onednn")
     layer = model.transformer.h[0].attn.c_proj
     x = torch.randn(8, 64)
     with torch.no_grad():
         layer.weight.mul_(2)
         assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        kernels.pack_linears(model, kernel="onednn")  # repacks what changed
+        planner.pack_linears(model, kernel="onednn")  # repacks what changed
         assert layer.is_current()
         assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         model.to(torch.bfloat16)  # another tensor in the weight's place
@@ -366,7 +367,7 @@ def test_a_changed_weight_is_not_served_from_a_stale_pack(checkpoint):
 
 def test_autograd_goes_around_the_pack(checkpoint):
     model = load_model(str(checkpoint))
-    kernels.pack_linears(model, kernel="onednn")
+    planner.pack_linears(model, kernel="onednn")
     layer = model.transformer.h[0].mlp.c_fc
     layer.weight.requires_grad_(True)
     layer(torch.randn(4, 64)).sum().backward()
@@ -376,12 +377,12 @@ def test_autograd_goes_around_the_pack(checkpoint):
 def test_speedups_of_other_precisions_are_measured(checkpoint, monkeypatch):
     model = load_model(str(checkpoint))
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)  # whatever else runs on the machine
-    factors = kernels.speedups(layers, [torch.bfloat16, torch.qint8], rows=(1, 8))
+    monkeypatch.setattr(machine, "QUIET_CORES", math.inf)  # whatever else runs on the machine
+    factors = planner.speedups(layers, [torch.bfloat16, torch.qint8], rows=(1, 8))
     assert set(factors) == {torch.bfloat16, torch.qint8}
     assert all(set(f) == {1, 8} and all(0 < v < math.inf for v in f.values()) for f in factors.values())
-    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
-    assert kernels.speedups(layers, [torch.bfloat16], rows=(1,)) == {}
+    monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # as if other processes had been busy
+    assert planner.speedups(layers, [torch.bfloat16], rows=(1,)) == {}
 
 
 def test_decode_step_matches_the_serving_forward(checkpoint):
@@ -413,12 +414,13 @@ def test_decode_step_matches_the_serving_forward(checkpoint):
 COMPILE_SCRIPT = """
 import sys, torch
 from torch._dynamo.utils import counters
-from nanogpt import compile_cache, kernels
 from nanogpt.checkpoint import load_model
-from nanogpt.kv_cache import KVCache
+from nanogpt.kernels import planner
+from nanogpt.runtime import compile_cache
+from nanogpt.runtime.kv_cache import KVCache
 compile_cache.enable(sys.argv[2])
 model = load_model(sys.argv[1])
-kernels.pack_linears(model, kernel="onednn")
+planner.pack_linears(model, kernel="onednn")
 cache = KVCache(model.config, max_slots=4, max_len=32)
 step = torch.compile(model.forward_decode)
 tokens, slots, positions = torch.tensor([5, 7]), torch.tensor([0, 2]), torch.tensor([0, 0])
@@ -459,7 +461,7 @@ def test_a_compiled_decode_step_runs_the_packs_and_a_second_start_loads_it_from_
 
 def test_compiled_packed_layers_call_their_kernel(checkpoint):
     model = load_model(str(checkpoint))
-    kernels.pack_linears(model, kernel="onednn")
+    planner.pack_linears(model, kernel="onednn")
     layer = model.transformer.h[0].mlp.c_fc
     graphs = []
 
@@ -495,30 +497,30 @@ def recording_backend():
 def test_a_compiled_activation_runs_in_the_layers_op(name, what, activation, _):
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 192).eval()
-    kernels.pack_linears(layer, kernel=name)
+    planner.pack_linears(layer, kernel=name)
     backend, graphs = recording_backend()
     x = torch.randn(3, 64)
     with torch.no_grad():
-        compiled = torch.compile(lambda x: kernels.project(layer, x, activation), backend=backend)
+        compiled = torch.compile(lambda x: project(layer, x, activation), backend=backend)
         compiled(x)
         with torch.profiler.profile() as profile:
             got = compiled(x)
         assert_close(got, activation(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
         layer.weight.mul_(2)  # a stale pack: the plain product, then the activation, in the same op
-        stale = torch.compile(lambda x: kernels.project(layer, x, activation), backend="eager")(x)
+        stale = torch.compile(lambda x: project(layer, x, activation), backend="eager")(x)
         assert_close(stale, activation(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
     ops = graphs[0]
-    if name == kernels.PLAIN:  # nothing packed: the plain layer and the activation, as written
+    if name == matmuls.PLAIN:  # nothing packed: the plain layer and the activation, as written
         assert len(ops) == 2 and torch.ops.nanoserve.linear not in [op.target for op in ops]
         return
     # the graph's one op: the packed layer's, the activation its argument
-    post = kernels.ONEDNN_ACTIVATIONS[(type(activation).__name__, getattr(activation, "approximate", None))]
+    post = matmuls.ONEDNN_ACTIVATIONS[(type(activation).__name__, getattr(activation, "approximate", None))]
     assert [(op.target, op.args[4:]) for op in ops] == [(torch.ops.nanoserve.linear, (post[0], post[2]))]
     # a kernel with the epilogue applies it in its own pass over the output (no operator of its own);
-    # without, the op applies it to the kernel's output in place (PyTorch's, or the GELU of nanogpt/vec.h)
+    # without, the op applies it to the kernel's output in place (PyTorch's, or the GELU of nanogpt/kernels/csrc/vec.h)
     ran = [event.name for event in profile.events()]
     assert ran.count("nanoserve::linear") == 1
-    if kernels.KERNELS[name].with_activation is not None:
+    if matmuls.KERNELS[name].with_activation is not None:
         assert not any(op in ran for op in ("aten::gelu", "aten::relu", "aten::gelu_", "aten::relu_"))
     if name == "onednn":
         assert ran.count("mkldnn::_linear_pointwise") == 1
@@ -528,7 +530,7 @@ def onednn_layer_with_gelu_after(monkeypatch):
     """A 64 -> 192 layer packed with oneDNN whose plan leaves GELU out of oneDNN's pass (gemv, where
     built, at 1-2 rows), and the list of the epilogues its kernels run themselves."""
     layer, calls = packed_with_counted_epilogues(monkeypatch, "onednn")
-    ranges = ((2, kernels.GEMV), (math.inf, "onednn")) if kernels.GEMV in FLOAT_KERNELS else ((math.inf, "onednn"),)
+    ranges = ((2, matmuls.GEMV), (math.inf, "onednn")) if matmuls.GEMV in FLOAT_KERNELS else ((math.inf, "onednn"),)
     layer._plan = replace(layer._plan, ranges=ranges, fused_gelu=False)
     return layer, calls
 
@@ -539,22 +541,22 @@ def test_a_gelu_the_packed_kernel_runs_slower_follows_it_as_an_operator(monkeypa
     assert layer._plan.describe().endswith("GELU after onednn's matmul (forced)")
     gelu, x = torch.nn.GELU(approximate="tanh"), torch.randn(5, 64)
     with torch.no_grad():
-        assert_close(kernels.project(layer, x, gelu), gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+        assert_close(project(layer, x, gelu), gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
         assert calls == []  # oneDNN's rows: the matmul, then GELU
-        assert_close(kernels.project(layer, x, torch.nn.ReLU()), F.linear(x, layer.weight, layer.bias).relu(),
+        assert_close(project(layer, x, torch.nn.ReLU()), F.linear(x, layer.weight, layer.bias).relu(),
                      rtol=1e-5, atol=1e-5)
         assert calls == ["with_activation"]  # any other activation stays in its pass
-        if kernels.GEMV in FLOAT_KERNELS:  # the GEMV's rows keep the GELU in its own pass
-            monkeypatch.setitem(kernels.KERNELS, kernels.GEMV, replace(
-                kernels.KERNELS[kernels.GEMV], with_activation=lambda *a: calls.append("gemv") or gemv_gelu(*a)))
+        if matmuls.GEMV in FLOAT_KERNELS:  # the GEMV's rows keep the GELU in its own pass
+            monkeypatch.setitem(matmuls.KERNELS, matmuls.GEMV, replace(
+                matmuls.KERNELS[matmuls.GEMV], with_activation=lambda *a: calls.append("gemv") or gemv_gelu(*a)))
             one = x[:1]
-            assert_close(kernels.project(layer, one, gelu), gelu(F.linear(one, layer.weight, layer.bias)),
+            assert_close(project(layer, one, gelu), gelu(F.linear(one, layer.weight, layer.bias)),
                          rtol=1e-5, atol=1e-5)
             assert calls[-1] == "gemv"
 
 
 def gemv_gelu(x, packed, w, b, activation):
-    from nanogpt import gemv
+    from nanogpt.kernels import gemv
 
     return gemv.linear(x, w, b, activation[0], activation[2])
 
@@ -565,7 +567,7 @@ def test_a_compiled_gelu_the_packed_kernel_runs_slower_is_an_operator_of_the_gra
     gelu, (backend, graphs) = torch.nn.GELU(approximate="tanh"), recording_backend()
     x = torch.randn(6, 64)
     with torch.no_grad():
-        got = torch.compile(lambda x: kernels.project(layer, x, gelu), backend=backend)(x)
+        got = torch.compile(lambda x: project(layer, x, gelu), backend=backend)(x)
     assert_close(got, gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
     (ops,) = graphs
     # the layer's op without an activation, then GELU as the graph's own operator
@@ -580,7 +582,7 @@ def test_a_graph_whose_rows_vary_is_not_split_at_the_plans_row_ranges(monkeypatc
     another graph while serving. The packed kernel's choice of where the GELU runs then holds."""
     layer, _ = onednn_layer_with_gelu_after(monkeypatch)  # GELU in the GEMV's pass at 1-2 rows, else after
     gelu, (backend, graphs) = torch.nn.GELU(approximate="tanh"), recording_backend()
-    compiled = torch.compile(lambda x: kernels.project(layer, x, gelu), backend=backend)
+    compiled = torch.compile(lambda x: project(layer, x, gelu), backend=backend)
     with torch.no_grad():
         for rows in (3, 30, 2, 300):
             x = torch.randn(rows, 64)
@@ -595,20 +597,20 @@ def test_the_gelu_leaves_the_packed_kernels_pass_where_it_was_clearly_slower(mon
     widest layer, at the row counts the kernel serves."""
     torch.manual_seed(0)
     weights = [(torch.randn(48, 16), torch.randn(48)), (torch.randn(16, 48), torch.randn(16))]
-    plan = kernels.Plan("onednn", ((2, "linear"), (math.inf, "onednn")), {"linear": {1: 1.0, 8: 1.0}})
-    kernel, shapes = kernels.KERNELS["onednn"], []
+    plan = matmuls.Plan("onednn", ((2, "linear"), (math.inf, "onednn")), {"linear": {1: 1.0, 8: 1.0}})
+    kernel, shapes = matmuls.KERNELS["onednn"], []
 
     def slow_epilogue(x, packed, w, b, activation):
         shapes.append((x.shape[0], tuple(w.shape)))
         time.sleep(0.002)
         return kernel.with_activation(x, packed, w, b, activation)
 
-    monkeypatch.setitem(kernels.KERNELS, "onednn", replace(kernel, with_activation=slow_epilogue))
-    assert kernels.gelu_fuses(weights, plan) is False
+    monkeypatch.setitem(matmuls.KERNELS, "onednn", replace(kernel, with_activation=slow_epilogue))
+    assert planner.gelu_fuses(weights, plan) is False
     assert set(shapes) == {(8, (48, 16))}  # onednn's timed rows only, on the widest layer
-    monkeypatch.setitem(kernels.KERNELS, "onednn", replace(kernel, linear=lambda *a: time.sleep(0.002) or kernel.linear(*a)))
-    assert kernels.gelu_fuses(weights, plan) is True
-    assert kernels.gelu_fuses(weights, replace(plan, packed="linear", ranges=((math.inf, "linear"),))) is True
+    monkeypatch.setitem(matmuls.KERNELS, "onednn", replace(kernel, linear=lambda *a: time.sleep(0.002) or kernel.linear(*a)))
+    assert planner.gelu_fuses(weights, plan) is True
+    assert planner.gelu_fuses(weights, replace(plan, packed="linear", ranges=((math.inf, "linear"),))) is True
 
 
 @pytest.mark.parametrize("name", FLOAT_KERNELS)
@@ -617,7 +619,7 @@ def test_the_compiled_graphs_op_runs_the_layers_plan_at_every_row_count(name):
     row count and post-op, and a plain product once the weight changed or the layer is gone."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 192).eval()
-    kernels.pack_linears(layer, kernel=name)
+    planner.pack_linears(layer, kernel=name)
     with torch.no_grad():
         for rows in (1, 2, 3, 40, 300):
             x = torch.randn(rows, 64)
@@ -637,7 +639,7 @@ def test_the_compiled_graphs_op_runs_the_layers_plan_at_every_row_count(name):
 def test_an_int8_decode_step_compiles_into_one_graph_of_its_quantized_kernels(checkpoint):
     """Every quantized linear is one opaque call of its own kernel inside the graph (dynamo cannot
     trace their packed weights), and the graph is the whole step: no breaks, the eager logits."""
-    from nanogpt.quantize import Int8Linear, quantize_int8
+    from nanogpt.kernels.quantize import Int8Linear, quantize_int8
 
     model = quantize_int8(load_model(str(checkpoint)))
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
@@ -661,22 +663,22 @@ def test_the_int8_plan_follows_the_timings():
     # fbgemm's pack (INT8) serves every row count unless another int8 kernel was clearly faster
     seconds = {"int8-dynamic": {1: 1.0, 8: 2.0, 64: 7.0, 256: 22.0},
                "int8-onednn": {1: 1.4, 8: 1.9, 64: 4.6, 256: 10.0}}
-    plan = kernels.plan_int8(seconds)
-    assert plan == kernels.Plan("int8-dynamic", ((2, "int8-dynamic"), (22, "int8-dynamic"), (128, "int8-onednn"),
+    plan = planner.plan_int8(seconds)
+    assert plan == matmuls.Plan("int8-dynamic", ((2, "int8-dynamic"), (22, "int8-dynamic"), (128, "int8-onednn"),
                                                  (math.inf, "int8-onednn")))
     assert plan.describe() == "int8-dynamic up to 22 rows, int8-onednn above (measured)"
     seconds["int8-onednn"] = {1: 0.9, 8: 1.8, 64: 6.0, 256: 20.0}  # faster, within the margin
-    assert kernels.plan_int8(seconds).describe() == "int8-dynamic at every row count (measured)"
+    assert planner.plan_int8(seconds).describe() == "int8-dynamic at every row count (measured)"
 
 
 def test_the_int8_plan_gives_the_int8_gemv_one_or_two_rows_unless_clearly_slower():
     seconds = {"int8-dynamic": {1: 1.0, 4: 1.1, 8: 2.0, 64: 7.0},
                "int8-onednn": {1: 1.4, 4: 1.5, 8: 1.9, 64: 4.6},
                "int8-gemv": {1: 1.1, 4: 0.7, 8: 2.5, 64: 20.0}}
-    plan = kernels.plan_int8(seconds)  # by rule at one row though slower there; at 4 clearly faster
+    plan = planner.plan_int8(seconds)  # by rule at one row though slower there; at 4 clearly faster
     assert plan.describe() == "int8-gemv up to 5 rows, int8-dynamic up to 22 rows, int8-onednn above (measured)"
     seconds["int8-dynamic"][1] = 0.8  # fbgemm clearly faster than the GEMV at one row: it serves it
-    assert kernels.plan_int8(seconds).ranges[0] == (2, "int8-dynamic")
+    assert planner.plan_int8(seconds).ranges[0] == (2, "int8-dynamic")
 
 
 @pytest.mark.skipif("int8-gemv" not in INT8_KERNELS, reason="the int8 gemv cannot be built here")
@@ -685,8 +687,8 @@ def test_the_int8_gemv_computes_what_fbgemm_computes_to_the_bit():
     products summed exactly, the same float epilogue: equal outputs at every row count the kernel
     blocks (1-4) and beyond, a reduction length that is no multiple of its 32 bytes, no bias,
     inputs all positive or all zero; the activation applied to that output."""
-    from nanogpt import gemv
-    from nanogpt.quantize import quantize_weight
+    from nanogpt.kernels import gemv
+    from nanogpt.kernels.matmuls import quantize_weight
 
     torch.manual_seed(0)
     for out_features, in_features in ((37, 70), (50, 3), (96, 768), (24, 3072)):
@@ -718,13 +720,13 @@ def test_the_int8_gemv_computes_what_fbgemm_computes_to_the_bit():
 def test_an_int8_layer_and_the_compiled_graphs_op_run_the_int8_gemv_where_planned(checkpoint):
     """The rows its plan gives the int8 GEMV are served from its pack, eagerly and through
     nanoserve::int8_linear (with and without a post-op), with fbgemm's outputs to the bit."""
-    from nanogpt.quantize import Int8Linear
+    from nanogpt.kernels.quantize import Int8Linear
 
     model, layers = _int8_model(checkpoint)
     layer = layers[0]
     x = {rows: torch.randn(rows, layer.in_features) for rows in (1, 4, 5, 64)}
     want = {rows: layer(x) for rows, x in x.items()}  # the default pack's (fbgemm)
-    layer.set_plan(kernels.Plan("int8-dynamic", ((4, "int8-gemv"), (math.inf, "int8-dynamic"))))
+    layer.set_plan(matmuls.Plan("int8-dynamic", ((4, "int8-gemv"), (math.inf, "int8-dynamic"))))
     assert set(layer._packs) == {"int8-gemv"}
 
     def op(x, activation="none", algorithm=""):
@@ -737,7 +739,7 @@ def test_an_int8_layer_and_the_compiled_graphs_op_run_the_int8_gemv_where_planne
     weight, bias = layer._weight_bias()
     negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
     layer._packs["int8-gemv"] = gemv.int8_pack(negated, bias)
-    kernels.publish(layer, layer._plan, {"int8-dynamic": layer._packed_from, **layer._packs})
+    publish(layer, layer._plan, {"int8-dynamic": layer._packed_from, **layer._packs})
     for rows, served in ((4, False), (5, True)):
         assert torch.equal(layer(x[rows]), want[rows]) == served
         assert torch.equal(op(x[rows]), want[rows]) == served
@@ -748,17 +750,18 @@ def test_an_int8_layer_and_the_compiled_graphs_op_run_the_int8_gemv_where_planne
 
 
 def _int8_model(checkpoint):
-    from nanogpt.quantize import Int8Linear, quantize_int8
+    from nanogpt.kernels.quantize import Int8Linear, quantize_int8
 
     model = quantize_int8(load_model(str(checkpoint)))
     return model, [m for m in model.modules() if isinstance(m, Int8Linear)]
 
 
 def test_an_int8_layer_runs_the_kernel_its_plan_gives_each_row_count(checkpoint):
-    from nanogpt.quantize import Int8Linear, quantized_engine
+    from nanogpt.kernels.matmuls import quantized_engine
+    from nanogpt.kernels.quantize import Int8Linear
 
     model, layers = _int8_model(checkpoint)
-    plan = kernels.Plan("int8-dynamic", ((8, "int8-dynamic"), (math.inf, "int8-onednn")))
+    plan = matmuls.Plan("int8-dynamic", ((8, "int8-dynamic"), (math.inf, "int8-onednn")))
     layer = layers[0]
     x = {rows: torch.randn(rows, layer.in_features) for rows in (1, 8, 9, 64)}
     want = {rows: layer(x) for rows, x in x.items()}  # the default pack's (fbgemm)
@@ -783,7 +786,8 @@ def test_an_int8_layer_runs_the_kernel_its_plan_gives_each_row_count(checkpoint)
 def test_the_compiled_graphs_int8_op_runs_the_layers_plan(checkpoint):
     """nanoserve::int8_linear, as a compiled graph calls it, runs the pack the layer's plan gives
     each row count, before any plan (fbgemm's) and after a new weight is loaded."""
-    from nanogpt.quantize import Int8Linear, quantized_engine
+    from nanogpt.kernels.matmuls import quantized_engine
+    from nanogpt.kernels.quantize import Int8Linear
 
     model, layers = _int8_model(checkpoint)
     layer = layers[0]
@@ -794,13 +798,13 @@ def test_the_compiled_graphs_int8_op_runs_the_layers_plan(checkpoint):
 
     for rows in x:
         assert_close(op(x[rows]), layer(x[rows]), rtol=1e-5, atol=1e-5)
-    layer.set_plan(kernels.Plan("int8-dynamic", ((8, "int8-dynamic"), (math.inf, "int8-onednn"))))
+    layer.set_plan(matmuls.Plan("int8-dynamic", ((8, "int8-dynamic"), (math.inf, "int8-onednn"))))
     weight, bias = layer._weight_bias()
     negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
     want = {rows: layer(x[rows]) for rows in x}
     with quantized_engine("onednn"):  # another weight in oneDNN's pack shows which rows it serves
         layer._packs["int8-onednn"] = torch.ops.quantized.linear_prepack(negated, bias)
-    kernels.publish(layer, layer._plan, {"int8-dynamic": layer._packed_from, **layer._packs})
+    publish(layer, layer._plan, {"int8-dynamic": layer._packed_from, **layer._packs})
     assert_close(op(x[8]), want[8], rtol=1e-5, atol=1e-5)
     assert_close(op(x[9]), layer(x[9]), rtol=1e-5, atol=1e-5)  # the eager layer runs the same pack
     assert not torch.allclose(op(x[9]), want[9], atol=1e-3)
@@ -814,35 +818,35 @@ def test_the_compiled_graphs_int8_op_runs_the_layers_plan(checkpoint):
 @pytest.mark.parametrize("activation", [nn.GELU(approximate="tanh"), nn.GELU(), nn.ReLU()])
 def test_the_int8_op_applies_the_activation_as_its_output_leaves_it(checkpoint, activation):
     """activation(int8 layer(x)) in one op (nanoserve::int8_linear with a post-op), as `project` calls
-    it eagerly and inside compiled graphs: GPT-2's GELU by its exp form (nanogpt/vec.h) agrees with
+    it eagerly and inside compiled graphs: GPT-2's GELU by its exp form (nanogpt/kernels/csrc/vec.h) agrees with
     PyTorch's to float32 rounding, over every row count and a width that leaves a partial vector."""
     model, layers = _int8_model(checkpoint)
     layer = next(m for m in layers if m.out_features % 16)  # a tail past the last whole vector
-    kernels.pack_linears(model)
+    planner.pack_linears(model)
     for rows in (1, 3, 32, 300):
         x = torch.randn(rows, layer.in_features) * 8  # outputs far out on both sides of the GELU
         want = activation(layer(x))
-        assert_close(kernels.project(layer, x, activation), want, rtol=0, atol=2e-6)
-        compiled = torch.compile(lambda x: kernels.project(layer, x, activation), fullgraph=True)
+        assert_close(project(layer, x, activation), want, rtol=0, atol=2e-6)
+        compiled = torch.compile(lambda x: project(layer, x, activation), fullgraph=True)
         assert_close(compiled(x), want, rtol=0, atol=2e-6)
 
 
 def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypatch):
     model, layers = _int8_model(checkpoint)
-    assert kernels.pack_linears(model) == len(layers)  # measured here
+    assert planner.pack_linears(model) == len(layers)  # measured here
     plan, head = layers[0]._plan, model.lm_head._plan
     assert set(plan.seconds) == set(INT8_KERNELS) and plan.packed == "int8-dynamic"
     assert all(m._plan is plan for m in layers if m is not model.lm_head)
     assert set(head.seconds) == set(plan.seconds) and head.packed == "int8-dynamic"
-    assert kernels.describe(model) == f"int8: {plan.describe()}; int8 head: {head.describe()}"
-    assert kernels.row_costs(model) == {r: plan.seconds[plan.kernel_for(r).name][r] for r in kernels.TIMED_ROWS}
-    kernels.pack_linears(model, kernel="int8-onednn")
-    assert all(m._plan == kernels.Plan.only("int8-onednn") and set(m._packs) == {"int8-onednn"} for m in layers)
+    assert planner.describe(model) == f"int8: {plan.describe()}; int8 head: {head.describe()}"
+    assert planner.row_costs(model) == {r: plan.seconds[plan.kernel_for(r).name][r] for r in planner.TIMED_ROWS}
+    planner.pack_linears(model, kernel="int8-onednn")
+    assert all(m._plan == matmuls.Plan.only("int8-onednn") and set(m._packs) == {"int8-onednn"} for m in layers)
     with pytest.raises(ValueError, match="available: " + ", ".join(INT8_KERNELS)):
-        kernels.pack_linears(model, kernel="onednn")  # a float kernel
-    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
-    monkeypatch.setattr(kernels, "_plans", {})
-    kernels.pack_linears(model)
+        planner.pack_linears(model, kernel="onednn")  # a float kernel
+    monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # as if other processes had been busy
+    monkeypatch.setattr(planner, "_plans", {})
+    planner.pack_linears(model)
     if "int8-gemv" in INT8_KERNELS:  # the int8 GEMV serves one or two rows by rule, fbgemm the rest
         assert layers[0]._plan.describe().startswith("int8-gemv up to 2 rows, int8-dynamic above (rule: other processes")
         assert all(set(m._packs) == {"int8-gemv"} for m in layers)
@@ -852,15 +856,15 @@ def test_an_int8_model_gets_a_measured_or_forced_int8_plan(checkpoint, monkeypat
 
 
 def test_bfloat16_and_int8_models_on_a_cpu_cache_in_the_dtype_its_attention_runs_fastest_in(monkeypatch):
-    from nanogpt import kv_cache
-    from nanogpt.kv_cache import cache_dtype
+    from nanogpt.kernels import decode_attention
+    from nanogpt.runtime.precision import cache_dtype
 
-    pays = kv_cache.bf16_attention_pays()  # measured here: either answer is this CPU's
+    pays = decode_attention.bf16_attention_pays()  # measured here: either answer is this CPU's
     assert cache_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if pays else torch.float32)
     assert cache_dtype(torch.float32, "cpu", int8=True) == (torch.bfloat16 if pays else torch.float32)
     assert cache_dtype(torch.float32, "cpu") == torch.float32  # float32 stays exact, whatever pays
     assert cache_dtype(torch.bfloat16, "cuda") == torch.bfloat16  # GPU attention kernels run bf16 natively
-    kv_cache.bf16_attention_pays.cache_clear()
+    decode_attention.bf16_attention_pays.cache_clear()
     timed = []
 
     def attention_pass(dtype):  # bfloat16 as fast as float32: within the margin
@@ -869,23 +873,23 @@ def test_bfloat16_and_int8_models_on_a_cpu_cache_in_the_dtype_its_attention_runs
             time.sleep(0.002)  # long enough that the timer's noise cannot make either clearly faster
         return attend
 
-    monkeypatch.setattr(kv_cache, "_attention_pass", attention_pass)
+    monkeypatch.setattr(decode_attention, "_attention_pass", attention_pass)
     try:
         assert cache_dtype(torch.bfloat16, "cpu") == torch.float32
         assert cache_dtype(torch.float32, "cpu", int8=True) == torch.float32
         assert set(timed) == {torch.float32, torch.bfloat16}
-        kv_cache.bf16_attention_pays.cache_clear()
-        monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # as if other processes had been busy
-        monkeypatch.setattr(kv_cache, "_attention_pass",
+        decode_attention.bf16_attention_pays.cache_clear()
+        monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # as if other processes had been busy
+        monkeypatch.setattr(decode_attention, "_attention_pass",
                             lambda dtype: lambda: time.sleep(0.004 if dtype == torch.float32 else 0.0))
         assert cache_dtype(torch.bfloat16, "cpu") == torch.float32  # busy timings are not trusted
-        kv_cache.bf16_attention_pays.cache_clear()
-        monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)
+        decode_attention.bf16_attention_pays.cache_clear()
+        monkeypatch.setattr(machine, "QUIET_CORES", math.inf)
         assert cache_dtype(torch.bfloat16, "cpu") == torch.bfloat16  # clearly faster in bfloat16
         assert cache_dtype(torch.float32, "cpu", int8=True) == torch.bfloat16
         assert cache_dtype(torch.float32, "cpu") == torch.float32
     finally:
-        kv_cache.bf16_attention_pays.cache_clear()
+        decode_attention.bf16_attention_pays.cache_clear()
 
 
 def test_a_bfloat16_model_attends_alike_over_a_float32_and_a_bfloat16_cache(checkpoint):
@@ -912,12 +916,12 @@ def test_the_attention_timed_for_the_cache_dtype_is_what_a_decode_step_runs():
     """The project's kernel where it serves both dtypes (a compiled step's attention from
     decode_attention.ROWS rows), PyTorch's attention elsewhere; each pass attends over every
     layer's cache in turn and gives what the kernel computes."""
-    from nanogpt import decode_attention, kv_cache
+    from nanogpt.kernels import decode_attention
 
-    rows, heads, positions, size = kv_cache.ATTENTION_SHAPE
+    rows, heads, positions, size = decode_attention.ATTENTION_SHAPE
     calls = []
     own = all(decode_attention.serves("cpu", d, size) for d in (torch.float32, torch.bfloat16))
-    target = (decode_attention, "attend") if own else (kv_cache.F, "scaled_dot_product_attention")
+    target = (decode_attention, "attend") if own else (decode_attention.F, "scaled_dot_product_attention")
     original = getattr(*target)
 
     def counted(*args, **kwargs):
@@ -927,9 +931,9 @@ def test_the_attention_timed_for_the_cache_dtype_is_what_a_decode_step_runs():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(*target, counted)
         for dtype in (torch.float32, torch.bfloat16):
-            outputs = kv_cache._attention_pass(dtype)()
-            assert len(outputs) == kv_cache.ATTENTION_LAYERS and all(torch.isfinite(o.float()).all() for o in outputs)
-    assert calls == [torch.float32] * kv_cache.ATTENTION_LAYERS + [torch.bfloat16] * kv_cache.ATTENTION_LAYERS
+            outputs = decode_attention._attention_pass(dtype)()
+            assert len(outputs) == decode_attention.ATTENTION_LAYERS and all(torch.isfinite(o.float()).all() for o in outputs)
+    assert calls == [torch.float32] * decode_attention.ATTENTION_LAYERS + [torch.bfloat16] * decode_attention.ATTENTION_LAYERS
 
 
 @pytest.mark.skipif("gemv" not in FLOAT_KERNELS, reason="the kernels cannot be built here")
@@ -940,13 +944,13 @@ def test_a_build_lock_left_by_a_killed_process_does_not_stop_the_next_start(tmp_
     import subprocess
     import sys
 
-    from nanogpt import extension
+    from nanogpt.kernels import extension
 
     built = Path(extension.extension().__file__).parent
     copy = tmp_path / "extensions" / built.name
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "nanoserve.lock"))
     (copy / "lock").write_text("")  # as a killed holder leaves it
-    probe = "from nanogpt import extension; print(extension.available())"
+    probe = "from nanogpt.kernels import extension; print(extension.available())"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=240,
                           env={**os.environ, extension.ENV: str(tmp_path / "extensions")})
     assert done.stdout.strip() == "True", done.stderr[-2000:]

@@ -1,12 +1,12 @@
-"""How a ragged batch's new keys/values land in the slot cache (nanogpt/kv_cache.CacheWindow): long
+"""How a ragged batch's new keys/values land in the slot cache (nanogpt/runtime/kv_cache.py CacheWindow): long
 prompt rows as slices, short rows and decodes by index_put, padding nowhere, in the cache's dtype."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanogpt import kv_cache
-from nanogpt.kv_cache import CacheWindow
+from nanogpt.runtime import kv_cache
+from nanogpt.runtime.kv_cache import CacheWindow
 
 HEADS, WIDTH, MAX_LEN = 3, 4, 40
 

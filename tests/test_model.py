@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from conftest import make_hf_checkpoint
 from nanogpt.checkpoint import load_model
-from nanogpt.kv_cache import KVCache
+from nanogpt.runtime.kv_cache import KVCache
 from nanogpt.model import GPT, GPTConfig
 
 SHAPES = {

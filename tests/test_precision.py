@@ -1,4 +1,4 @@
-"""The precision a model runs in (nanogpt/precision.py): bfloat16 on CPUs with native bf16 only,
+"""The precision a model runs in (nanogpt/runtime/precision.py): bfloat16 on CPUs with native bf16 only,
 and a worker that says so once when it runs slower than its hardware could. The CPU's flags are
 passed in, so both sides of every choice are tested on any machine."""
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 
 import processor
 from models.registry import ModelSpec
-from nanogpt import precision
-from nanogpt.kv_cache import cache_dtype
-from nanogpt.quantize import is_int8
+from nanogpt.kernels import machine
+from nanogpt.kernels.quantize import is_int8
+from nanogpt.runtime import precision
+from nanogpt.runtime.precision import cache_dtype
 from worker.protocol import CompletionJob
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
@@ -76,10 +77,10 @@ def test_faster_options_are_what_the_cpu_runs_natively():
 
 
 def test_the_flags_read_agree_with_what_torch_detects():
-    flags = precision.cpu_flags()
+    flags = machine.cpu_flags()
     assert ("avx2" in flags) == torch.cpu._is_avx2_supported()
     assert precision.has_native_bf16(flags) == (torch.cpu._is_avx512_bf16_supported() or "amx_bf16" in flags)
-    assert precision.cpu_name()
+    assert machine.cpu_name()
 
 
 @pytest.fixture()
@@ -96,7 +97,7 @@ def run_one(engine) -> str:
 
 
 def test_a_worker_asked_for_bfloat16_on_a_cpu_without_runs_float32_and_logs_it(spec, monkeypatch, caplog):
-    monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: AVX2)
     with caplog.at_level(logging.INFO, logger="processor"):
         engine = processor.build_engine(spec("bfloat16"), "cpu", None)
     assert engine.runner.model.dtype == torch.float32 and run_one(engine)
@@ -105,12 +106,12 @@ def test_a_worker_asked_for_bfloat16_on_a_cpu_without_runs_float32_and_logs_it(s
     assert [r.dtype for r in caplog.records if r.getMessage() == "engine ready"] == ["float32"]
 
 
-@pytest.mark.skipif(not precision.has_native_bf16(precision.cpu_flags()), reason="this CPU has no native bf16")
+@pytest.mark.skipif(not precision.has_native_bf16(machine.cpu_flags()), reason="this CPU has no native bf16")
 def test_a_worker_asked_for_bfloat16_on_a_cpu_with_native_bf16_runs_it(spec, caplog):
     with caplog.at_level(logging.INFO, logger="processor"):
         engine = processor.build_engine(spec("bfloat16"), "cpu", None)
     # the weights and activations in bfloat16; keys and values cached and attended in the dtype
-    # this CPU's attention runs fastest in (kv_cache.cache_dtype), which the log names
+    # this CPU's attention runs fastest in (precision.cache_dtype), which the log names
     cached = engine.runner.cache.k[0].dtype
     assert engine.runner.model.dtype == torch.bfloat16 and cached == cache_dtype(torch.bfloat16, "cpu")
     assert run_one(engine)
@@ -123,7 +124,7 @@ def test_an_int8_worker_caches_in_the_dtype_its_attention_runs_fastest_in(spec, 
     with caplog.at_level(logging.INFO, logger="processor"):
         engine = processor.build_engine(spec("int8"), "cpu", None)
     # float32 activations around int8 matmuls; keys and values cached and attended in bfloat16 where
-    # this CPU's attention runs clearly faster in it (kv_cache.cache_dtype), else float32
+    # this CPU's attention runs clearly faster in it (precision.cache_dtype), else float32
     model, cached = engine.runner.model, engine.runner.cache.k[0].dtype
     assert model.dtype == torch.float32 and is_int8(model)
     assert cached == cache_dtype(torch.float32, "cpu", int8=True)
@@ -133,11 +134,11 @@ def test_an_int8_worker_caches_in_the_dtype_its_attention_runs_fastest_in(spec, 
 
 
 def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypatch, caplog):
-    from nanogpt import kernels
+    from nanogpt.kernels import planner
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: ZEN4)
-    monkeypatch.setattr(kernels, "QUIET_CORES", math.inf)  # measured whatever else runs
-    monkeypatch.setattr(kernels, "_plans", {})  # not one an earlier test measured
+    monkeypatch.setattr(machine, "cpu_flags", lambda: ZEN4)
+    monkeypatch.setattr(machine, "QUIET_CORES", math.inf)  # measured whatever else runs
+    monkeypatch.setattr(planner, "_plans", {})  # not one an earlier test measured
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
     (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
@@ -146,21 +147,21 @@ def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypa
     (ready,) = [r for r in caplog.records if r.getMessage() == "engine ready"]
     assert ready.kernels.startswith("float32: ") and ready.kernels.endswith("(measured)")
 
-    monkeypatch.setattr(kernels, "QUIET_CORES", -1.0)  # a busy machine: said, not measured
+    monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # a busy machine: said, not measured
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
     (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
     assert advice.faster_dtypes == {"bfloat16": None, "int8": None} and "not measured" in advice.getMessage()
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: AVX2)  # fbgemm's int8 kernels, no bf16
+    monkeypatch.setattr(machine, "cpu_flags", lambda: AVX2)  # fbgemm's int8 kernels, no bf16
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
     (advice,) = [r for r in caplog.records if getattr(r, "faster_dtypes", None)]
     assert set(advice.faster_dtypes) == {"int8"}
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"sse4_2"}))  # neither
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"sse4_2"}))  # neither
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="processor"):
         run_one(processor.build_engine(spec("float32"), "cpu", None))
@@ -168,7 +169,7 @@ def test_a_float32_worker_on_a_cpu_with_faster_modes_says_so_once(spec, monkeypa
 
 
 def test_the_decode_step_is_compiled_by_default_where_it_was_measured_to_pay(monkeypatch):
-    from nanogpt.compile import COMPILED_ON_CPU, compiles_by_default
+    from nanogpt.runtime.compile import COMPILED_ON_CPU, compiles_by_default
 
     monkeypatch.setenv("CXX", "sh")  # a program every machine has, standing for the C++ compiler
     assert COMPILED_ON_CPU and all(compiles_by_default("cpu", precision) for precision in COMPILED_ON_CPU)

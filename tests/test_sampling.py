@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from nanogpt import extension
+from nanogpt.kernels import extension
 from worker.logprobs import TokenLogprob, fragment, score
 from worker import sampling
 from worker.sampling import (Sampler, SamplingParams, _numpy_exponential, _torch_exponential, apply_penalties, draw_key,

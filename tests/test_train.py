@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanogpt import prepare, train
+from nanogpt.training import prepare, train
 from nanogpt.checkpoint import load_model
 from tests.conftest import make_hf_checkpoint, write_gpt2_tokenizer
 

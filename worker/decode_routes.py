@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanogpt import decode_attention
-from nanogpt.compile import compile_decode
-from nanogpt.cuda_graphs import GraphedDecode
+from nanogpt.kernels import decode_attention
+from nanogpt.runtime.compile import compile_decode
+from nanogpt.runtime.cuda_graphs import GraphedDecode
 
 log = logging.getLogger(__name__)
 

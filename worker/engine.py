@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from nanogpt.kernels import row_costs
+from nanogpt.kernels.planner import row_costs
 from worker import protocol
 from worker.errors import EngineError, EngineFault
 from worker.output import OutputProcessor

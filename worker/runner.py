@@ -22,8 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanogpt.kernels import pack_linears
-from nanogpt.kv_cache import KVCache, model_cache_dtype
+from nanogpt.kernels.planner import pack_linears
+from nanogpt.runtime.kv_cache import KVCache
+from nanogpt.runtime.precision import model_cache_dtype
 from worker import contrastive
 from worker.beams import BeamGroup, advance
 from worker.decode_routes import DecodeRoutes, Graph, Route, chunk_rows

@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from nanogpt import extension
+from nanogpt.kernels import extension
 from worker.logits_processors import (NGramBans, apply_bans, apply_min_p, apply_repetition_penalty,
                                       apply_token_mask, bad_word_bans, token_mask)
 
@@ -105,7 +105,7 @@ CANDIDATES = 256  # truncated rows sort only their best tokens when those hold t
 
 def first_max(x: torch.Tensor) -> torch.Tensor:
     """The index of each row's first maximum, as argmax gives it: on a CPU the project's kernel
-    (nanogpt/first_max.cpp) where it is loaded, else max(-1), which returns the same indices
+    (nanogpt/kernels/csrc/first_max.cpp) where it is loaded, else max(-1), which returns the same indices
     (documented: the first maximal value) 2.5-3x faster than argmax (GPT-2's 50257 logits: 25
     against 73 µs at 1 row, 0.43 against 1.17 ms at 32)."""
     own = extension.loaded() if x.device.type == "cpu" else None

@@ -1,26 +1,34 @@
 """One decode step's attention over the slot cache on a CPU, by the project's own kernel
-(nanogpt/decode_attention.cpp): each row's keys and values read once, in place, in its slot. The
-compiled decode step (nanogpt/kv_cache.py DecodeWindow) calls it as one op,
+(csrc/decode_attention.cpp): each row's keys and values read once, in place, in its slot. The
+compiled decode step (nanogpt/runtime/kv_cache.py DecodeWindow) calls it as one op,
 `nanoserve::decode_attention`, for batches of ROWS rows or more where the cache was made for it
 (KVCache.own_attention: a CPU, a float32 or bfloat16 cache, a head size the kernel is built for);
-elsewhere the step spells attention out in PyTorch's ops. At 32 rows on an AMX Xeon inductor's
-fused kernel for those ops read a bfloat16 cache at ~10 GB/s and a float32 one at ~16, about a
-third and three fifths of the memory's rate (docs/notes/decode-attention.md#why)."""
+elsewhere the step spells attention out in PyTorch's ops, which inductor fuses into a kernel that
+reads the cache well below the memory's rate (docs/notes/decode-attention.md#why).
+
+Also here: whether a decode step's attention pays in bfloat16 on this CPU (`bf16_attention_pays`),
+which the KV cache's dtype follows (nanogpt/runtime/precision.py cache_dtype).
+"""
 from __future__ import annotations
 
+import functools
+import math
+import time
+from typing import Callable
+
 import torch
+from torch.nn import functional as F
 
-from nanogpt import extension
+from nanogpt.kernels import extension
+from nanogpt.kernels.machine import MARGIN, OtherProcesses
 
-# The rows from which the kernel attends: a compiled step's batch is fixed per graph, and below it
-# inductor's fused kernel (which also writes the new keys and values) costs less than the op's
-# dispatch and a write of its own (bfloat16, 12 heads, span 64: 44 against 68 µs a layer at 2
-# rows, 81 against 87 at 4; 149 against 114 at 8; the int8 step at one row 7.2-7.7 against
-# 7.4-8.5 ms).
+# The rows from which the kernel attends: below them inductor's fused kernel, which also writes the
+# new keys and values, costs less than the op's dispatch and a write of its own
+# (docs/notes/decode-attention.md#rows).
 ROWS = 8
 
-# the library of the project's ops inside compiled graphs (nanogpt/kernels.py defines it); the CPU
-# kernel is the C++ one, registered when the extension loads (nanogpt/layer_ops.cpp)
+# the library of the project's ops inside compiled graphs (ops.py defines it); the CPU kernel is
+# the C++ one, registered when the extension loads (csrc/layer_ops.cpp)
 _LIBRARY = torch.library.Library("nanoserve", "FRAGMENT")
 _LIBRARY.define("decode_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor slots, Tensor positions, "
                 "SymInt span, float scale, int local) -> Tensor")
@@ -39,3 +47,47 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots:
     """q (B, heads, head size), of the cache's dtype -> (B, heads, head size): row b attends to its slot's
     positions <= positions[b] (and > positions[b] - local where `local`), of the first `span`."""
     return torch.ops.nanoserve.decode_attention(q, cache_k, cache_v, slots, positions, span, scale, local or 0)
+
+
+# The decode attention timed: a batch of sequences, GPT-2 small's heads, a hundred-odd positions,
+# over as many layers' caches as GPT-2 small has, attended one after the other as a decode step does
+ATTENTION_SHAPE = (16, 12, 128, 64)  # rows, heads, positions, head size
+ATTENTION_LAYERS = 12
+# Seconds the timing spans at least: other processes' CPU time is counted in 10 ms ticks, and over
+# a few ms one tick of anything else would read as a busy machine (docs/notes/kv-cache.md#timing).
+WINDOW = 0.3
+
+
+@functools.cache
+def bf16_attention_pays() -> bool:
+    """Whether a decode step's attention over its cached keys and values runs MARGIN times faster
+    in bfloat16 than in float32 on this CPU, timed once per process (`_attention_pass`, a few
+    hundred milliseconds). bfloat16 reads half the bytes but widens every element, and CPUs differ
+    in which wins (docs/notes/kv-cache.md#dtype). Timings taken while other
+    processes were busy are not trusted: float32, the safe choice, then."""
+    passes = {dtype: _attention_pass(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    others, best, rounds = OtherProcesses(), {}, 0
+    began = time.perf_counter()
+    while rounds < 4 or time.perf_counter() - began < WINDOW:  # alternating, so that a burst of load hits both
+        for dtype, attend in passes.items():
+            start = time.perf_counter()
+            attend()
+            best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - start)
+        rounds += 1
+    return others.quiet() and best[torch.bfloat16] * MARGIN < best[torch.float32]
+
+
+def _attention_pass(dtype: torch.dtype) -> Callable[[], None]:
+    """One decode step's attention in `dtype`, ATTENTION_LAYERS layers' caches one after the other
+    (each layer's keys and values come from memory, as in a step, where the weights' matmuls run
+    between them), by what a compiled step attends with: the project's kernel where it serves both
+    dtypes, PyTorch's attention elsewhere."""
+    rows, heads, positions, size = ATTENTION_SHAPE
+    layers = [(torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1),
+               torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1)) for _ in range(ATTENTION_LAYERS)]
+    if all(serves("cpu", d, size) for d in (torch.float32, torch.bfloat16)):
+        q = torch.randn(rows, heads, size).to(dtype)
+        slots, ends = torch.arange(rows), torch.full((rows,), positions - 1)
+        return lambda: [attend(q, k, v, slots, ends, positions, size ** -0.5, None) for k, v in layers]
+    q, mask = torch.randn(rows, heads, 1, size).to(dtype), torch.zeros(rows, 1, 1, positions, dtype=dtype)
+    return lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for k, v in layers]

@@ -1,8 +1,8 @@
-"""The project's own C++ kernels: the GEMV for one or two rows (nanogpt/gemv.cpp) and the int8
-mode's for a few (nanogpt/int8_gemv.cpp), both served through nanogpt/gemv.py, the decode step's attention over the slot cache (nanogpt/decode_attention.cpp,
-through nanogpt/decode_attention.py) and each row's first maximum for the sampler
-(nanogpt/first_max.cpp), one module (nanogpt/extension.cpp) on PyTorch's own threads; it also gives
-the compiled graphs' ops their C++ CPU kernels (nanogpt/layer_ops.cpp).
+"""The project's own C++ kernels (csrc/): the GEMV for one or two rows (csrc/gemv.cpp) and the
+int8 mode's for a few (csrc/int8_gemv.cpp), both served through gemv.py; the decode step's
+attention over the slot cache (csrc/decode_attention.cpp, through decode_attention.py); each row's
+first maximum for the sampler (csrc/first_max.cpp); and the C++ CPU kernels of the compiled graphs'
+ops (csrc/layer_ops.cpp, ops.py). One module (csrc/extension.cpp) on PyTorch's own threads.
 
 They are compiled on first use for the vector width this CPU has, and the GEMV's bfloat16 dot
 products where it has AVX512_BF16 (torch.utils.cpp_extension, under a minute) into
@@ -23,15 +23,15 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from nanogpt.precision import cpu_flags
+from nanogpt.kernels.machine import cpu_flags
 
 log = logging.getLogger(__name__)
 
 ENV = "NANOSERVE_EXTENSIONS"
-HERE = Path(__file__).parent
-SOURCES = [HERE / "extension.cpp", HERE / "gemv.cpp", HERE / "decode_attention.cpp", HERE / "first_max.cpp",
-           HERE / "layer_ops.cpp", HERE / "int8_gemv.cpp"]
-HEADERS = [HERE / "vec.h", HERE / "gemv.h", HERE / "own_kernels.h"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "extension.cpp", CSRC / "gemv.cpp", CSRC / "decode_attention.cpp", CSRC / "first_max.cpp",
+           CSRC / "layer_ops.cpp", CSRC / "int8_gemv.cpp"]
+HEADERS = [CSRC / "vec.h", CSRC / "gemv.h", CSRC / "own_kernels.h"]
 # torch's CPU capability -> the compiler's vector flags: the widths the kernels are written for
 FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
          "AVX2": ["-mavx2", "-mfma"]}

@@ -7,19 +7,19 @@ import shutil
 
 import torch
 
-from nanogpt import compile_cache
+from nanogpt.runtime import compile_cache
 
 
 def compile_decode(model):
     """The compiled `model.forward_decode`, its graphs kept in the compile cache that outlives the
-    process (nanogpt/compile_cache.py). Without inductor's weight freezing: the prepacked layers of
-    nanogpt/kernels.py are one opaque op each inside the graph, and a frozen graph could not be
+    process (compile_cache.py). Without inductor's weight freezing: the prepacked layers of
+    nanogpt/kernels/ are one opaque op each inside the graph, and a frozen graph could not be
     cached. The recompile limit is a setting of the whole process.
 
     On a CPU the graph's wrapper is inductor's C++ one: the step's few hundred calls around its
     kernels (buffers, views, the opaque layers) run in C++ rather than Python, a few percent off
-    every precision's step (docs/notes/compiled-decode.md); its first compile takes longer (the wrapper is
-    compiled too), later starts load it from the cache as fast."""
+    every precision's step (docs/notes/compiled-decode.md#c-wrapper); its first compile takes
+    longer (the wrapper is compiled too), later starts load it from the cache as fast."""
     # every batch size a caller pads to is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_cache.enable()
@@ -27,10 +27,9 @@ def compile_decode(model):
     return torch.compile(model.forward_decode, options=options)
 
 
-# The precisions (nanogpt.precision's names) whose compiled decode step, prompt chunks still packed
-# beside it eagerly, was measured ahead of the eager step on a CPU, under the serving benchmark's
-# load and on whole batches (docs/notes/compiled-decode.md; int8 on the AMX Xeon, where the AMD EPYC's two
-# serving runs had disagreed). The GPU's compiled step has not been measured.
+# The precisions (precision.py's names) whose compiled decode step was measured ahead of the eager
+# one on a CPU under serving load (docs/notes/compiled-decode.md#default); the GPU's
+# compiled step has not been measured.
 COMPILED_ON_CPU = ("float32", "bfloat16", "int8")
 
 

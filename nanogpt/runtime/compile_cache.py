@@ -11,9 +11,9 @@ things defeat it, and this module takes care of both:
   a deployment keeps that directory on a volume.
 - weight freezing (`torch._inductor.config.freezing`): a frozen graph's packed weights are
   oneDNN tensors, which the cache cannot store, so every start compiles from scratch. The packed
-  kernels of nanogpt/kernels.py give a compiled graph the same prepacked matmuls without
+  kernels of nanogpt/kernels/ give a compiled graph the same prepacked matmuls without
   freezing (as the opaque op `nanoserve::linear`), so a compiled model should not freeze:
-  `torch.compile(model.forward_decode)` after `kernels.pack_linears(model)` and `enable()`.
+  `torch.compile(model.forward_decode)` after `pack_linears(model)` (nanogpt/kernels/planner.py) and `enable()`.
 """
 from __future__ import annotations
 

@@ -2,93 +2,19 @@
 
 Memory: 2 (keys and values) * n_layer * max_slots * max_len * n_embd * bytes per element.
 GPT-2 small (12 layers, 768 wide) in float32 holds 2 * 12 * 768 * 4 B = 72 KiB per token, so
-32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16: see cache_dtype).
+32 slots of 1024 positions take 2.25 GiB (1.125 GiB in bfloat16). The cache holds the dtype it is
+given (nanogpt/runtime/precision.py cache_dtype chooses it).
 """
 from __future__ import annotations
 
-import functools
 import math
-import time
-from typing import Callable
 
 import torch
 from torch.nn import functional as F
 
-from nanogpt import decode_attention
+from nanogpt.kernels import decode_attention
 
-
-def cache_dtype(model_dtype: torch.dtype, device, int8: bool = False) -> torch.dtype:
-    """The dtype a model's keys and values are cached and attended in: the model's own, except on a
-    CPU whose attention runs clearly faster in bfloat16 or not (`bf16_attention_pays`):
-    - a bfloat16 model where it does not: float32, which holds the bfloat16 keys and values exactly,
-      at twice the memory;
-    - an int8 model (float32 activations) where it does: bfloat16, half the bytes each decode step
-      reads (what llama.cpp's f16 cache does beside its q8_0 weights); a drift of its own, measured
-      with int8's in docs/notes/kv-cache.md. A float32 model always caches in float32: it stays exact."""
-    on_cpu = torch.device(device).type == "cpu"
-    if model_dtype == torch.bfloat16 and on_cpu and not bf16_attention_pays():
-        return torch.float32
-    if int8 and on_cpu and bf16_attention_pays():
-        return torch.bfloat16
-    return model_dtype
-
-
-def model_cache_dtype(model) -> torch.dtype:
-    """cache_dtype for a serving model as loaded (int8 when its linear layers were quantized)."""
-    from nanogpt.quantize import is_int8
-
-    return cache_dtype(model.dtype, model.device, int8=is_int8(model))
-
-
-# The decode attention timed: a batch of sequences, GPT-2 small's heads, a hundred-odd positions,
-# over as many layers' caches as GPT-2 small has, attended one after the other as a decode step does
-ATTENTION_SHAPE = (16, 12, 128, 64)  # rows, heads, positions, head size
-ATTENTION_LAYERS = 12
-WINDOW = 0.3  # seconds the timing spans at least
 RUN_TOKENS = 8  # a prompt chunk's row of at least this many tokens is written to the cache as a slice
-
-
-@functools.cache
-def bf16_attention_pays() -> bool:
-    """Whether a decode step's attention over its cached keys and values runs MARGIN times faster
-    in bfloat16 than in float32 on this CPU, timed once per process (`_attention_pass`, a few
-    hundred milliseconds). It reads half the bytes, but widens every element: PyTorch's attention
-    ran 1.7-1.8x slower in bfloat16 on AVX-512 CPUs without AMX and 1.5x faster on a Xeon with AMX;
-    the project's kernel, reading a step's caches from memory, 1.2-1.6x faster on an AVX2-only
-    EPYC (docs/notes/kv-cache.md#dtype). Timings taken while other processes were busy are not trusted:
-    float32, the safe choice, then."""
-    from nanogpt.kernels import MARGIN, QUIET_CORES, OtherProcesses
-
-    passes = {dtype: _attention_pass(dtype) for dtype in (torch.float32, torch.bfloat16)}
-    others, best, rounds = OtherProcesses(), {}, 0
-    began = time.perf_counter()
-    # alternating, so that a burst of load hits both; for WINDOW at least, as the other processes'
-    # CPU time is counted in 10 ms ticks: over the few ms of four rounds, one tick of anything else
-    # read as a busy machine and the cache fell back to float32 in one load out of several
-    while rounds < 4 or time.perf_counter() - began < WINDOW:
-        for dtype, attend in passes.items():
-            start = time.perf_counter()
-            attend()
-            best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - start)
-        rounds += 1
-    return others.cores() <= QUIET_CORES and best[torch.bfloat16] * MARGIN < best[torch.float32]
-
-
-def _attention_pass(dtype: torch.dtype) -> Callable[[], None]:
-    """One decode step's attention in `dtype`, ATTENTION_LAYERS layers' caches one after the other
-    (each layer's keys and values come from memory, as in a step, where the weights' matmuls run
-    between them), by what a compiled step attends with: the project's kernel where it serves both
-    dtypes, PyTorch's attention elsewhere. (Warm in the CPU's caches the two dtypes rank
-    differently: docs/notes/kv-cache.md#timing.)"""
-    rows, heads, positions, size = ATTENTION_SHAPE
-    layers = [(torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1),
-               torch.empty(rows, heads, positions, size, dtype=dtype).uniform_(-1, 1)) for _ in range(ATTENTION_LAYERS)]
-    if all(decode_attention.serves("cpu", d, size) for d in (torch.float32, torch.bfloat16)):
-        q = torch.randn(rows, heads, size).to(dtype)
-        slots, ends = torch.arange(rows), torch.full((rows,), positions - 1)
-        return lambda: [decode_attention.attend(q, k, v, slots, ends, positions, size ** -0.5, None) for k, v in layers]
-    q, mask = torch.randn(rows, heads, 1, size).to(dtype), torch.zeros(rows, 1, 1, positions, dtype=dtype)
-    return lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for k, v in layers]
 
 
 class KVCache:
@@ -160,7 +86,7 @@ class CacheWindow(Window):
     def __init__(self, slots, start_pos, lengths, T: int, max_len: int, span: int | None = None,
                  own_kernel: bool = False):
         """own_kernel (a cache KVCache.own_attention): a batch of one token a row attends by the
-        project's decode kernel (nanogpt/decode_attention.py) rather than SDPA over a mask."""
+        project's decode kernel (nanogpt/kernels/decode_attention.py) rather than SDPA over a mask."""
         device = slots.device
         self.positions = start_pos[:, None] + torch.arange(T, device=device)  # (B, T)
         self.query_positions = self.positions
@@ -203,8 +129,8 @@ class CacheWindow(Window):
             if last - first + 1 > B:
                 self.pick = slots - first  # each row's place in the slot range
         # Eagerly, at every row count: the kernel reads each row's keys and values once, in place,
-        # where SDPA also applies a mask built per forward (docs/notes/decode-attention.md#eager: a step's decoding
-        # rows beside a prompt chunk run eagerly); such a window builds no mask
+        # where SDPA also applies a mask built per forward (docs/notes/decode-attention.md#eager);
+        # such a window builds no mask
         self.decode_rows = (slots, self.positions[:, 0]) if own_kernel and T == 1 and self.dense else None
         if self.decode_rows is None:
             self.mask = self._spread(self.keys <= self.positions[:, None, :, None])  # (B, 1, T, span): key pos <= query pos
@@ -314,7 +240,7 @@ class DecodeWindow(Window):
     slot and position.
 
     With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends batches of
-    decode_attention.ROWS rows or more (nanogpt/decode_attention.py); else attention is spelled
+    decode_attention.ROWS rows or more (nanogpt/kernels/decode_attention.py); else attention is spelled
     as reductions over the gathered cache rows: inductor fuses the gather into them, so the slots'
     keys and values are read once, in place, in any slot order.
     """

@@ -7,18 +7,22 @@ hardware does natively.
   is emulated and slower than float32, so such a CPU runs float32 and says so.
 - float16: on GPUs; CPUs run float32 (PyTorch's CPU float16 matmuls are emulated).
 - int8: CPUs only: float32 with the Linear weights quantized to int8 and activations quantized on
-  the fly. fbgemm's int8 kernels need AVX2 and use VNNI (and AMX) where the CPU has it; on an
-  AVX2-only CPU without VNNI they still read a quarter of float32's weight bytes and ran 2.4-3.0x
-  float32 (docs/performance.md#amd-epyc-avx2-only), so int8 pays on any CPU with AVX2.
+  the fly. fbgemm's int8 kernels need AVX2 and use VNNI (and AMX) where the CPU has it; without
+  VNNI they still read a quarter of float32's weight bytes, so int8 pays on any CPU with AVX2
+  (docs/performance.md#amd-epyc-avx2-only).
 
-The fidelity of bfloat16 and int8 against float32 is in docs/performance.md#fidelity (bench/fidelity.py).
+Keys and values are cached in the model's dtype, or where this CPU's attention runs clearly faster
+or slower in bfloat16, in the other one (`cache_dtype`). How far bfloat16 and int8 drift from
+float32: docs/performance.md#fidelity (bench/fidelity.py).
 """
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
 
 import torch
+
+from nanogpt.kernels.decode_attention import bf16_attention_pays
+from nanogpt.kernels.quantize import is_int8
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
 FAST_INT8 = "avx2"  # ... and with fbgemm's int8 kernels (every CPU with VNNI or AMX has AVX2 too)
@@ -66,29 +70,23 @@ def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:
     return bool(set(NATIVE_BF16) & set(flags))
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (where there is no /proc/cpuinfo:
-    the ones PyTorch itself detects)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    detected = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported",
-                "avx512_vnni": "_is_vnni_supported", "avx512_bf16": "_is_avx512_bf16_supported",
-                "amx_tile": "_is_amx_tile_supported"}
-    return frozenset(flag for flag, probe in detected.items()
-                     if getattr(torch.cpu, probe, lambda: False)())
+def cache_dtype(model_dtype: torch.dtype, device, int8: bool = False) -> torch.dtype:
+    """The dtype a model's keys and values are cached and attended in: the model's own, except on a
+    CPU whose attention runs clearly faster in bfloat16 or not (nanogpt/kernels/decode_attention.py
+    `bf16_attention_pays`):
+    - a bfloat16 model where it does not: float32, which holds the bfloat16 keys and values exactly,
+      at twice the memory;
+    - an int8 model (float32 activations) where it does: bfloat16, half the bytes each decode step
+      reads (what llama.cpp's f16 cache does beside its q8_0 weights), at a drift of its own.
+    A float32 model always caches in float32: it stays exact."""
+    on_cpu = torch.device(device).type == "cpu"
+    if model_dtype == torch.bfloat16 and on_cpu and not bf16_attention_pays():
+        return torch.float32
+    if int8 and on_cpu and bf16_attention_pays():
+        return torch.bfloat16
+    return model_dtype
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def model_cache_dtype(model) -> torch.dtype:
+    """cache_dtype for a serving model as loaded (int8 when its linear layers were quantized)."""
+    return cache_dtype(model.dtype, model.device, int8=is_int8(model))

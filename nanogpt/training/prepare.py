@@ -1,10 +1,10 @@
 """Data preparation for training: text becomes `train.bin` / `val.bin` (uint16 token ids, a 90/10
 split) plus what is needed to turn the ids back into text.
 
-    python -m nanogpt.prepare char --out data/shakespeare_char            # the Shakespeare plays
-    python -m nanogpt.prepare char --input my.txt --out data/my_char
-    python -m nanogpt.prepare bpe --input a.txt b.txt --vocab-dir CKPT_DIR --out data/my_bpe
-    python -m nanogpt.prepare bpe --vocab-dir CKPT_DIR --out data/shakespeare_gpt2   # the plays
+    python -m nanogpt.training.prepare char --out data/shakespeare_char            # the Shakespeare plays
+    python -m nanogpt.training.prepare char --input my.txt --out data/my_char
+    python -m nanogpt.training.prepare bpe --input a.txt b.txt --vocab-dir CKPT_DIR --out data/my_bpe
+    python -m nanogpt.training.prepare bpe --vocab-dir CKPT_DIR --out data/shakespeare_gpt2   # the plays
 
 char: the vocabulary is the set of characters of the text, saved as `meta.pkl`
       (`{'vocab_size', 'itos', 'stoi'}`), exactly as nanoGPT's shakespeare_char.
@@ -107,7 +107,7 @@ def split_documents(texts: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nanogpt.prepare", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m nanogpt.training.prepare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
     char = sub.add_parser("char", help="character-level vocabulary from the text itself")

@@ -1,7 +1,7 @@
 """Train a GPT, nanoGPT style: from scratch, resumed, or fine-tuned from a GPT-2 checkpoint.
 
-    python -m nanogpt.train nanogpt/configs/shakespeare_char.py
-    python -m nanogpt.train nanogpt/configs/shakespeare_char.py --max_iters=500 --device=cpu
+    python -m nanogpt.training.train nanogpt/training/configs/shakespeare_char.py
+    python -m nanogpt.training.train nanogpt/training/configs/shakespeare_char.py --max_iters=500 --device=cpu
 
 The defaults below are overridden by a config file (a Python file of assignments to these names)
 and then by `--name=value` flags, in that order. The output directory holds `ckpt.pt` (nanoGPT's
@@ -69,7 +69,7 @@ seed = 1337
 DEFAULTS = {k: v for k, v in globals().items()
             if not k.startswith("_") and isinstance(v, (bool, int, float, str))}
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "shakespeare_char.py"
 
 
@@ -115,7 +115,7 @@ def _check_type(name: str, value):
 
 def ensure_data(config: dict) -> Path:
     """The data directory, prepared from the configured text when it holds no train.bin yet."""
-    from nanogpt import prepare
+    from nanogpt.training import prepare
 
     data = Path(config["data_dir"])
     if (data / "train.bin").exists():

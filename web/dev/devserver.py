@@ -95,7 +95,7 @@ def ensure_default_model(env: dict[str, str]) -> None:
     print(f"devserver: {DEFAULT_CHECKPOINT_DIR / 'ckpt.pt'} is missing; training the default model first",
           flush=True)
     code = ("import sys\n"
-            "from nanogpt.train import ensure_default_model\n"
+            "from nanogpt.training.train import ensure_default_model\n"
             "try:\n"
             f"    ensure_default_model({str(DEFAULT_CHECKPOINT_DIR)!r})\n"
             "except KeyboardInterrupt:\n"

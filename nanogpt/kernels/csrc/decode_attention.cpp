@@ -3,7 +3,8 @@
 // (slots, heads, positions, head size) in one pass over each row's keys and one over its values.
 // Written as vector sums in registers with the scores kept in float32: the same sums that PyTorch's
 // ops and inductor's fused kernel spell out, which on an AMX Xeon read the cache at about a third of
-// the memory's rate (docs/notes/decode-attention.md). Built by nanogpt/extension.py; run on PyTorch's threads.
+// the memory's rate (docs/notes/decode-attention.md#why). Built by ../extension.py; run on PyTorch's
+// threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,7 +24,7 @@ using namespace nanoserve;
 #define NANOSERVE_HEAD_VECTORS(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(16) X(20) X(32)
 
 // scores[s] = e^(scores[s] - max) for s in [first, last); returns their sum. In vectors of L (the
-// exp of nanogpt/vec.h), the last few one at a time: one libm exp per score cost ~15% of the kernel
+// exp of vec.h), the last few one at a time: one libm exp per score cost ~15% of the kernel
 // at 32 rows of GPT-2 small.
 inline float softmax_numerators(float* scores, int64_t first, int64_t last) {
   const float top = max_of(scores + first, last - first);

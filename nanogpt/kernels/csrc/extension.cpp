@@ -1,4 +1,4 @@
-// The Python module of the project's C++ kernels (built by nanogpt/extension.py).
+// The Python module of the project's C++ kernels (built by ../extension.py).
 #include <torch/extension.h>
 
 #include "own_kernels.h"

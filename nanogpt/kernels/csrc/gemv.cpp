@@ -1,5 +1,5 @@
 // y = epilogue(x @ w.T + bias) for a few rows of x, streaming each weight row once from memory:
-// the decode step's matmul, whose time is reading the weights. Built by nanogpt/extension.py for the
+// the decode step's matmul, whose time is reading the weights. Built by ../extension.py for the
 // vector width of the CPU it runs on (AVX-512: 16 floats, AVX2: 8; with AVX512_BF16 bfloat16 dot
 // products too) and run on PyTorch's own thread pool (at::parallel_for), so it never competes
 // with another pool for the cores.
@@ -28,23 +28,15 @@ using namespace nanoserve;
 constexpr int MB = 8;
 constexpr int64_t NT = 16;
 #else
-// AVX2's 16 registers hold 12 sums: six rows of x by two weight rows, or four (and three) by three.
-// GPT-2 small's 49 float32 decode matmuls on an AVX2-only EPYC, 2 threads, medians of 9 alternating
-// passes, four rows a pass by two weight rows -> this: 6 rows 38.0 -> 33.4 ms, 8 rows 42.8 -> 40.9,
-// 12 rows 58.0 -> 49.2, 16 rows 66.1 -> 58.8, 24 rows 84.1 -> 73.8; 1 to 4 rows within 4%
-// (docs/notes/gemv.md#avx2-blocks).
+// AVX2's 16 registers hold 12 sums: six rows of x by two weight rows, or four (and three) by three,
+// which beat four rows by two from 6 rows up (docs/notes/gemv.md#avx2-blocks).
 constexpr int MB = 6;
 constexpr int64_t NT = 24;
 #endif
 
 // Each load of NB weight rows also asks for the same bytes of the next NB rows (the next block, NB
-// * K elements on): the hardware's prefetcher alone left the cores waiting on memory. GPT-2 small's
-// 49 decode matmuls on an AMX Xeon, 2 threads, weights read from memory, best of 7 passes, two
-// alternating runs: bfloat16 at 1 / 2 / 4 / 8 rows 13.8-14.6 -> 9.6-10.2, 15.2-15.9 -> 10.4-11.0,
-// 21.9-22.5 -> 12.8-13.4, 23.3-24.7 -> 16.7-17.1 ms; float32 at 2 / 4 / 8 rows 20.7-21.2 ->
-// 19.1-20.5, 24.5-25.2 -> 20.3-21.6, 35.1-35.3 -> 24.1-30.2 ms; the AVX2 build's float32 22.4-23.3
-// -> 19.2-19.6, 29.0-29.3 -> 21.9-22.3, 37.5-37.6 -> 30.9 ms (docs/notes/gemv.md#prefetch). A prefetch past
-// the weight's end is dropped, never a fault.
+// * K elements on): the hardware's prefetcher alone left the cores waiting on memory
+// (docs/notes/gemv.md#prefetch). A prefetch past the weight's end is dropped, never a fault.
 template <typename T, int NB>
 inline void prefetch_next_block(const T* w, int64_t K, int64_t n, int64_t k) {
   if ((k * sizeof(T)) % 64 == 0)  // once per cache line
@@ -63,8 +55,7 @@ void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n
     for (int64_t k = 0; k < K_vec; k += L) {
       vf wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = load(w + (n + j) * K + k);
-      // float32 at one row: the hardware's prefetcher kept up alone (four alternating runs: 18.2-18.8
-      // ms without, 18.3-20.7 with)
+      // float32 at one row: the hardware's prefetcher keeps up alone (docs/notes/gemv.md#prefetch)
       if constexpr (M > 1 || !std::is_same_v<T, float>) prefetch_next_block<T, NB>(w, K, n, k);
       for (int m = 0; m < M; ++m) {
         vf xv = load(x + m * K + k);
@@ -89,9 +80,7 @@ void dots(const T* __restrict w, const float* __restrict x, int64_t K, int64_t n
 
 // As many accumulators as the registers hold: NB * M of them, beside NB + 1 loaded vectors. At
 // one or two rows, eight weight rows at a time: eight streams from memory in flight keep more of
-// its bandwidth busy than one row read at a time with four accumulators each (GPT-2 small's 49
-// float32 matmuls on an AMX Xeon, 2 threads: 1 row 20.0 -> 18.0 ms, 2 rows 26.5 -> 21.1; the AVX2
-// build 22.6 -> 18.8 and, four rows at a time, 27.4 -> 23.6: docs/notes/gemv.md#eight-rows).
+// its bandwidth busy than one row read at a time (docs/notes/gemv.md#eight-rows).
 template <typename T, int M>
 void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1, float* out) {
 #if defined(__AVX512F__)
@@ -107,9 +96,9 @@ void dots_blocked(const T* w, const float* x, int64_t K, int64_t n0, int64_t n1,
 #if defined(__AVX512BF16__)
 // bfloat16 weights and x (a bfloat16 model's activations are bfloat16): vdpbf16ps multiplies 32
 // pairs and adds them into 16 float sums in one instruction, where widening the weights to float
-// first takes three per 16, which left the cores, not the memory, setting the pace (9 GB/s a core
-// against float32's 14 on an AMX Xeon). The products are the same exact float products; denormal
-// inputs count as zero.
+// first takes three per 16, which left the cores, not the memory, setting the pace
+// (docs/notes/gemv.md#bfloat16). The products are the same exact float products; denormal inputs
+// count as zero.
 constexpr int P = 32;  // bfloat16 in a vector register
 
 template <int M, int NB>
@@ -141,9 +130,7 @@ void dots_bf16(const c10::BFloat16* __restrict w, const c10::BFloat16* __restric
 }
 
 // As many weight rows at a time as the registers hold accumulators for (NB * M of them, beside NB +
-// 1 loaded vectors), up to eight. With the prefetch, GPT-2 small's 49 matmuls: one row of x 9.7 ms
-// with eight weight rows at a time, 9.7-9.9 with four rows and two sums each along K; two rows of
-// x 10.6 ms against 13.2 with one weight row and four sums (the shape before).
+// 1 loaded vectors), up to eight, as for float32 (docs/notes/gemv.md#bfloat16).
 template <int M>
 void dots_bf16_blocked(const c10::BFloat16* w, const c10::BFloat16* x, int64_t K, int64_t n0, int64_t n1,
                        float* out) {

@@ -1,4 +1,4 @@
-// What the project's two GEMVs (nanogpt/gemv.cpp, nanogpt/int8_gemv.cpp) share: their pass over the
+// What the project's two GEMVs (gemv.cpp, int8_gemv.cpp) share: their pass over the
 // weights, and the activations they apply as each output leaves them, named as oneDNN's post-ops
 // name them.
 #pragma once
@@ -48,9 +48,8 @@ inline float activate(float v, Activation a) {
   return v;
 }
 
-// activation(p[0..n)) in place, GPT-2's GELU by its vector form (nanogpt/vec.h): with one std::tanh
-// per output, the GELU added 0.5-0.6 ms to GPT-2 small's 12 MLP layers at one row and 1.0-1.2 ms at
-// two (the float GEMV, 2 threads, AVX2 EPYC), 0.3 ms or less this way
+// activation(p[0..n)) in place, GPT-2's GELU by its vector form (vec.h): one std::tanh per output
+// costs more than the vector form's pass (docs/notes/gemv.md#epilogue)
 inline void activate(float* p, int64_t n, Activation a) {
   if (a == Activation::none) return;
   int64_t i = 0;

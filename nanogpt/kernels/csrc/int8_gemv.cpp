@@ -1,9 +1,8 @@
-// The int8 mode's matmul for a few rows (nanogpt/quantize.py): what torch.ao's dynamically quantized
+// The int8 mode's matmul for a few rows (../quantize.py): what torch.ao's dynamically quantized
 // linear computes with fbgemm, x quantized to uint8 on the fly and the int8 products summed exactly
-// in int32, with each weight row streamed once from memory. At one row fbgemm's calls took longer
-// than reading their int8 weights (GPT-2 small's 49: 9.7-12.1 against 7.0-9.0 ms; packing x, the
-// row offsets, a GEMM's blocking), where this loop reads them at about the memory's pace
-// (docs/notes/int8-gemv.md#why).
+// in int32, with each weight row streamed once from memory. At one row fbgemm's calls take longer
+// than reading their int8 weights (packing x, the row offsets, a GEMM's blocking), where this loop
+// reads them at about the memory's pace (docs/notes/int8-gemv.md#why).
 //
 // The result is fbgemm's to the bit: x's scale and zero point from the same function
 // (quant_utils::ChooseQuantizationParams over the whole of x, the 7-bit range of `reduce_range`),
@@ -59,8 +58,7 @@ void quantize(const float* x, int64_t n, float scale, int32_t zero_point, uint8_
 
 // Each weight row in turn, read front to back, with the next kilobyte asked for ahead: int8 rows are
 // short (768 bytes in GPT-2 small's blocks), and reading several at once, as the float GEMV does,
-// left the hardware's prefetcher behind (GPT-2 small's 49 matmuls at one row, 2 threads: eight rows
-// at a time 12.9 ms, one row at a time 9.2, with this prefetch 8.5; reading the bytes alone 9.0).
+// left the hardware's prefetcher behind (docs/notes/int8-gemv.md#row-order).
 constexpr int64_t AHEAD = 1024;
 
 // out[m * NT + (n - n0)] = sum over k of x[m][k] * w[n][k], exactly, for M rows of x and the weight

@@ -1,10 +1,10 @@
-// The CPU kernels of the project's ops inside compiled graphs (their schemas: nanogpt/kernels.py and
-// nanogpt/decode_attention.py), so that a compiled step calls its packed layers and its attention
-// without entering Python: in Python each call cost 15-25 µs (the interpreter, the GIL, the plan's
-// lookup), about a millisecond of a one-row step's 49 matmuls.
+// The CPU kernels of the project's ops inside compiled graphs (their schemas: ../ops.py and
+// ../decode_attention.py), so that a compiled step calls its packed layers and its attention
+// without entering Python, whose interpreter, GIL and plan lookup cost each call more than a
+// small kernel (docs/notes/kernel-ops.md#ops-in-compiled-graphs).
 //
-// A layer is named by its handle (nanogpt/kernels.py `register`); `set_layer` tells this file what
-// nanogpt/kernels.py planned for it: for each range of row counts, the kernel and its packed weight.
+// A layer is named by its handle (../ops.py `register`); `set_layer` tells this file what the
+// kernel plan (../planner.py) gave it: for each range of row counts, the kernel and its packed weight.
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -27,7 +27,7 @@ struct Range {
   double most;  // the most rows it serves
   Kind kind;
   // the packed weight (a tensor, an int8 engine's packed parameters, or the int8 GEMV's tuple of its
-  // weight's values, their row sums, its scale and the bias: nanogpt/gemv.py int8_pack); none for Plain, Gemv
+  // weight's values, their row sums, its scale and the bias: ../gemv.py int8_pack); none for Plain, Gemv
   c10::IValue pack;
 };
 
@@ -70,8 +70,8 @@ torch::Tensor call(const char* name, const char* overload, c10::Stack stack) {
   return stack[0].toTensor();
 }
 
-// GPT-2's GELU over y in place, by the vector form (nanogpt/vec.h): PyTorch's own runs a vector tanh
-// that costs ~2.5x as much (98,304 floats, 2 threads: 40 against 103 µs)
+// GPT-2's GELU over y in place, by the vector form (vec.h): PyTorch's own runs a vector tanh that
+// costs more than twice as much (docs/notes/kernel-ops.md#ops-in-compiled-graphs)
 void gelu_tanh_(torch::Tensor& y) {
   using nanoserve::L;
   float* data = y.data_ptr<float>();
@@ -120,7 +120,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
 }
 
-// nanoserve::int8_linear: activation(an int8 layer (nanogpt/quantize.py)), by its planned kernel for
+// nanoserve::int8_linear: activation(an int8 layer (../quantize.py)), by its planned kernel for
 // x's rows
 torch::Tensor int8_linear(const torch::Tensor& x, int64_t handle, int64_t out_features,
                           c10::string_view activation, c10::string_view algorithm) {
@@ -143,7 +143,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& cache_k, co
 
 }  // namespace
 
-// What nanogpt/kernels.py planned for layer `handle`: per range (most rows: inf for the last), the
+// What the kernel plan (../planner.py) gave layer `handle`: per range (most rows: inf for the last), the
 // kernel's name and its pack (None, a tensor, or an int8 kernel's packed parameters); `weight` the
 // float weight packed (None for an int8 layer).
 void set_layer(int64_t handle, const c10::optional<torch::Tensor>& weight, const std::vector<double>& most,

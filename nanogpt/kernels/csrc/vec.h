@@ -1,5 +1,5 @@
-// The vector registers the project's kernels are written with (nanogpt/gemv.cpp,
-// nanogpt/decode_attention.cpp): GCC's vector extensions at the width the build targets (AVX-512: 16
+// The vector registers the project's kernels are written with (gemv.cpp,
+// decode_attention.cpp): GCC's vector extensions at the width the build targets (AVX-512: 16
 // floats, AVX2: 8), float32 and bfloat16 loads into float32 lanes, and a horizontal sum.
 #pragma once
 

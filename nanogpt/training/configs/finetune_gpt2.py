@@ -1,5 +1,5 @@
 # Fine-tune a GPT-2 checkpoint on the Shakespeare plays (nanoGPT's finetune_shakespeare, GPT-2 BPE).
-#   python -m nanogpt.train nanogpt/configs/finetune_gpt2.py --init_from=path/to/hf-gpt2-dir
+#   python -m nanogpt.training.train nanogpt/training/configs/finetune_gpt2.py --init_from=path/to/hf-gpt2-dir
 # init_from takes whatever nanogpt.checkpoint.load_model takes: a Hugging Face GPT-2 directory, a
 # nanoGPT ckpt.pt, or hf:<repo> (from the Hugging Face cache; downloaded when the Hub is reachable).
 # The data is tokenized with the checkpoint's own vocabulary files, which are copied beside the

@@ -1,11 +1,11 @@
 # GPT-2 small (124M) from scratch on OpenWebText, nanoGPT's headline run. GPU only: days of GPU
 # time. This trainer runs on one device; gradient accumulation gives nanoGPT's batch of
 # 12 sequences * 1024 tokens * 40 steps = 491,520 tokens per iteration.
-#   python -m nanogpt.train nanogpt/configs/train_gpt2.py
+#   python -m nanogpt.training.train nanogpt/training/configs/train_gpt2.py
 #
 # Data: data/openwebtext must hold train.bin / val.bin (uint16 GPT-2 token ids, each document
-# followed by <|endoftext|>) and GPT-2's vocabulary files. `python -m nanogpt.prepare bpe` makes
-# them from text files but holds all tokens in memory; for all of OpenWebText (~9B tokens) write
+# followed by <|endoftext|>) and GPT-2's vocabulary files. `python -m nanogpt.training.prepare bpe`
+# makes them from text files but holds all tokens in memory; for all of OpenWebText (~9B tokens) write
 # the same two files with a streaming tokenizer (nanoGPT's data/openwebtext/prepare.py does) and
 # copy vocab.json + merges.txt (or encoder.json + vocab.bpe) beside them.
 import importlib.util

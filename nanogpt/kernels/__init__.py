@@ -1,0 +1,17 @@
+"""CPU kernels and the plan of which serves where, chosen per machine when a model is loaded.
+
+    machine.py            the CPU's flags and caches, how busy other processes are, timing a call
+    extension.py          builds and loads the C++ kernels of csrc/ on first use
+    gemv.py               the project's GEMV for one or two rows, float and int8 (csrc/gemv.cpp, int8_gemv.cpp)
+    decode_attention.py   a decode step's attention over the slot cache (csrc/decode_attention.cpp), and
+                          whether it pays in bfloat16 here
+    matmuls.py            every kernel that computes a linear layer, and a Plan of which serves which rows
+    ops.py                packed layers as ops of compiled graphs (nanoserve::linear, nanoserve::int8_linear)
+    linear.py             KernelLinear: an nn.Linear with its weight packed for its plan
+    quantize.py           int8: every nn.Linear swapped for an Int8Linear at load
+    planner.py            choosing each layer's plan by timing (`pack_linears`), and what it chose
+
+A model's layers import none of this: loading swaps their nn.Linear modules for these (planner.py
+`pack_linears`, quantize.py `quantize_int8`), and nanogpt/layers.py `project` lets a swapped
+layer compute an activation or a residual in its own pass (their `fused`).
+"""

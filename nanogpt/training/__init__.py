@@ -1,0 +1,1 @@
+"""Training a GPT nanoGPT style (train.py, with configs/) and preparing its data (prepare.py)."""
