@@ -24,27 +24,12 @@ from worker.stops import StopMatcher
 
 SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds per step: their (T, V) logits are kept
 # Beside decoding sequences, a step's prompt tokens are held to what keeps its weight matmuls within
-# STEP_RATIO times those of their decode alone (decode and prefill share one forward, runner.py), and
-# at least MIN_CHUNK tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens.
-# 1.6 and 4 were measured on an in-process int8 engine under the serving benchmark's workload at
-# 1 request/s on the AVX2 EPYC, where a step that feeds prompt tokens runs compiled (decode_routes.py
-# KERNEL) and a small chunk costs its decoding rows little: TPOT p99 1.67x the single
-# sequence's step against 2.5x at ratio 2 and 1.8x at 1.3 (whose prompts fell behind: TTFT p99
-# 8.1 s); through the whole stack 2.9x (with a fixed 2 s wait before prompts sped up), where 6 with
-# whole chunks during bursts, the policy while such a step ran eagerly, gave 4-5x.
-# The ratio doubles, as far as prefill_chunk, while at the pace of the steps measured so far the
-# prompts holding slots would not all see their first token within PROMPT_DEADLINE seconds of
-# reaching the gateway (the time a job spends queued counts). A prompt's cost differs by precision
-# (in small chunks float32's is twice int8's on the AVX2 EPYC), so a fixed wait before prompts
-# sped up left float32's TTFT p99 at 5.6 s where int8's was 1.5. A deadline of 1.5 s with the
-# ratio capped at 6.4 planned each prompt to finish just in time: the first of a burst of long
-# prompts went in small chunks until the next ones arrived, and then even the cap's chunks fell
-# behind (float32 at 0.5 request/s through the whole stack: TTFT p99 2.1 and 2.2 s against
-# llama.cpp f32's 2.0 and 1.9). Half the deadline and no cap: 1.39 and 2.08 s against llama.cpp's
-# 1.83 and 2.55 in two runs. A burst's big chunks make its decoding rows wait longer for fewer
-# tokens, which costs their mean TPOT little.
-# Prompts still waiting for a slot do not count: larger chunks would only delay the ends of the
-# sequences whose slots they wait for. Measurements in docs/notes/prefill-schedule.md.
+# STEP_RATIO times those of their decode alone (they share one forward), and at least MIN_CHUNK
+# tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens. The ratio doubles,
+# as far as prefill_chunk, while at the pace of the steps so far the prompts holding slots would not
+# all see their first token within PROMPT_DEADLINE seconds of reaching the gateway; prompts still
+# waiting for a slot do not count, as larger chunks would only delay the sequences whose slots they
+# wait for. Why these values: docs/notes/prefill-schedule.md.
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
 BESIDE_CHUNK = 128
