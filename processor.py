@@ -139,7 +139,7 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "kernels": planner.describe(model), "max_batch": spec.max_batch,
                                     "compiled": engine.runner.compiled,
-                                    # keys and values: the model's dtype, float32 or bfloat16 (kv_cache.cache_dtype)
+                                    # keys and values: the model's dtype, float32 or bfloat16 (precision.cache_dtype)
                                     "kv_cache": str(engine.runner.cache.k[0].dtype).removeprefix("torch."),
                                     # decode steps replayed from CUDA graphs (a GPU; 0 where recording failed)
                                     "cuda_graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs else 0,
