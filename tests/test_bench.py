@@ -217,6 +217,7 @@ def test_gateway_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
     assert "≤ 15 ms" in gateway_bench.markdown(result)
 
 
+@pytest.mark.slow
 def test_loadgen_streams_through_the_openai_client(hf_checkpoint, redis_url, tmp_path):
     models = write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint}, device="cpu", max_batch=4)
     with start_processor(redis_url, models, concurrency=4, log_dir=tmp_path), \

@@ -85,6 +85,7 @@ def devserver(tmp_path, hf_checkpoint):
         server.kill()
 
 
+@pytest.mark.slow
 def test_serves_and_ctrl_c_stops_everything(devserver):
     assert "curl " in devserver.output() and "OpenAI(base_url=" in devserver.output()  # how to call it
     assert "models: tiny\n" in devserver.output()
@@ -108,6 +109,7 @@ def test_serves_and_ctrl_c_stops_everything(devserver):
         socket.create_connection(("127.0.0.1", redis_port), timeout=1).close()
 
 
+@pytest.mark.slow
 def test_a_dying_child_stops_everything(devserver):
     children = devserver.descendants()
     worker = next(p for p in children if "processor.py" in " ".join(p.cmdline()))

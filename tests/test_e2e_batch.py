@@ -26,6 +26,8 @@ from tests.stack import spawn_gunicorn, spawn_processor, write_models_toml
 from web.access import keys
 from worker import protocol
 
+pytestmark = pytest.mark.slow  # the whole stack as processes, restarted and killed
+
 FINAL = ("completed", "failed", "expired", "cancelled")
 WEB_ENV = {"NANOSERVE_AUTH": "required", "NANOSERVE_BATCH_TICK": "0.1", "NANOSERVE_BATCH_LEASE": "2",
            "NANOSERVE_BATCH_MAX_INFLIGHT": "6", "NANOSERVE_LOG_LEVEL": "WARNING"}

@@ -13,6 +13,8 @@ from models.tokenizer import load_tokenizer
 from tests.stack import start_gunicorn, start_processor, write_models_toml
 from web.dev.local_redis import start_redis
 
+pytestmark = pytest.mark.slow  # the whole stack as processes, one per family
+
 PROMPT = "The quick brown fox"
 
 

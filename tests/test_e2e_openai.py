@@ -21,6 +21,8 @@ from tests.stack import start_gunicorn, start_processor, write_models_toml
 from web.dev.local_redis import start_redis
 from worker import protocol
 
+pytestmark = pytest.mark.slow  # the whole stack as processes, its worker compiling the decode step
+
 PROMPT = "Hello, my name is"
 CONTEXT = 128  # the hf_checkpoint fixture's n_positions
 MAX_BODY = 65536

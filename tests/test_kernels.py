@@ -431,6 +431,7 @@ print(dict(counters["inductor"]), dict(counters["aot_autograd"]))
 """
 
 
+@pytest.mark.slow
 def test_a_compiled_decode_step_runs_the_packs_and_a_second_start_loads_it_from_the_cache(checkpoint, tmp_path):
     """Compiled without weight freezing, the packed layers are calls of nanoserve::linear, whose
     graph the compile cache stores: a second process finds it there (nothing compiled again)."""

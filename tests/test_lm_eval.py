@@ -12,6 +12,8 @@ from lm_eval.api.instance import Instance
 from tests.stack import start_gunicorn, start_processor, write_models_toml
 from web.dev.local_redis import start_redis
 
+pytestmark = pytest.mark.slow  # the whole stack as processes under the harness
+
 EOT = "<|endoftext|>"
 PAIRS = [  # (context, continuation) as a task hands them to the harness
     (EOT, "Hello world"),  # an empty context: the harness puts the end-of-text token before it

@@ -37,6 +37,7 @@ def test_workload_lengths_are_seeded_and_uniform_in_their_ranges():
     assert statistics.fmean(outputs) == pytest.approx(72, rel=0.03)
 
 
+@pytest.mark.slow
 def test_serving_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
     requests = workload(6, seed=0, **SMALL)
     rates = [50.0, 20.0]  # faster than the stack answers: requests overlap

@@ -12,6 +12,7 @@ import pytest
 from bench import engine_bench, llama_cpp, serving_bench, stack_bench
 
 
+@pytest.mark.slow
 def test_stack_bench_runs_nanoserve_against_a_peer(hf_checkpoint, tmp_path):
     """Against a second nanoserve stack standing in for the peer (llama-server takes 10+ minutes to build)."""
     with tempfile.TemporaryDirectory() as workdir, \
@@ -65,6 +66,7 @@ def test_a_precision_the_machine_lacks_is_refused(monkeypatch, capsys):
     assert "does not run bfloat16 natively" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_peer_that_does_not_start_leaves_the_other_pairs_and_the_results(hf_checkpoint, tmp_path, monkeypatch):
     """A llama-server that exits while loading (as q8_0's did on one CPU) is reported with its log,
     and the benchmark goes on to the next precision and still writes what it measured."""

@@ -114,6 +114,7 @@ def test_prepare_cli_char(tmp_path):
         assert pickle.load(f)["vocab_size"] == len(set("hello world\n"))
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss(tiny_run):
     config, result = tiny_run
     log = read_log(Path(config["out_dir"]))
@@ -123,6 +124,7 @@ def test_training_lowers_the_loss(tiny_run):
     assert result["iter_num"] == 40
 
 
+@pytest.mark.slow
 def test_checkpoint_is_self_contained_and_loads(tiny_run):
     config, result = tiny_run
     out = Path(config["out_dir"])
@@ -141,6 +143,7 @@ def test_checkpoint_is_self_contained_and_loads(tiny_run):
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path):
     config, _ = tiny_run
     resumed = dict(config, init_from="resume", max_iters=50, eval_interval=10)
@@ -152,6 +155,7 @@ def test_resume_continues_from_the_checkpoint(tiny_run, tmp_path):
     assert torch.load(Path(config["out_dir"]) / "ckpt.pt", weights_only=True)["iter_num"] == 50
 
 
+@pytest.mark.slow
 def test_finetune_from_hugging_face_checkpoint(tmp_path):
     hf = make_hf_checkpoint(tmp_path / "hf", n_layer=2, n_head=2, n_embd=64, n_positions=128)
     (tmp_path / "input.txt").write_text(TEXT[:20_000])

@@ -261,6 +261,7 @@ def test_a_worker_never_unpickles_a_job_nor_calls_a_function_the_job_names(worke
     assert pickled_file.exists()
 
 
+@pytest.mark.slow
 def test_one_engine_per_device_all_pulling_from_the_model_queue(redis_server, models_file, tmp_path, reference):
     """`--device cpu,cpu`: two engine replicas in one process, 2 rq threads each, one queue."""
     url = redis_server.url.rsplit("/", 1)[0] + "/3"  # a database of its own
@@ -279,6 +280,7 @@ def test_one_engine_per_device_all_pulling_from_the_model_queue(redis_server, mo
     assert engines == {0, 1}
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_running_jobs_takes_no_new_ones_and_exits_0(worker, r):
     """Last in this file: it stops the module's worker (2 of its 4 threads busy, 2 idle)."""
     running = [make_job(max_tokens=100, prompts=[[464]]) for _ in range(2)]
