@@ -51,20 +51,39 @@ def token_ids(sink, job_id) -> list[int]:
     return [t for _, d in sink.of(job_id, "delta") for t in d["token_ids"]]
 
 
-def test_contrastive_search_equals_the_papers_formula_alone_and_in_a_busy_batch(model, tok, hf):
-    V = tok.vocab_size
-    want = {(p, a, k): reference(hf, tok.encode(p), a, k, 10, V)[0] for p in PROMPTS for a, k in SEARCHES}
-    greedy = {p: reference(hf, tok.encode(p), 0.0, 2, 10, V)[0] for p in PROMPTS}
-    assert any(want[p, a, k] != greedy[p] for p, a, k in want)  # the degeneration penalty changes choices
+@pytest.fixture(scope="module")
+def papers(tok, hf):
+    """The paper's tokens for (prompt, penalty_alpha, top_k), 10 of them, each computed once."""
+    cache = {}
 
-    for p in PROMPTS:  # alone
-        for a, k in SEARCHES:
-            j = job(tok, [p], penalty_alpha=a, top_k=k, max_tokens=10)
-            result = Engine(model, tok, max_batch=8, event_sink=(sink := Sink())).generate(j)
-            assert token_ids(sink, j.id) == want[p, a, k], (p, a, k)
-            assert result["choices"][0]["text"] == tok.decode(want[p, a, k])
+    def tokens(p, a, k):
+        if (p, a, k) not in cache:
+            cache[p, a, k] = reference(hf, tok.encode(p), a, k, 10, tok.vocab_size)[0]
+        return cache[p, a, k]
+    return tokens
 
-    # beside greedy, sampled and beam-search requests, with prompts fed in chunks over several steps
+
+@pytest.mark.slow
+def test_the_degeneration_penalty_changes_the_greedy_choices(papers):
+    greedy = {p: papers(p, 0.0, 2) for p in PROMPTS}
+    assert any(papers(p, a, k) != greedy[p] for p in PROMPTS for a, k in SEARCHES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("search", SEARCHES, ids=lambda s: f"alpha{s[0]}-k{s[1]}")
+def test_contrastive_search_alone_equals_the_papers_formula(model, tok, papers, search):
+    a, k = search
+    for p in PROMPTS:
+        j = job(tok, [p], penalty_alpha=a, top_k=k, max_tokens=10)
+        result = Engine(model, tok, max_batch=8, event_sink=(sink := Sink())).generate(j)
+        assert token_ids(sink, j.id) == papers(p, a, k), (p, a, k)
+        assert result["choices"][0]["text"] == tok.decode(papers(p, a, k))
+
+
+@pytest.mark.slow
+def test_contrastive_search_in_a_busy_batch_equals_the_papers_formula(model, tok, papers):
+    """Beside greedy, sampled and beam-search requests, with prompts fed in chunks over several
+    steps; the others' tokens are those they get alone, and every slot is given back."""
     engine = Engine(model, tok, max_batch=24, event_sink=(sink := Sink()), prefill_chunk=5)
     searches = [job(tok, PROMPTS, penalty_alpha=a, top_k=k, max_tokens=10) for a, k in SEARCHES]
     others = [job(tok, [PROMPTS[1]], temperature=0.9, seed=7, n=2, max_tokens=12),
@@ -75,7 +94,7 @@ def test_contrastive_search_equals_the_papers_formula_alone_and_in_a_busy_batch(
     for j, (a, k) in zip(searches, SEARCHES):
         for i, p in enumerate(PROMPTS):
             got = [t for _, d in sink.of(j.id, "delta") if d["index"] == i for t in d["token_ids"]]
-            assert got == want[p, a, k], (p, a, k)
+            assert got == papers(p, a, k), (p, a, k)
     for result, want_alone in zip((results[1], results[3], results[4]), alone):  # their tokens are unchanged
         assert [(c["text"], c["finish_reason"]) for c in result["choices"]] == \
             [(c["text"], c["finish_reason"]) for c in want_alone["choices"]]
