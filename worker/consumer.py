@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 from pydantic import ValidationError
-from rq import Queue, SimpleWorker, get_current_job
+from rq import Queue, SimpleWorker, get_current_job, worker_registration
 from rq.job import Job
 from rq.timeouts import TimerDeathPenalty
 from rq.worker import WorkerStatus
@@ -255,7 +255,16 @@ class EngineWorker(SimpleWorker):
     def heartbeat(self, timeout=None, pipeline=None) -> None:
         # rq keeps a worker's key `worker_ttl + 60` s past each beat; ours beat every few seconds,
         # so a short TTL lets a dead process drop out of the queue's live workers (web's /ready).
-        super().heartbeat(self.heartbeat_ttl, pipeline=pipeline)
+        connection = pipeline if pipeline is not None else self.connection.pipeline()
+        super().heartbeat(self.heartbeat_ttl, pipeline=connection)
+        if self.birth_date is not None:
+            # A worker cut off from Redis past that TTL was dropped from the queues' worker sets by
+            # other workers' maintenance, and rq's beat alone would leave it there, unseen (web would
+            # answer 503 "no worker"): every beat writes its record and memberships again.
+            connection.hset(self.key, mapping=self.serialize())
+            worker_registration.register(self, connection)
+        if pipeline is None:
+            connection.execute()
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
         while not self._stop_requested:
