@@ -23,7 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import redis
 
@@ -111,11 +111,14 @@ class Service:
         return self.process.returncode
 
 
-def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path | None) -> Service:
+def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path | None,
+           via: Sequence[str] = ()) -> Service:
+    """`via`: what runs the command, e.g. `ip netns exec NAME` (tests/netns.py's hosts); it must
+    exec the command, so the process is the command itself."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="nanoserve-stack-"))
     log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(args, cwd=REPO, env={**os.environ, **env}, stdout=log,
+        process = subprocess.Popen([*via, *args], cwd=REPO, env={**os.environ, **env}, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     return Service(name, process, log_path)
 
@@ -155,7 +158,8 @@ def registered_workers(redis_url: str, model_id: str) -> set[str]:
 def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | None = None,
                     concurrency: int | None = None, device: str | None = None, heartbeat: float | None = None,
                     compile: bool | None = False, extra_args: list[str] = (), env: dict[str, str] | None = None,
-                    log_dir: Path | None = None, timeout: float = 240.0, wait: bool = True) -> Service:
+                    log_dir: Path | None = None, timeout: float = 240.0, wait: bool = True,
+                    via: Sequence[str] = ()) -> Service:
     """Start `processor.py` and wait until all its rq workers are registered on every model's queue
     (with `wait=False`, return at once; `service.wait_ready()` waits later). `compile`: the
     worker's --compile / --no-compile, None for its default (uncompiled unless asked: most tests
@@ -173,7 +177,7 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
         args.append("--compile" if compile else "--no-compile")
     args += list(extra_args)
     service = _spawn("processor", args, {"REDIS_URL": redis_url, "NANOSERVE_MODELS": str(models_file),
-                                         **(env or {})}, log_dir)
+                                         **(env or {})}, log_dir, via)
     service.info["redis_url"] = redis_url
     if models is None:
         from models.registry import Registry
@@ -195,7 +199,8 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
 
 def spawn_gunicorn(redis_url: str, models_file: Path, *, port: int | None = None, workers: int = 2,
                    threads: int = 16, env: dict[str, str] | None = None, log_dir: Path | None = None,
-                   timeout: float = 60.0, worker_class: str = "gthread", host: str = "127.0.0.1") -> Service:
+                   timeout: float = 60.0, worker_class: str = "gthread", host: str = "127.0.0.1",
+                   via: Sequence[str] = ()) -> Service:
     """Start `gunicorn wsgi:app` on `host` and wait until /health answers. `worker_class`: gthread
     (`threads` each) or gevent (a greenlet per connection, up to 10000)."""
     port = port or free_port()
@@ -203,7 +208,7 @@ def spawn_gunicorn(redis_url: str, models_file: Path, *, port: int | None = None
     args = [sys.executable, "-m", "gunicorn", "-k", worker_class, *concurrency, "-w", str(workers),
             "-b", f"{host}:{port}", "--graceful-timeout", "5", "--no-control-socket", "wsgi:app"]
     service = _spawn("gunicorn", args, {"REDIS_URL": redis_url, "NANOSERVE_MODELS": str(models_file),
-                                        **(env or {})}, log_dir)
+                                        **(env or {})}, log_dir, via)
     service.url = f"http://{host}:{port}"
 
     def ready() -> bool:

@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 
 def redis_binary() -> str:
@@ -51,11 +52,12 @@ class LocalRedis:
     workdir: str
     owns_workdir: bool = False  # a temporary directory of ours, removed on stop
     password: str | None = None
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -70,13 +72,16 @@ class LocalRedis:
 
 
 def start_redis(port: int | None = None, persist_dir: str | None = None, timeout: float = 10.0,
-                password: str | None = None) -> LocalRedis:
-    """Start redis-server on 127.0.0.1; with `persist_dir`, keep an append-only file there; with
-    `password`, refuse clients without it (other local users then cannot reach the queue)."""
+                password: str | None = None, host: str = "127.0.0.1", via: Sequence[str] = (),
+                extra_args: Sequence[str] = ()) -> LocalRedis:
+    """Start redis-server listening on `host` (127.0.0.1 by default); with `persist_dir`, keep an
+    append-only file there; with `password`, refuse clients without it (other local users then
+    cannot reach the queue). `via`: what runs the command, e.g. `ip netns exec NAME` (tests' hosts);
+    `extra_args`: more of redis-server's options (`--replicaof HOST PORT`)."""
     port = port or free_port()
     workdir = persist_dir or tempfile.mkdtemp(prefix="nanoserve-redis-")
-    args = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
-            "--save", "", "--appendonly", "yes" if persist_dir else "no", "--daemonize", "no"]
+    args = [*via, redis_binary(), "--port", str(port), "--bind", host, "--dir", workdir,
+            "--save", "", "--appendonly", "yes" if persist_dir else "no", "--daemonize", "no", *extra_args]
     if password:
         args += ["--requirepass", password]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -86,8 +91,9 @@ def start_redis(port: int | None = None, persist_dir: str | None = None, timeout
         if process.poll() is not None:
             raise RuntimeError(f"redis-server exited with code {process.returncode} (port {port})")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return LocalRedis(process, port, workdir, owns_workdir=persist_dir is None, password=password)
+            with socket.create_connection((host, port), timeout=0.2):
+                return LocalRedis(process, port, workdir, owns_workdir=persist_dir is None, password=password,
+                                  host=host)
         except OSError:
             time.sleep(0.05)
     process.kill()
