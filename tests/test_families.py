@@ -156,6 +156,7 @@ def test_echo_logprobs_score_the_prompt_like_transformers(family):
                  full[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_n_stop_and_seeded_sampling_in_a_busy_batch(family):
     tok = family.tok
     sampled = lambda **kw: job(tok, [PROMPTS[1]], temperature=0.9, top_p=0.95, seed=7, max_tokens=12, **kw)  # noqa: E731
@@ -173,6 +174,7 @@ def test_n_stop_and_seeded_sampling_in_a_busy_batch(family):
     assert stopped["finish_reason"] == "stop" and stopped["text"] == greedy[:greedy.index(stop)]
 
 
+@pytest.mark.slow
 def test_a_crash_resumed_seeded_stream_continues_with_the_same_tokens(family):
     tok = family.tok
     first = job(tok, [PROMPTS[0], PROMPTS[3]], temperature=1.0, seed=5, max_tokens=8, echo=True, logprobs=1, n=2)
@@ -367,6 +369,7 @@ def test_bfloat16_is_close(family):
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.slow
 def test_int8_serves_close_to_float32(family):
     """int8 linear layers (CPU): the engine scores the same text within 0.2 of float32's logprobs
     (scored, not generated: random weights have near ties that int8 may break either way)."""
@@ -387,7 +390,7 @@ def test_int8_serves_close_to_float32(family):
 @pytest.mark.parametrize("name", ["gpt_neo", "gptj", "opt", "gpt_neox"])
 def test_compiled_decode_gives_the_eager_tokens(family_checkpoints, name):
     """The compiled decode step, which a CPU worker runs by default, in every family: GPT-Neo's
-    local mask, GPT-J's and GPT-NeoX's rotary angles, OPT's offset positions (~20 s each)."""
+    local mask, GPT-J's and GPT-NeoX's rotary angles, OPT's offset positions."""
 
     directory = family_checkpoints[name]
     tok = load_tokenizer(directory)
