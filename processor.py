@@ -20,8 +20,6 @@ import sys
 import threading
 import time
 
-import redis
-
 from worker import protocol
 
 log = logging.getLogger("processor")
@@ -84,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="of those threads, how many also run batch jobs when no interactive job "
                              "waits (default: all but a quarter, at least 1); the rest stay free for "
                              "interactive requests")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", protocol.DEFAULT_REDIS_URL))
+    parser.add_argument("--redis-url", default=None,
+                        help="redis://…, rediss://… or redis+sentinel://host:port,…/master/db (default: "
+                             "$REDIS_URL, or $REDIS_SENTINELS with $REDIS_SENTINEL_MASTER)")
     parser.add_argument("--models-file", default=None, help="models.toml (default: $NANOSERVE_MODELS)")
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")
@@ -198,6 +198,11 @@ def check_engines(engines) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    try:
+        args.redis_url = args.redis_url or protocol.redis_url_from_env()
+    except ValueError as err:
+        log.error("cannot serve", extra={"error": str(err)})
+        return 2
 
     from models.registry import ModelNotFoundError, Registry, RegistryError
     from nanogpt.checkpoint import CheckpointError
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             if stop.is_set():  # asked to stop while models were loading
                 break
             # The engine thread writes events itself: connect fast; a failed step is retried later.
-            client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
+            client = protocol.redis_client(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
             try:
                 engine = build_engine(spec, device, writer, compile=args.compile)

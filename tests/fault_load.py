@@ -358,6 +358,7 @@ def tally(r: redis.Redis, load: Load, reference: list[str], fault: str, fault_at
     print(f"\n{fault}: {row}")
     row["detail"] = [(o.kind, o.ids, o.problem or o.error, (o.text or "")[:60], reference[o.index][:60])
                      for o in lost + duplicated][:10] + bad_streams[:5]
+    row["errors"] = [(o.kind, o.ids, o.error) for o in failed][:10]
     if check:
         assert not lost and not duplicated and not bad_streams, row
     return row

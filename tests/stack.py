@@ -144,11 +144,11 @@ def registered_workers(redis_url: str, model_id: str) -> set[str]:
     from rq.worker_registration import get_keys
 
     from tests import rq_json
-    from worker.protocol import queue_name
+    from worker import protocol
 
-    client = redis.Redis.from_url(redis_url)
+    client = protocol.redis_client(redis_url)
     try:
-        keys = sorted(get_keys(rq_json.queue(queue_name(model_id), client)))
+        keys = sorted(get_keys(rq_json.queue(protocol.queue_name(model_id), client)))
         alive = [key for key in keys if client.exists(key)]
         return {key.removeprefix("rq:worker:") for key in alive}
     finally:

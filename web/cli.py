@@ -48,8 +48,9 @@ def admin_command(f):
         try:
             return f(*args, **kwargs)
         except redis.RedisError as exc:
-            kw = access.redis_client().connection_pool.connection_kwargs
-            where = kw.get("path") or f"{kw.get('host')}:{kw.get('port')}"
+            pool = access.redis_client().connection_pool
+            kw = pool.connection_kwargs
+            where = kw.get("path") or (f"{kw['host']}:{kw.get('port')}" if kw.get("host") else repr(pool))
             raise click.ClickException(f"Cannot use Redis at {where} (set REDIS_URL): {exc}") from None
     return wrapper
 

@@ -152,6 +152,8 @@ class Settings:
         env = os.environ if environ is None else environ
         values = {f.name: env[f.metadata["env"]] for f in dataclasses.fields(cls)
                   if f.metadata["env"] and env.get(f.metadata["env"])}
+        if env.get("REDIS_SENTINELS") or env.get("REDIS_SENTINEL_MASTER"):
+            values["redis_url"] = protocol.redis_url_from_env(env)  # REDIS_URL's password and db, their primary
         return cls().replace(**values)
 
     def replace(self, **overrides: Any) -> "Settings":

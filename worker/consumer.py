@@ -377,7 +377,7 @@ class WorkerPool:
             self._heartbeat.start()
 
     def _new_worker(self, name: str, queues: list[str], listeners: threading.Semaphore | None = None) -> EngineWorker:
-        connection = redis.Redis.from_url(self.redis_url)
+        connection = protocol.redis_client(self.redis_url)
         return EngineWorker(queues, name=name, connection=connection, serializer=protocol.SERIALIZER,
                             worker_ttl=self.worker_ttl, job_monitoring_interval=int(self.heartbeat_interval) or 1,
                             maintenance_interval=self.maintenance_interval,
@@ -473,7 +473,7 @@ class WorkerPool:
         self._heartbeat.join(timeout=(self.heartbeat_interval + 1) if self._redis_answers() else 0.5)
 
     def _redis_answers(self) -> bool:
-        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=1, socket_timeout=1)
+        client = protocol.redis_client(self.redis_url, socket_connect_timeout=1, socket_timeout=1)
         try:
             return bool(client.ping())
         except redis.RedisError:

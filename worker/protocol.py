@@ -6,15 +6,120 @@ defined here and nowhere else.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
-from typing import Any, Iterable, Literal
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Mapping
+from urllib.parse import parse_qs, quote, unquote
 
+import redis
 from pydantic import BaseModel, Field
+from redis.sentinel import Sentinel, SentinelConnectionPool
 from rq.serializers import JSONSerializer
 
 # The Redis of web, worker and admin CLI when REDIS_URL is not set.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+# ---- Redis: every client of web, worker and admin CLI is made by `redis_client` ----
+
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """`redis+sentinel://[[user]:password@]host:port[,host:port…]/master[/db][?sentinel_password=…]`:
+    the primary that these sentinels name `master`, reached with the password (and TLS for
+    `rediss+sentinel`); the sentinels themselves with `sentinel_password`, if they ask for one."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    ssl: bool = False
+
+    @classmethod
+    def parse(cls, url: str) -> "SentinelURL":
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme not in SENTINEL_SCHEMES:
+            raise ValueError(f"not a Redis Sentinel URL (redis+sentinel://host:port,…/master/db): {url!r}")
+        rest, _, query = rest.partition("?")
+        netloc, _, path = rest.partition("/")
+        auth, _, hosts = netloc.rpartition("@")
+        username, _, password = auth.partition(":") if auth else ("", "", "")
+        sentinels = [_host_port(item) for item in hosts.split(",") if item]
+        parts = [unquote(p) for p in path.split("/") if p]
+        if not sentinels or not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+            raise ValueError(f"a Redis Sentinel URL names its sentinels and its master: "
+                             f"redis+sentinel://host:port,host:port/master[/db], not {url!r}")
+        options = {k: v[-1] for k, v in parse_qs(query).items()}
+        return cls(tuple(sentinels), parts[0], int(parts[1]) if len(parts) == 2 else 0,
+                   unquote(username) or None, unquote(password) or None, options.get("sentinel_password"),
+                   scheme.startswith("rediss"))
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    """`host:port`, `[v6 address]:port`, or a host alone (Sentinel's port, 26379)."""
+    if item.startswith("["):
+        host, _, port = item[1:].partition("]")
+        port = port.removeprefix(":")
+    elif item.count(":") == 1:
+        host, port = item.split(":")
+    else:
+        host, port = item, ""
+    if port and not port.isdigit():
+        raise ValueError(f"a sentinel is host:port, not {item!r}")
+    return host, int(port or 26379)
+
+
+def redis_url_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The Redis named by the environment: `REDIS_URL`; or, with `REDIS_SENTINELS` (host:port,…) and
+    `REDIS_SENTINEL_MASTER` set, the primary they name, with REDIS_URL's user, password, database and
+    TLS (its host is not used): the `redis+sentinel://` URL of both."""
+    env = os.environ if environ is None else environ
+    url = env.get("REDIS_URL") or DEFAULT_REDIS_URL
+    sentinels, master = env.get("REDIS_SENTINELS"), env.get("REDIS_SENTINEL_MASTER")
+    if not sentinels and not master:
+        return url
+    if not sentinels or not master:
+        raise ValueError("REDIS_SENTINELS and REDIS_SENTINEL_MASTER go together: the sentinels' "
+                         "host:port list and the name of the master they watch")
+    if url.startswith(SENTINEL_SCHEMES):
+        raise ValueError("REDIS_URL is a redis+sentinel:// URL already; REDIS_SENTINELS would name the sentinels twice")
+    pool = redis.connection.parse_url(url)
+    auth = ""
+    if pool.get("username") or pool.get("password"):
+        auth = f"{quote(pool.get('username') or '', safe='')}:{quote(pool.get('password') or '', safe='')}@"
+    scheme = "rediss+sentinel" if url.startswith("rediss://") else "redis+sentinel"
+    return f"{scheme}://{auth}{sentinels.replace(' ', '')}/{master}/{pool.get('db', 0)}"
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """A pool of the sentinels' primary that waits for a free connection, as BlockingConnectionPool does."""
+
+
+def redis_client(url: str, pool_class: type[redis.ConnectionPool] = redis.ConnectionPool,
+                 **options: Any) -> redis.Redis:
+    """A client of the Redis at `url`, on a pool of `pool_class` (redis-py's ConnectionPool or
+    BlockingConnectionPool); `options`: the pool's and its connections' (socket_timeout, max_connections…).
+
+    `redis://`, `rediss://` and `unix://` URLs as redis-py reads them; `redis+sentinel://` (see
+    `SentinelURL`): the primary the sentinels name, asked of them again whenever a connection to it
+    fails, so clients follow a failover. rq takes the result like any client. Redis Cluster is not
+    supported: rq's commands span keys of several hash slots."""
+    if not url.startswith(SENTINEL_SCHEMES):
+        return redis.Redis(connection_pool=pool_class.from_url(url, **options))
+    target = SentinelURL.parse(url)
+    timeouts = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if options.get(k) is not None}
+    sentinel = Sentinel(list(target.sentinels),
+                        sentinel_kwargs={"password": target.sentinel_password, "socket_timeout": 2,
+                                         "socket_connect_timeout": 2, **{k: min(v, 2) for k, v in timeouts.items()}})
+    pool = _BlockingSentinelPool if issubclass(pool_class, redis.BlockingConnectionPool) else SentinelConnectionPool
+    return sentinel.master_for(target.master, connection_pool_class=pool, db=target.db, username=target.username,
+                               password=target.password, ssl=target.ssl, **options)
+
 
 # rq queues per served model: interactive requests, and a batch's lines, which workers take only when
 # no interactive job waits (worker/priority.py). The job function is named by dotted path so web

@@ -22,6 +22,8 @@ import time
 
 import redis
 
+from worker import protocol
+
 Entries = list  # [(entry_id: bytes, fields: dict)], as redis-py's XREAD returns them
 
 
@@ -61,7 +63,7 @@ class StreamHub:
     def __init__(self, redis_url: str, block_s: float = 10.0):
         self.block_s = block_s
         # its own connection: a read blocks for up to block_s, and the socket must outlast that
-        self._redis = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=block_s + 10)
+        self._redis = protocol.redis_client(redis_url, socket_connect_timeout=2, socket_timeout=block_s + 10)
         # a stream of this hub's own that a new follower writes to, so a blocked read returns and
         # the next one includes the new stream (written after the follower is added: never missed)
         self._wake_key = f"nanoserve:web-hub:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from web.dev.local_redis import LocalRedis, start_redis
+from worker import protocol
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "shakespeare-char"
@@ -292,8 +293,12 @@ def run(stack: Stack, args: argparse.Namespace, env: dict[str, str], models: lis
     except (KeyError, ValueError) as err:  # an unknown --model, a bad registry
         print(f"devserver: cannot serve {models}: {err}", file=sys.stderr, flush=True)
         return 2
-    if env.get("REDIS_URL"):
-        redis_url = env["REDIS_URL"]
+    if env.get("REDIS_URL") or env.get("REDIS_SENTINELS"):
+        try:
+            redis_url = protocol.redis_url_from_env(env)
+        except ValueError as err:
+            print(f"devserver: {err}", file=sys.stderr, flush=True)
+            return 2
     else:
         stack.redis = start_redis(password=secrets.token_urlsafe(24))
         redis_url = env["REDIS_URL"] = stack.redis.url
