@@ -236,7 +236,7 @@ class DecodeWindow(Window):
     syncs, and every shape fixed but the span. Row b writes slot slots[b] at positions[b] and
     attends to its slot's positions <= its own among `keys` = arange(span). Rows may share a slot
     at distinct positions: every row writes before any attends, so the tokens of a prompt chunk fed
-    as rows (worker/runner.py `_run_mixed`) see each other causally; padding rows may share a spare
+    as rows (worker/decode_routes.py, KERNEL) see each other causally; padding rows may share a spare
     slot and position.
 
     With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends batches of
