@@ -33,12 +33,13 @@ class BeamGroup:
 
 
 def advance(group: BeamGroup, logits: torch.Tensor, cache, sampler, tokenizer) -> None:
-    """One beam step from the raw logits (R, V) of `group.rows`: choose the next beams, fork their
+    """One beam step from the raw logits (R, rows) of `group.rows`: choose the next beams, fork their
     slots, and end the group's sequences when the search is over."""
     rows = group.rows
     job = rows[0].request.job
     slots = [s.slot for s in rows]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    # normalized over every row of the head, as transformers does; chosen among the tokenizer's ids
+    logprobs = torch.log_softmax(logits.float(), dim=-1)[:, :sampler.vocab_size]
     # transformers applies its processors to the log-probabilities in beam search
     scores = sampler.adjusted_logits(logprobs, slots, [b.tokens for b in group.search.running])
     k = job.logprobs or 0

@@ -36,7 +36,7 @@ class Search:
         self.capacity = capacity  # positions it may reach: prompt + max_tokens
         self.hidden: torch.Tensor | None = None  # (capacity, width) unit vectors, one per cached position
         self.length = 0  # positions in the cache = the position the next candidates take
-        self.logits: torch.Tensor | None = None  # (V,) raw: the next token's distribution
+        self.logits: torch.Tensor | None = None  # (rows,) raw, every row of the head: the next token's distribution
         # this step's candidates: ids and probabilities (k,), then their forward's logits and hidden states
         self.ids = self.probs = self.next_logits = self.next_hidden = None
 
@@ -57,7 +57,7 @@ def propose(searches: list[Search], seqs: list, sampler) -> torch.Tensor:
     """Each search's k candidates from its logits after the logits processors of its sequence's
     slot (seqs[i] holds searches[i]). Returns the candidate tokens of all searches, search-major, on
     the device; each search keeps its own ids and probabilities."""
-    logits = sampler.adjusted_logits(torch.stack([s.logits for s in searches]), [q.slot for q in seqs],
+    logits = sampler.adjusted_logits(torch.stack([s.logits[:sampler.vocab_size] for s in searches]), [q.slot for q in seqs],
                                      [q.tokens for q in seqs])
     probs = torch.softmax(logits, dim=-1)
     top_probs, top_ids = probs.topk(min(max(s.k for s in searches), probs.shape[-1]), dim=-1)
@@ -74,7 +74,7 @@ def rows(searches: list[Search]) -> tuple[list[int], list[int]]:
 
 
 def take(searches: list[Search], logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """The candidates' forward: logits (R, V) and last hidden states (R, width) of the rows of `rows`."""
+    """The candidates' forward: logits (R, rows) and last hidden states (R, width) of the rows of `rows`."""
     start = 0
     for search in searches:
         search.next_logits, search.next_hidden = logits[start:start + search.k], hidden[start:start + search.k]

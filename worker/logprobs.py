@@ -13,11 +13,14 @@ import torch
 FLOOR = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
 
-def score(logits: torch.Tensor, tokens: torch.Tensor, k: int):
-    """logits (..., V) raw, tokens (...) long -> logprob of each token (...), and the top k
-    logprobs (..., k) with their ids (..., k), descending."""
+def score(logits: torch.Tensor, tokens: torch.Tensor, k: int, vocab: int | None = None):
+    """logits (..., rows) raw, over every row of the model's head, tokens (...) long -> logprob of
+    each token (...), and the top k logprobs (..., k) with their ids (..., k), descending, among the
+    first `vocab` ids (the tokenizer's: rows past it have no text). Normalized over every row, as
+    transformers and vLLM report them."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    lp = lp[..., :vocab]
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[..., :0], tokens.unsqueeze(-1)[..., :0])
     return chosen, top_lp, top_ids
 

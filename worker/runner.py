@@ -148,7 +148,7 @@ class Runner:
         back[meta[2]] = torch.arange(len(order), device=self.device)  # each row's place in the sorted batch
         logits, hidden = logits[back], hidden[back, 0]
         B = len(seqs)
-        contrastive.take(searches, logits[B:, :self.vocab_size], hidden[B:])
+        contrastive.take(searches, logits[B:], hidden[B:])
         return logits[:B]
 
     def _prefill_groups(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
@@ -192,7 +192,7 @@ class Runner:
         done = []
         for b, (unit, n) in enumerate(group):
             if all_logits:
-                self._score_context(unit, out[b, :n, :self.vocab_size])
+                self._score_context(unit, out[b, :n])
             unit.fed += n
             self.prompt_tokens += n
             if unit.fed == len(unit.context):
@@ -203,7 +203,7 @@ class Runner:
         for unit, last in done:
             self._share_cache(unit)
             if unit.seqs[0].search is not None:
-                unit.seqs[0].search.logits = last[:self.vocab_size]
+                unit.seqs[0].search.logits = last
         return done
 
     def sample(self, rows: list[Sequence], logits: list[torch.Tensor]) -> list[Draw]:
@@ -211,10 +211,12 @@ class Runner:
         as its request asks; one host sync for all of it."""
         if not rows:
             return []
-        x = (logits[0] if len(logits) == 1 else torch.cat(logits))[:, :self.vocab_size]  # (B, V); nanoGPT pads V
+        full = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, rows): every row of the head
         scored = any(s.request.needs_scores for s in rows)  # else the raw logits are read no more
-        tokens = self.sampler.sample(x, [s.slot for s in rows], [s.tokens for s in rows], in_place=not scored)
-        return self._draws(rows, x, tokens)
+        # drawn among the tokenizer's ids only (nanoGPT and GPT-J pad the head past them)
+        tokens = self.sampler.sample(full[:, :self.vocab_size], [s.slot for s in rows], [s.tokens for s in rows],
+                                     in_place=not scored)
+        return self._draws(rows, full, tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:
         """The token each contrastive search chooses among the candidates of this step's decode,
@@ -228,12 +230,12 @@ class Runner:
         return self._draws(seqs, x, tokens)
 
     def _draws(self, rows: list[Sequence], x: torch.Tensor, tokens: torch.Tensor) -> list[Draw]:
-        """The rows' tokens (B,) drawn from logits x (B, V), with the logprobs their requests ask for."""
+        """The rows' tokens (B,) drawn from logits x (B, rows), with the logprobs their requests ask for."""
         self.tokens_generated += len(rows)
         if not any(s.request.needs_scores for s in rows):
             return [Draw(t, None, []) for t in tokens.tolist()]
         k = max((s.request.job.logprobs or 0) for s in rows)
-        chosen, top_lp, top_ids = score(x, tokens, k)
+        chosen, top_lp, top_ids = score(x, tokens, k, self.vocab_size)
         packed = torch.cat([tokens[:, None].double(), chosen[:, None].double(), top_lp.double(),
                             top_ids.double()], 1).tolist()  # the step's one sync
         draws = []
@@ -246,7 +248,7 @@ class Runner:
         """One beam-search step for each group, from the logits (R, V) of its running beams."""
         for group, logits in groups:
             self.tokens_generated += len(group.rows)
-            advance(group, logits[:, :self.vocab_size], self.cache, self.sampler, tokenizer)
+            advance(group, logits, self.cache, self.sampler, tokenizer)
 
     # ---- prefill helpers ----
 
@@ -261,7 +263,7 @@ class Runner:
         k = max(job.logprobs or 0, job.prompt_logprobs or 0)
         targets = torch.tensor(unit.context[lo + 1:hi + 1], device=logits.device)
         rows = logits[lo - unit.fed:hi - unit.fed]
-        chosen, top_lp, top_ids = score(rows, targets, k)
+        chosen, top_lp, top_ids = score(rows, targets, k, self.vocab_size)
         if job.prompt_logprobs is not None:  # vLLM's rank: 1 + the tokens more likely than it
             unit.ranks += (rows.float() > rows.float().gather(-1, targets[:, None])).sum(-1).add(1).tolist()
         for lp, tl, ti in zip(chosen.tolist(), top_lp.tolist(), top_ids.tolist()):
