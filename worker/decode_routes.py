@@ -5,7 +5,7 @@ is read from one place, `DecodeRoutes.route(rows, chunks, candidates)`.
                                      PACKED: with prompt chunks riding along, forward_packed
     compiled, or CUDA graphs         BUCKET: forward_decode, the batch padded to a bucket of
                                      BATCH_BUCKETS (a graph each; on a GPU replayed from CUDA
-                                     graphs, one per bucket and span bucket: nanogpt/cuda_graphs.py)
+                                     graphs, one per bucket and span bucket: nanogpt/runtime/cuda_graphs.py)
     compiled, the project's          SMALL: 2..SMALL_ROWS rows, unpadded, inductor's attention
     attention kernel on the cache    KERNEL: more rows, or any rows with prompt chunks riding along
     (a CPU: `mixed`)                 (each prompt token a row at its own slot and position), padded

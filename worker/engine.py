@@ -87,14 +87,14 @@ class Engine:
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
         prepack: on a CPU float32 or bfloat16 model, give each Linear the fastest matmul kernel this
-        machine has for it (nanogpt/kernels.py, in place on the model; a prepacked kernel holds as
+        machine has for it (nanogpt/kernels/planner.py, in place on the model; a prepacked kernel holds as
         much memory again as those weights).
         compile: torch.compile the decode step (forward_decode), every graph of the engine's
         decode routes compiled here before the engine runs (worker/decode_routes.py: one per batch
         bucket, the batch padded up to one; on a CPU, graphs whose rows vary instead from two rows
         up, which also run steps that feed prompt tokens beside decoding rows).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
-        batch and span bucket, all recorded here before the engine runs (nanogpt/cuda_graphs.py)."""
+        batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)

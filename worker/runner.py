@@ -76,7 +76,7 @@ class Runner:
 
     @property
     def graphs(self):
-        """The decode step's CUDA graphs (nanogpt/cuda_graphs.GraphedDecode), or None."""
+        """The decode step's CUDA graphs (nanogpt/runtime/cuda_graphs.GraphedDecode), or None."""
         return self.routes.graphs
 
     def stats(self) -> dict:
