@@ -101,6 +101,7 @@ def test_contrastive_search_in_a_busy_batch_equals_the_papers_formula(model, tok
     assert sorted(engine.scheduler.free_slots) == list(range(engine.runner.slots))  # every slot given back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["opt", "gpt_neox"])
 def test_contrastive_search_equals_the_papers_formula_in_other_families(family, family_checkpoints):
     """OPT (350m's layout: the projection after the last block is part of the hidden state) and
