@@ -177,7 +177,7 @@ def test_a_worker_host_partitioned_from_redis(healthy):
         wait_for("the healed worker's rq workers to be registered again",
                  lambda: len({name for name in registered_workers(bed.url, MODEL) if f":{victim.pid}:" in name}) >= 4,
                  30, 0.5)
-        load.wait_pieces(100)
+        load.wait_pieces(300)
     row = tally(bed.client(), load, bed.reference, "worker host partitioned from Redis", fault_at, TABLE)
     assert set(taken) <= {job_id for o in load.outcomes for job_id in o.ids}
     assert victim.alive()
@@ -199,7 +199,7 @@ def test_a_worker_host_killed(healthy):
         wait_for("the killed worker's jobs to resume elsewhere",
                  lambda: all(rq_json.fetch(job_id, r).get_status().value == "finished" or
                              job_id in running_on(r, bed.worker_of(other_host)) for job_id in taken), 60, 0.2)
-        load.wait_pieces(100)
+        load.wait_pieces(300)
     tally(bed.client(), load, bed.reference, "worker host killed", fault_at, TABLE)
 
 
@@ -212,7 +212,7 @@ def test_a_web_host_killed(healthy):
         load.wait_pieces(100)
         fault_at = time.monotonic()
         victim_host.kill()
-        load.wait_pieces(200)
+        load.wait_pieces(400)
     row = tally(bed.client(), load, bed.reference, "web host killed", fault_at, TABLE)
     assert row["resumed"] > 0  # streams broken by the kill were resumed through the other host
 
@@ -223,7 +223,7 @@ def test_the_clients_connection_cut_mid_stream(healthy):
     bed = healthy
     with Load(bed.web_urls(), bed.key, cut_after=True) as load:
         fault_at = time.monotonic()
-        load.wait_pieces(400)
+        load.wait_pieces(600)
     row = tally(bed.client(), load, bed.reference, "client connection cut mid-stream", fault_at, TABLE)
     assert row["resumed"] >= 3
 
@@ -251,7 +251,7 @@ def test_redis_host_killed_and_restarted_from_its_append_only_file(healthy):
         bed.server.process.wait()
         time.sleep(2)
         bed.start_redis()
-        load.wait_pieces(200, timeout=120)
+        load.wait_pieces(300, timeout=120)
     row = tally(bed.client(), load, bed.reference, "Redis host killed, restarted from its AOF", fault_at, TABLE)
     r = bed.client()
     # what Redis held survived: the key (the load used it after), the blocklist, the file, the batch
