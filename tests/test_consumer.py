@@ -38,7 +38,7 @@ def pool(redis_url):
     workers.add(Binding(MODEL, engine=None, writer=None), "cpu", concurrency=1)
     yield workers
     workers.stop()
-    workers.join(idle_timeout=5)
+    workers.join(idle_grace=5)
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
@@ -126,7 +126,7 @@ def test_idle_threads_take_turns_to_listen_and_stay_registered(redis_url, client
         wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10, "the burst never ended")
     finally:
         pool.stop()
-        pool.join(idle_timeout=5)
+        pool.join(idle_grace=5)
 
 
 def test_a_worker_calls_the_job_function_and_nothing_else_a_job_names(client, monkeypatch):

@@ -21,7 +21,7 @@ ARROWS = {
     "worker.protocol": set(),  # the job payload and events web and worker share; torch-free
     "worker": {"worker.protocol", "nanogpt", "nanogpt.kernels", "nanogpt.runtime", "models"},
     "web": {"worker.protocol", "models"},
-    "web.dev": {"models"},  # the development server: starts redis, a worker and gunicorn as processes
+    "web.dev": {"models", "worker.protocol"},  # the development server: starts redis, a worker and gunicorn
     "processor": {"worker", "worker.protocol", "nanogpt", "nanogpt.kernels", "nanogpt.runtime", "models"},
     "wsgi": {"web"},
     "bench": {"processor", "worker", "worker.protocol", "nanogpt", "nanogpt.kernels", "nanogpt.runtime",

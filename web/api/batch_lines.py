@@ -10,28 +10,22 @@ context of the web process the dispatcher runs in.
   settled with the real usage when the line ends;
 - queued as the creator's job on the model's batch queue, which workers take from only when no
   interactive job waits; the job may wait there until the batch's window ends;
-- its result is its job's terminal event; when the job's stream is gone (it expired while no web
-  process ran), rq's record of the job says how it ended; a line whose result nothing remembers any
-  more runs again (it was never written to the batch's files, so it is still written once).
+- its result is read as every job's is (`streaming.outcomes`); a line whose result nothing
+  remembers any more runs again (it was never written to the batch's files, so it is still written once).
 """
 from __future__ import annotations
 
 import time
 
-from rq.job import Job, JobStatus
-
 from web import access
 from web.api.completions import check_completion
 from web.api.models import served_models
 from web.api.queue import job_queue
-from web.api.streaming import last_terminal_events
+from web.api.streaming import outcomes
 from web.batch.dispatcher import Outcome, Prepared
 from web.batch.store import Batch, Inflight
 from worker import protocol
 from worker.protocol import APIError, bad_request, error_body
-
-_RUNNING = (JobStatus.CREATED, JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED, JobStatus.STARTED)
-
 
 class BatchLines:
     def resolve_model(self, name: str) -> str | None:
@@ -66,28 +60,20 @@ class BatchLines:
         return job_queue().fetch(job_id) is not None
 
     def outcomes(self, job_ids: list[str]) -> dict[str, Outcome]:
-        jq = job_queue()
-        events = last_terminal_events(jq.redis, job_ids)
-        ended = {job_id: _from_event(event.type, event.data) for job_id, event in events.items()}
-        # The others: running (their stream has events), or rq knows how they are, in one round trip.
-        rest = [job_id for job_id in job_ids if job_id not in ended]
-        with jq.redis.pipeline(transaction=False) as pipe:
-            for job_id in rest:
-                pipe.exists(protocol.stream_key(job_id))
-                pipe.hget(Job.key_for(job_id), "status")
-            replies = pipe.execute()
-        for job_id, streaming, status in zip(rest, replies[::2], replies[1::2]):
-            if streaming or (status is not None and JobStatus(status.decode()) in _RUNNING):
-                continue
-            outcome = _from_rq(jq.fetch(job_id))
-            if outcome is not None:
-                ended[job_id] = outcome
-        return ended
+        return outcomes(job_queue(), job_ids)
 
     def cancel(self, job_ids: list[str]) -> None:
         jq = job_queue()
         for job_id in job_ids:
             jq.cancel(job_id)
+
+
+def _caller(batch: Batch) -> access.Caller:
+    caller = access.caller_for(batch.caller.get("key_id"), batch.caller.get("address"))
+    if caller is None:
+        raise APIError(401, "The API key that created this batch has been revoked.", "invalid_request_error",
+                       code="invalid_api_key")
+    return caller
 
 
 def _caller(batch: Batch) -> access.Caller:

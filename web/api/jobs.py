@@ -19,7 +19,7 @@ from web import access
 from web.access.ownership import check_owner
 from web.api.completions import admit_completion, held, sse_response
 from web.api.queue import job_queue, owner
-from web.api.streaming import ChunkFormat, follow, guarded, last_terminal_event, sse_frames
+from web.api.streaming import ChunkFormat, follow, guarded, outcomes, sse_frames
 from web.settings import settings
 from worker import protocol
 from worker.protocol import APIError, bad_request
@@ -91,25 +91,23 @@ def find_job(job_id: str, caller: access.Caller | None) -> Job:
 
 
 def job_state(rq_job: Job) -> dict[str, Any]:
-    """`{id, object: "job", status, model, created, result | error}` from the job's terminal event
-    (its stream says how it ended), else from rq (queued or running)."""
+    """`{id, object: "job", status, model, created, result | error}` from how the job ended
+    (`streaming.outcomes`, the one reader of results), else from rq (queued or running)."""
     payload = _payload(rq_job)
     state: dict[str, Any] = {"id": rq_job.id, "object": "job", "model": payload["model"],
                              "created": payload["created"]}
-    terminal = last_terminal_event(job_queue().redis, rq_job.id)
-    if terminal is not None and terminal.type == "done":
-        state.update(status="completed", result=terminal.data["completion"])
-    elif terminal is not None and terminal.type == "error":
-        state.update(status="failed", error=terminal.data["error"])
-    elif terminal is not None:
-        state.update(status="cancelled")
-    else:
+    outcome = outcomes(job_queue(), [rq_job.id]).get(rq_job.id)
+    if outcome is None:
         state["status"] = _STATUS.get(rq_job.get_status(refresh=False), "queued")
-        if state["status"] == "completed":
-            state["result"] = rq_job.return_value()
-        elif state["status"] == "failed":
-            state["error"] = protocol.error_body("The worker failed while running this request.",
-                                                 "server_error", None, "job_failed")["error"]
+    elif outcome.kind == "done":
+        state.update(status="completed", result=outcome.completion)
+    elif outcome.kind == "error":
+        state.update(status="failed", error=outcome.error["error"])
+    elif outcome.kind == "cancelled":
+        state["status"] = "cancelled"
+    else:  # finished, but its result expired before it was read
+        state.update(status="failed", error=protocol.error_body(
+            "The result of this request is no longer available.", "server_error", None, "result_expired")["error"])
     return state
 
 

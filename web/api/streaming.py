@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import redis
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 
 from web.access.quotas import Hold
 from web.api.queue import JobQueue
+from web.batch.dispatcher import Outcome
 from worker import protocol
 from worker.protocol import APIError
 
@@ -98,11 +99,6 @@ def _concluded(jq: JobQueue, job_id: str) -> Event:
     return Event(None, "error", protocol.error_body(message, "server_error", None, "job_failed"))
 
 
-def last_terminal_event(r: redis.Redis, job_id: str) -> Event | None:
-    """The job's terminal event, if it has one (it is always the stream's last entry)."""
-    return last_terminal_events(r, [job_id]).get(job_id)
-
-
 def last_terminal_events(r: redis.Redis, job_ids: list[str]) -> dict[str, Event]:
     """The terminal event of each of these jobs that has one, in one round trip."""
     with r.pipeline(transaction=False) as pipe:
@@ -116,6 +112,51 @@ def last_terminal_events(r: redis.Redis, job_ids: list[str]) -> dict[str, Event]
             if event.type in protocol.TERMINAL_EVENTS:
                 ended[job_id] = event
     return ended
+
+
+def outcomes(jq: JobQueue, job_ids: list[str]) -> dict[str, Outcome]:
+    """How each of these jobs ended, read in this one place for every reader (a polled job, a batch's
+    line): its terminal event; when its stream is gone (it expired while nobody read it), rq's record
+    of the job. Jobs still queued or running are left out. Three round trips at most."""
+    ended = {job_id: _outcome_of(event) for job_id, event in last_terminal_events(jq.redis, job_ids).items()}
+    rest = [job_id for job_id in job_ids if job_id not in ended]
+    with jq.redis.pipeline(transaction=False) as pipe:
+        for job_id in rest:
+            pipe.exists(protocol.stream_key(job_id))
+            pipe.hget(Job.key_for(job_id), "status")
+        replies = pipe.execute()
+    for job_id, streaming, status in zip(rest, replies[::2], replies[1::2]):
+        if streaming or (status is not None and JobStatus(status.decode()) in _WAITING):
+            continue
+        outcome = _outcome_from_rq(jq.fetch(job_id))
+        if outcome is not None:
+            ended[job_id] = outcome
+    return ended
+
+
+def _outcome_of(event: Event) -> Outcome:
+    if event.type == "done":
+        return Outcome("done", completion=event.data["completion"])
+    if event.type == "error":
+        err = APIError.from_body(event.data)
+        return Outcome("error", error=err.body(), status=err.status)
+    return Outcome("cancelled")
+
+
+def _outcome_from_rq(rq_job) -> Outcome | None:
+    """How a job without a stream ended, from rq (None: it has not ended)."""
+    if rq_job is None:
+        return Outcome("lost")
+    status = rq_job.get_status(refresh=False)
+    if status in _WAITING:
+        return None
+    if status in (JobStatus.CANCELED, JobStatus.STOPPED):
+        return Outcome("cancelled")
+    if status == JobStatus.FAILED:
+        return Outcome("error", error=protocol.error_body("The worker failed while running this request.",
+                                                          "server_error", None, "job_failed"), status=500)
+    completion = rq_job.return_value()
+    return Outcome("done", completion=completion) if completion else Outcome("lost")
 
 
 def cancelled_error() -> APIError:
