@@ -24,8 +24,7 @@ from web.api.queue import job_queue
 from web.api.streaming import outcomes
 from web.batch.dispatcher import Outcome, Prepared
 from web.batch.store import Batch, Inflight
-from worker import protocol
-from worker.protocol import APIError, bad_request, error_body
+from worker.protocol import APIError, bad_request
 
 class BatchLines:
     def resolve_model(self, name: str) -> str | None:
@@ -74,36 +73,3 @@ def _caller(batch: Batch) -> access.Caller:
         raise APIError(401, "The API key that created this batch has been revoked.", "invalid_request_error",
                        code="invalid_api_key")
     return caller
-
-
-def _caller(batch: Batch) -> access.Caller:
-    caller = access.caller_for(batch.caller.get("key_id"), batch.caller.get("address"))
-    if caller is None:
-        raise APIError(401, "The API key that created this batch has been revoked.", "invalid_request_error",
-                       code="invalid_api_key")
-    return caller
-
-
-def _from_event(kind: str, data: dict) -> Outcome:
-    if kind == "done":
-        return Outcome("done", completion=data["completion"])
-    if kind == "error":
-        err = APIError.from_body(data)
-        return Outcome("error", error=err.body(), status=err.status)
-    return Outcome("cancelled")
-
-
-def _from_rq(rq_job) -> Outcome | None:
-    """How a job without a stream ended, from rq (None: it has not ended)."""
-    if rq_job is None:
-        return Outcome("lost")
-    status = rq_job.get_status(refresh=False)
-    if status in _RUNNING:
-        return None
-    if status in (JobStatus.CANCELED, JobStatus.STOPPED):
-        return Outcome("cancelled")
-    if status == JobStatus.FAILED:
-        return Outcome("error", error=error_body("The worker failed while running this request.", "server_error",
-                                                 None, "job_failed"), status=500)
-    completion = rq_job.return_value()
-    return Outcome("done", completion=completion) if completion else Outcome("lost")

@@ -51,7 +51,7 @@ def tokenize():
         if not req.add_special_tokens and tokenizer.prompt_bos is not None:
             ids = ids[1:]  # only the added BOS goes: special tokens' text still stands for them
     else:
-        ids = _checked_ids(req.prompt, tokenizer.vocab_size, "prompt")
+        check_token_ids(ids := req.prompt, tokenizer.vocab_size, "prompt")
     body: dict[str, Any] = {"count": len(ids), "max_model_len": spec.context_length, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = [tokenizer.token_string(t) for t in ids]
@@ -63,7 +63,8 @@ def tokenize():
 def detokenize():
     req = _parse(DetokenizeRequest)
     tokenizer = served_models().tokenizer(served_models().get(req.model))
-    return jsonify({"prompt": tokenizer.decode(_checked_ids(req.tokens, tokenizer.vocab_size, "tokens"))})
+    check_token_ids(req.tokens, tokenizer.vocab_size, "tokens")
+    return jsonify({"prompt": tokenizer.decode(req.tokens)})
 
 
 def _parse(model: type[BaseModel]) -> Any:
@@ -77,10 +78,3 @@ def _parse(model: type[BaseModel]) -> Any:
         problem = request_error(err)
         raise bad_request(str(problem), problem.param) from None
 
-
-def _checked_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"{param} contains token ids that are out of vocabulary: {bad[:10]} (vocabulary size: "
-                          f"{vocab_size}).", param)
-    return ids
