@@ -86,7 +86,7 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
 MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile")
 PHASES = ("install", "environment", "checkpoints", *MEASURED)
 # Each phase's own limit (seconds), with room over what its pieces took on an H200
-# (docs/performance.md, "The GPU check").
+# (docs/gpu-check.md).
 LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 200, "engine-small": 180,
           "stack": 150, "engine-xl": 220, "profile": 90}
 MIN_START = 20.0  # a phase with less left than this is skipped
@@ -484,8 +484,9 @@ def phases(check: Check) -> None:
                                                "--durations=10", f"--junitxml={xml}"),
                     read=lambda: junit_counts(xml) if xml.exists() else None)
 
-    # engine-small, stack, engine-xl
-    def engine(name: str, shape: str, systems, concurrency, repeats) -> None:
+    def measure(name: str, shape: str, command) -> None:
+        """The phase `name` over the `shape` checkpoint: `command(ckpt, path)` gives the bench's
+        arguments, and it writes its results to `path`."""
         if not check.runnable(name):
             return
         ckpt = checkpoint(shape)
@@ -493,45 +494,31 @@ def phases(check: Check) -> None:
             check.record(name, {"status": "failed", "wall_s": 0.0, "reason": f"no {shape} checkpoint"})
             return
         path = work / f"{name}.json"
-        check.phase(name, check.python(
+        check.phase(name, check.python(*command(ckpt, path)),
+                    read=lambda: json.loads(path.read_text()) if path.exists() else None)
+
+    # engine-small, stack, engine-xl, profile
+    def engine(name: str, shape: str, systems, concurrency, repeats) -> None:
+        measure(name, shape, lambda ckpt, path: (
             "-m", "bench.engine_bench", "--device", args.device, "--checkpoint", ckpt, "--systems", ",".join(systems),
             "--concurrency", ",".join(map(str, concurrency)), "--repeats", str(repeats),
             "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens), "--json", str(path),
             # the machine is the check's own: no waiting for quiet, no runs redone for others' load
-            "--quiet-wait", "0", "--quiet-budget", "0", "--max-foreign", "inf"),
-            read=lambda: json.loads(path.read_text()) if path.exists() else None)
+            "--quiet-wait", "0", "--quiet-budget", "0", "--max-foreign", "inf"))
 
     engine("engine-small", plan.small, plan.engine_systems, plan.engine_concurrency, plan.engine_repeats)
-
-    if check.runnable("stack"):
-        ckpt = checkpoint(plan.small)
-        if ckpt is None:
-            check.record("stack", {"status": "failed", "wall_s": 0.0, "reason": f"no {plan.small} checkpoint"})
-        else:
-            path = work / "stack.json"
-            check.phase("stack", check.python(
-                *me, "stack", "--checkpoint", ckpt, "--model", plan.small, "--device", args.device,
-                "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
-                "--concurrency", ",".join(map(str, plan.stack_concurrency)),
-                "--repeats", str(plan.stack_repeats), "--stream-at", str(plan.stream_at),
-                "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
-                "--workdir", str(work / "stack"), "--json", str(path)),
-                read=lambda: json.loads(path.read_text()) if path.exists() else None)
-
+    measure("stack", plan.small, lambda ckpt, path: (
+        *me, "stack", "--checkpoint", ckpt, "--model", plan.small, "--device", args.device,
+        "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
+        "--concurrency", ",".join(map(str, plan.stack_concurrency)),
+        "--repeats", str(plan.stack_repeats), "--stream-at", str(plan.stream_at),
+        "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
+        "--workdir", str(work / "stack"), "--json", str(path)))
     engine("engine-xl", plan.xl, plan.xl_systems, plan.xl_concurrency, plan.xl_repeats)
-
-    # profile
-    if check.runnable("profile"):
-        ckpt = checkpoint(plan.small)
-        if ckpt is None:
-            check.record("profile", {"status": "failed", "wall_s": 0.0, "reason": f"no {plan.small} checkpoint"})
-        else:
-            path = work / "profile.json"
-            check.phase("profile", check.python(
-                *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
-                "--concurrency", ",".join(map(str, plan.profile_concurrency)), "--steps", str(plan.profile_steps),
-                "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)),
-                read=lambda: json.loads(path.read_text()) if path.exists() else None)
+    measure("profile", plan.small, lambda ckpt, path: (
+        *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
+        "--concurrency", ",".join(map(str, plan.profile_concurrency)), "--steps", str(plan.profile_steps),
+        "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)))
     if "checkpoints" in check.background:  # no phase needed them after all
         check.join_background("checkpoints", read=lambda: json.loads(checkpoints.read_text()))
 

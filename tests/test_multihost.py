@@ -152,6 +152,20 @@ def healthy(bed) -> Bed:
 
 # ---- the faults -------------------------------------------------------------------------------
 
+def fault_a_streaming_worker(bed, r, victim_host, other_host, fault) -> tuple:
+    """Once the victim host's worker streams two jobs or more, `fault()` it, and wait until each of
+    those jobs has ended or runs on the other host's worker. Returns (the victim's service, its jobs,
+    when the fault came)."""
+    victim = bed.worker_of(victim_host)
+    taken = wait_for("the victim to stream jobs", lambda: (ids := running_on(r, victim)) and len(ids) >= 2 and ids, 60)
+    fault_at = time.monotonic()
+    fault()
+    wait_for("the victim's jobs to resume elsewhere",
+             lambda: all(rq_json.fetch(job_id, r).get_status().value == "finished" or
+                         job_id in running_on(r, bed.worker_of(other_host)) for job_id in taken), 60, 0.2)
+    return victim, taken, fault_at
+
+
 def test_a_worker_host_partitioned_from_redis(healthy):
     """A worker host's link goes down while it streams: its jobs are re-queued once their
     heartbeats expire and resumed by the other worker, every stream without a gap or a repeat. The
@@ -162,14 +176,7 @@ def test_a_worker_host_partitioned_from_redis(healthy):
     r = bed.client()
     with Load(bed.web_urls(), bed.key) as load:
         load.wait_pieces(50)
-        victim = bed.worker_of(victim_host)
-        taken = wait_for("the victim to stream jobs", lambda: (ids := running_on(r, victim)) and len(ids) >= 2 and ids, 60)
-        fault_at = time.monotonic()
-        victim_host.partition()
-        # its jobs resume elsewhere: each ends, or grows, on the other worker
-        wait_for("the partitioned worker's jobs to resume elsewhere",
-                 lambda: all(rq_json.fetch(job_id, r).get_status().value == "finished" or
-                             job_id in running_on(r, bed.worker_of(other_host)) for job_id in taken), 60, 0.2)
+        victim, taken, fault_at = fault_a_streaming_worker(bed, r, victim_host, other_host, victim_host.partition)
         load.wait_pieces(100)
         victim_host.heal()
         wait_for("the healed worker to write again", lambda: "event stream writes recovered" in victim.logs(), 60, 0.5)
@@ -192,13 +199,7 @@ def test_a_worker_host_killed(healthy):
     r = bed.client()
     with Load(bed.web_urls(), bed.key) as load:
         load.wait_pieces(50)
-        victim = bed.worker_of(victim_host)
-        taken = wait_for("the victim to stream jobs", lambda: (ids := running_on(r, victim)) and len(ids) >= 2 and ids, 60)
-        fault_at = time.monotonic()
-        victim_host.kill()
-        wait_for("the killed worker's jobs to resume elsewhere",
-                 lambda: all(rq_json.fetch(job_id, r).get_status().value == "finished" or
-                             job_id in running_on(r, bed.worker_of(other_host)) for job_id in taken), 60, 0.2)
+        _, _, fault_at = fault_a_streaming_worker(bed, r, victim_host, other_host, victim_host.kill)
         load.wait_pieces(300)
     tally(bed.client(), load, bed.reference, "worker host killed", fault_at, TABLE)
 
