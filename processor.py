@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for _, engine in engines:
             engine.stop()
+        # what an outage kept back gets a last chance to land (the writers' retry threads are daemons)
+        if not all(engine.event_sink.wait_written(timeout=5.0) for _, engine in engines):
+            log.warning("leaving with events Redis did not take")
     log.info("stopped")
     return status
 

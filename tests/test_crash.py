@@ -135,16 +135,17 @@ def log_entries(text: str) -> list[dict]:
 
 
 def test_workers_ride_out_a_redis_restart(hf_checkpoint, tmp_path):
-    """Redis (with its append-only file) restarts while 8 jobs run: the worker keeps generating,
-    holds the events until Redis is back, reconnects its rq workers, and every job ends complete,
-    its stream without a duplicated or missing piece; new jobs run afterwards."""
+    """Redis (with its append-only file) restarts while 8 jobs run, away longer than the jobs'
+    heartbeat TTL: the worker keeps generating, holds the events until Redis is back, reconnects
+    its rq workers, and every job ends complete, run once (not re-queued as abandoned), its stream
+    without a duplicated or missing piece; new jobs run afterwards."""
     (tmp_path / "redis").mkdir()
     server = start_redis(persist_dir=str(tmp_path / "redis"))
     models = write_models_toml(tmp_path / "models.toml", {MODEL: hf_checkpoint}, device="cpu", max_batch=8)
     jobs = make_jobs()[:8]
     worker = None
     try:
-        worker = spawn_processor(server.url, models, concurrency=4, log_dir=tmp_path, wait=False)
+        worker = spawn_processor(server.url, models, concurrency=4, heartbeat=1, log_dir=tmp_path, wait=False)
         reference = reference_texts(models, jobs)
         worker.wait_ready()
         r = redis.Redis.from_url(server.url)
@@ -154,7 +155,7 @@ def test_workers_ride_out_a_redis_restart(hf_checkpoint, tmp_path):
         while not r.xlen(protocol.stream_key(jobs[0].id)):
             time.sleep(0.005)
         server.stop()
-        time.sleep(3)
+        time.sleep(4)  # the running jobs' registry entries (3 s: heartbeat 1) lapse meanwhile
         server = start_redis(port=server.port, persist_dir=str(tmp_path / "redis"))
 
         deadline = time.monotonic() + 90
@@ -163,6 +164,7 @@ def test_workers_ride_out_a_redis_restart(hf_checkpoint, tmp_path):
             time.sleep(0.2)
         for job, rq_job in zip(jobs, rq_jobs):
             assert rq_job.get_status() == JobStatus.FINISHED, job.id
+            assert rq_job.retries_left == 2, job.id  # never re-queued
             assert rq_job.return_value()["choices"][0]["text"] == reference[job.id]
             events = stream(r, job.id)
             assert "".join(data["text"] for kind, data in events if kind == "delta") == reference[job.id]

@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from worker import protocol
-from worker.events import StreamWriter, read_history
+from web.dev.local_redis import start_redis
+from worker.events import StreamWriter, open_attempt, read_history
 
 
 @pytest.fixture()
@@ -144,9 +145,62 @@ def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_with_the_next_write(cl
 def test_a_new_attempts_deltas_never_join_an_earlier_attempts(client):
     writer = StreamWriter(client)
     writer.DEFER_S = 60.0
-    writer.track("w", streamed=False)
+    writer.track("w", open_attempt(client, "w").attempt_ms, streamed=False)
     writer([delta("w", 0)])
     writer([delta("w", 1)])  # waiting
-    writer.track("w", "0-0", streamed=False)  # the job taken up again (its retry) before that was written
-    writer([delta("w", 7)])  # the new attempt's first token: written at once, with the waiting one
-    assert [data["token_ids"] for _, data in events(client, "w")] == [[0], [1], [7]]
+    # the job taken up again (its retry) before that was written
+    writer.track("w", open_attempt(client, "w").attempt_ms, streamed=False)
+    writer([delta("w", 7)])  # the new attempt's first token: written at once; the waiting one is the old attempt's
+    assert [data["token_ids"] for _, data in events(client, "w")] == [[0], [7]]
+
+
+def test_once_a_newer_attempt_opens_an_older_ones_writes_are_refused(client):
+    """Two workers think they run the job (one was wrongly thought dead): what the older attempt
+    writes after the newer one opened never lands, whether it had written before or not."""
+    for job_id, written_before in (("a", 1), ("b", 0)):
+        older, newer = StreamWriter(client), StreamWriter(client)
+        older.track(job_id, open_attempt(client, job_id).attempt_ms)
+        for token in range(written_before):
+            older([delta(job_id, token)])
+        history = open_attempt(client, job_id)
+        assert history.tokens == ({0: [0]} if written_before else {})
+        newer.track(job_id, history.attempt_ms)
+        older([delta(job_id, 50), (job_id, "done", {"completion": {}})])
+        newer([delta(job_id, written_before)])
+        assert [data["token_ids"] for _, data in events(client, job_id)] == [[t] for t in range(written_before + 1)]
+
+
+def test_an_attempts_fence_is_no_entry_and_a_finished_job_gets_none(client):
+    history = open_attempt(client, "f")
+    assert history.attempt_ms is not None and history.terminal is None and not history.cancelled
+    assert length(client, "f") == 0 and client.xread({protocol.stream_key("f"): "0-0"}) == []
+    assert 0 < client.ttl(protocol.stream_key("f")) <= protocol.STREAM_TTL
+    writer = StreamWriter(client)
+    writer.track("f", history.attempt_ms)
+    writer([delta("f", 3), ("f", "done", {"completion": {"id": "f"}})])
+    last = client.xinfo_stream(protocol.stream_key("f"))["last-generated-id"]
+    ended = open_attempt(client, "f")
+    assert ended.terminal == ("done", {"completion": {"id": "f"}}) and ended.attempt_ms is None
+    assert client.xinfo_stream(protocol.stream_key("f"))["last-generated-id"] == last  # no fence after the end
+    client.set(protocol.cancel_key("c"), 1)
+    assert open_attempt(client, "c").cancelled
+
+
+def test_events_kept_through_an_outage_land_without_another_step(tmp_path):
+    """Redis goes away while a step is written: the writer keeps the events and its retry thread
+    writes them once Redis is back, though the engine (idle now) never calls it again."""
+    server = start_redis(persist_dir=str(tmp_path))
+    client = redis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
+    writer = StreamWriter(client)
+    writer.RETRY_S = 0.1
+    writer.track("o", open_attempt(client, "o").attempt_ms)
+    writer([delta("o", 0)])
+    server.stop()
+    try:
+        assert writer([delta("o", 1), ("o", "done", {"completion": {}})]) == set()
+        assert not writer.wait_written(timeout=0.5)
+        server = start_redis(port=server.port, persist_dir=str(tmp_path))
+        assert writer.wait_written(timeout=20)
+        assert [kind for kind, _ in events(client, "o")] == ["delta", "delta", "done"]
+    finally:
+        server.stop()

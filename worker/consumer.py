@@ -41,7 +41,7 @@ from rq.worker import WorkerStatus
 from worker import protocol
 from worker.errors import EngineError, EngineFault
 from worker.priority import PriorityQueue
-from worker.events import StreamWriter, append_event, read_history
+from worker.events import StreamWriter, append_event, open_attempt, read_history
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +96,28 @@ def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
         append_event(client, job.id, "error", protocol.error_body(message, param="model"))
         return None
 
-    # checked before the history and the cancel flag, which belong to the running attempt (a copy
-    # would write a second `cancelled`); checked again below, under the lock, against a race
-    if (earlier := binding.running.get(job.id)) is not None:
+    # A copy delivered while this engine runs the job must not open an attempt of its own: that
+    # would fence the running one out of the job's stream.
+    with binding.lock:
+        if (earlier := binding.running.get(job.id)) is None:
+            if binding.writer.holds(job.id):  # an attempt of ours whose events an outage kept back
+                binding.writer.wait_written(timeout=10.0)
+            history = open_attempt(client, job.id)
+            if history.terminal is None and not history.cancelled:
+                binding.writer.track(job.id, history.attempt_ms, streamed=job.stream)
+                handle = binding.running[job.id] = binding.engine.submit(job, resume=history.tokens or None)
+    if earlier is not None:
         log.warning("job delivered again while it runs; waiting for the running attempt", extra={"job_id": job.id})
         return _outcome(earlier, binding.engine)
-    history = read_history(client, job.id)
     if history.terminal is not None:
         # An earlier attempt ended the job but died before rq recorded it.
         kind, data = history.terminal
         return data.get("completion") if kind == "done" else None
-    if client.exists(protocol.cancel_key(job.id)):
-        append_event(client, job.id, "cancelled", {})
+    if history.cancelled:
+        append_event(client, job.id, "cancelled", {}, entry_id=f"{history.attempt_ms}-1")
         return None
 
     started = time.monotonic()
-    with binding.lock:  # one attempt of a job in the engine at a time
-        if (earlier := binding.running.get(job.id)) is None:
-            binding.writer.track(job.id, history.last_entry_id, streamed=job.stream)
-            handle = binding.running[job.id] = binding.engine.submit(job, resume=history.tokens or None)
-    if earlier is not None:
-        return _outcome(earlier, binding.engine)
     try:
         try:
             completion = _outcome(handle, binding.engine)
@@ -212,6 +213,22 @@ class CompletionRqJob(Job):
         pass
 
 
+class OutageGrace:
+    """Redis away for a while: the registry entries of jobs running on live workers may have lapsed
+    meanwhile (their beats could not land). Cleaning the registries then would re-queue those jobs
+    and run each twice, so it waits until every live worker has had `ttl` to beat again."""
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self._lost_at: float | None = None
+
+    def lost(self) -> None:
+        self._lost_at = time.monotonic()
+
+    def allows_cleaning(self) -> bool:
+        return self._lost_at is None or time.monotonic() - self._lost_at > self.ttl
+
+
 class EngineWorker(SimpleWorker):
     """An rq SimpleWorker that lives on a thread of its own (so many can share one engine).
 
@@ -220,6 +237,7 @@ class EngineWorker(SimpleWorker):
     - Dequeue blocks at most `poll_interval` at a time, so a stop request is seen promptly, and
       only while the worker holds a turn of `listeners` (a semaphore its kind of thread shares).
     - Running jobs' registry entries live `heartbeat_ttl` seconds; `beat()` refreshes them.
+    - Registries are cleaned only as `grace` allows (see OutageGrace).
     """
 
     death_penalty_class = TimerDeathPenalty
@@ -228,8 +246,9 @@ class EngineWorker(SimpleWorker):
     max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
     def __init__(self, *args, heartbeat_ttl: int, poll_interval: int,
-                 listeners: threading.Semaphore | None = None, **kwargs):
+                 listeners: threading.Semaphore | None = None, grace: OutageGrace | None = None, **kwargs):
         self.heartbeat_ttl = heartbeat_ttl
+        self.grace = grace
         self.poll_interval = poll_interval
         self.listeners = listeners
         self._waiting = False  # for a turn to listen: rq's dequeue loop is not beating our key
@@ -244,6 +263,10 @@ class EngineWorker(SimpleWorker):
         # rq's pubsub commands (stop-job, shutdown) act through signals and forked horses, neither of
         # which a worker thread has; skipping them saves a connection and a thread per worker.
         pass
+
+    def clean_registries(self) -> None:
+        if self.grace is None or self.grace.allows_cleaning():
+            super().clean_registries()
 
     def request_stop(self, signum=None, frame=None) -> None:
         """Take no new job; the running one finishes."""
@@ -355,6 +378,7 @@ class WorkerPool:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="rq-heartbeat", daemon=True)
         self.queue_names: list[str] = []  # every queue a thread here listens on
         self._maintainer: EngineWorker | None = None
+        self.grace = OutageGrace(self.heartbeat_ttl + heartbeat_interval)
 
     def add(self, binding: Binding, device: str, concurrency: int, batch_concurrency: int | None = None) -> None:
         """Start `concurrency` worker threads feeding this engine; `batch_concurrency` of them (default:
@@ -382,7 +406,7 @@ class WorkerPool:
                             worker_ttl=self.worker_ttl, job_monitoring_interval=int(self.heartbeat_interval) or 1,
                             maintenance_interval=self.maintenance_interval,
                             exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
-                            poll_interval=self.poll_interval, listeners=listeners)
+                            poll_interval=self.poll_interval, listeners=listeners, grace=self.grace)
 
     @property
     def heartbeat_ttl(self) -> int:
@@ -404,6 +428,7 @@ class WorkerPool:
                     break
                 worker.work(logging_level=None)
             except Exception as exc:  # Redis unreachable: try again shortly (said once per outage)
+                self.grace.lost()
                 log.log(logging.DEBUG if failing else logging.WARNING, "rq worker loop failed",
                         extra={"worker": name, "error": str(exc)})
                 failing = True
@@ -424,6 +449,8 @@ class WorkerPool:
                     errors.append(str(exc))
                 except Exception:  # a bug: said, but the other workers' jobs must keep their beats
                     log.exception("job heartbeat failed", extra={"worker": worker.name})
+            if errors:
+                self.grace.lost()
             if errors and not failing:
                 log.warning("job heartbeats failing", extra={"error": errors[0]})
             failing = bool(errors)
@@ -442,6 +469,7 @@ class WorkerPool:
                 self._maintainer = self._new_worker(name, list(self.queue_names))
             self._maintainer.clean_registries()
         except redis.RedisError as exc:
+            self.grace.lost()
             log.warning("registry maintenance failed", extra={"error": repr(exc)})
 
     def running(self) -> int:

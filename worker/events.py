@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 Event = tuple[str, str, dict[str, Any]]  # (job_id, event_type, data)
 
 
-def append_event(client: redis.Redis, job_id: str, event_type: str, data: dict[str, Any]) -> None:
+def append_event(client: redis.Redis, job_id: str, event_type: str, data: dict[str, Any],
+                 entry_id: str = "*") -> None:
     """Write one event outside the engine (a job the engine never saw, or one rq gave up on)."""
     key = protocol.stream_key(job_id)
     with client.pipeline(transaction=True) as pipe:
-        pipe.xadd(key, protocol.encode_event(event_type, data))
+        pipe.xadd(key, protocol.encode_event(event_type, data), id=entry_id)
         pipe.expire(key, protocol.STREAM_TTL)
         pipe.execute()
 
@@ -38,8 +39,9 @@ class StreamWriter:
     - One transaction per step: a worker killed mid-write leaves each stream with a whole number of
       steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
       is what a retried attempt resumes from.
-    - If Redis is unreachable the events are kept and written, in order, with the next step's; the
-      engine never sees the error.
+    - If Redis is unreachable the events are kept, and a thread of the writer's own writes them, in
+      order with what follows, every `RETRY_S` until Redis answers: the engine thread neither waits
+      out the outage's timeouts step after step nor has to step again for its last events to land.
     - A job that is not streamed (the synchronous answer, a polled or batch job) is read whole at
       its end, so its tokens are written at most every `DEFER_S` (with any other job's events, and
       at once for its first token and its end); one who follows a polled job's stream
@@ -54,15 +56,15 @@ class StreamWriter:
     - The cancel flags of the running jobs are read with every write, and between writes at least
       every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within `CHECK_S` and
       a step, however long a job's tokens wait.
-    - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: one millisecond per
-      attempt, n counting the attempt's events), so a transaction sent again after its reply was
-      lost (Redis restarting, redis-py retrying) is refused entry by entry instead of duplicated.
-      The ms part of a resumed attempt is past its stream's last entry, and an older attempt still
-      writing (a worker wrongly thought dead) is refused the same way.
+    - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: the attempt's fence,
+      see `open_attempt`, n counting the attempt's events), so a transaction sent again after its
+      reply was lost (Redis restarting, redis-py retrying) is refused entry by entry instead of
+      duplicated, and so is every write of an older attempt once a newer one opened.
     """
 
     DEFER_S = 1.0  # how long the tokens of a job nobody reads token by token may wait
     CHECK_S = 0.1  # how long a cancel may wait to be seen between writes
+    RETRY_S = 0.5  # how often writes are tried while Redis does not answer
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
@@ -76,14 +78,15 @@ class StreamWriter:
         self._active: set[str] = set()  # jobs whose cancel flag is read with every write
         self._silenced: dict[str, threading.Event] = {}  # see `silence`
         self._failing_since: float | None = None  # when writes started failing (logged once)
+        self._late_cancels: set[str] = set()  # cancel flags the retry thread read
         self._lock = threading.Lock()  # consumer threads call track/silence while the engine writes
 
-    def track(self, job_id: str, last_entry_id: str | None = None, streamed: bool = True) -> None:
-        """Number this job's events from now on (`last_entry_id`: its stream's newest entry, if
-        any) and check its cancel flag with every write; `streamed`: write its every step at once."""
-        last_ms = int(last_entry_id.split("-")[0]) if last_entry_id else 0
+    def track(self, job_id: str, attempt_ms: int | None = None, streamed: bool = True) -> None:
+        """Number this job's events from now on (`attempt_ms`: the attempt `open_attempt` opened,
+        whose entries are <ms>-1, <ms>-2...) and check its cancel flag with every write;
+        `streamed`: write its every step at once."""
         with self._lock:
-            self._next_id[job_id] = [max(int(time.time() * 1000), last_ms + 1), 0]
+            self._next_id[job_id] = [attempt_ms if attempt_ms is not None else int(time.time() * 1000), 1]
             self._open.pop(job_id, None)  # a new attempt's deltas never join an earlier attempt's
             self._active.add(job_id)
             if streamed:
@@ -123,36 +126,59 @@ class StreamWriter:
                     ended.set()
                 if terminal:
                     self._next_id.pop(job_id, None)
+            if self._failing_since is not None:  # Redis is away: the retry thread writes
+                return set()
+            late, self._late_cancels = self._late_cancels, set()
             now = time.monotonic()
             deferred = not urgent and now - self._written_at < self.DEFER_S
             if deferred and (now - self._checked_at < self.CHECK_S or not self._active):
-                return set()
+                return late
             active = sorted(self._active)
         if deferred:
-            return self._check(active)
+            return self._check(active) | late
         try:
-            cancelled = self._flush(active)
+            return self._flush(active) | late
         except redis.RedisError as exc:
-            self._open = {}  # the events kept may be cut below: nothing joins them any more
-            if self._failing_since is None:
+            with self._lock:
                 self._failing_since = time.monotonic()
-                log.warning("event stream writes failing; keeping events until Redis answers",
-                            extra={"error": str(exc)})
-            if len(self._pending) > self.max_pending:
-                # Redis has been gone for a long time: bound memory, the oldest events are lost.
-                del self._pending[: len(self._pending) - self.max_pending]
+            log.warning("event stream writes failing; keeping events until Redis answers", extra={"error": str(exc)})
+            threading.Thread(target=self._retry, name="stream-writer-retry", daemon=True).start()
             return set()
-        if self._failing_since is not None:
-            log.info("event stream writes recovered",
-                     extra={"outage_seconds": round(time.monotonic() - self._failing_since, 1)})
-            self._failing_since = None
-        return cancelled
+
+    def _retry(self) -> None:
+        """Write what is kept every RETRY_S until Redis answers (the writes of an outage)."""
+        while True:
+            time.sleep(self.RETRY_S)
+            with self._lock:
+                active = sorted(self._active)
+            try:
+                cancelled = self._flush(active)
+            except redis.RedisError:
+                continue
+            with self._lock:
+                self._late_cancels |= cancelled
+                log.info("event stream writes recovered",
+                         extra={"outage_seconds": round(time.monotonic() - self._failing_since, 1)})
+                self._failing_since = None
+            return
+
+    def holds(self, job_id: str) -> bool:
+        """Whether events of this job wait to be written."""
+        with self._lock:
+            return any(event[0] == job_id for event in self._pending)
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until no event is kept back by an outage (a worker leaving); False if Redis did not answer."""
+        deadline = time.monotonic() + timeout
+        while self._failing_since is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._failing_since is None
 
     def _urgent(self, job_id: str, event_type: str) -> bool:
         """Whether this event goes out with this step: anything but a token of a job that is not
         streamed, and the first event of every attempt (the answer's first token, as web times it)."""
         next_id = self._next_id.get(job_id)
-        return event_type != "delta" or job_id in self._streamed or next_id is None or next_id[1] == 0
+        return event_type != "delta" or job_id in self._streamed or next_id is None or next_id[1] == 1
 
     def _joined(self, job_id: str, event_type: str, data: dict[str, Any]) -> bool:
         """Whether this event, a token delta of a job read at its end, joined its choice's delta
@@ -192,17 +218,29 @@ class StreamWriter:
         return {job_id for job_id, flag in zip(active, flags) if flag}
 
     def _flush(self, active: list[str]) -> set[str]:
-        events = self._pending
-        with self.client.pipeline(transaction=True) as pipe:
-            for job_id, event_type, data, entry_id in events:
-                pipe.xadd(protocol.stream_key(job_id), protocol.encode_event(event_type, data), id=entry_id)
-            for job_id in {event[0] for event in events}:
-                pipe.expire(protocol.stream_key(job_id), protocol.STREAM_TTL)
-            for job_id in active:
-                pipe.exists(protocol.cancel_key(job_id))
-            replies = pipe.execute(raise_on_error=False)
+        """Write every kept event (one thread at a time: the engine's, or the retry thread during an
+        outage, when the engine's does not write); on failure they are kept, in order, ahead of
+        those added meanwhile."""
+        with self._lock:
+            events, self._pending, self._open = self._pending, [], {}
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                for job_id, event_type, data, entry_id in events:
+                    pipe.xadd(protocol.stream_key(job_id), protocol.encode_event(event_type, data), id=entry_id)
+                for job_id in {event[0] for event in events}:
+                    pipe.expire(protocol.stream_key(job_id), protocol.STREAM_TTL)
+                for job_id in active:
+                    pipe.exists(protocol.cancel_key(job_id))
+                replies = pipe.execute(raise_on_error=False)
+        except redis.RedisError:
+            with self._lock:
+                # the events kept may be cut below: nothing joins them any more
+                self._pending, self._open = events + self._pending, {}
+                if len(self._pending) > self.max_pending:
+                    # Redis has been gone for a long time: bound memory, the oldest events are lost.
+                    del self._pending[: len(self._pending) - self.max_pending]
+            raise
         self._written_at = self._checked_at = time.monotonic()
-        self._pending, self._open = [], {}
         refused = [(event[0], reply) for event, reply in zip(events, replies) if isinstance(reply, Exception)]
         if refused:  # already written (a resent step), or a newer attempt owns the stream
             log.info("stream entries refused", extra={"count": len(refused), "job_id": refused[0][0],
@@ -228,17 +266,71 @@ class History:
     # choice index -> the concatenated `token_ids` of its deltas: the engine's `resume`
     tokens: dict[int, list[int]] = field(default_factory=dict)
     terminal: tuple[str, dict[str, Any]] | None = None  # (done | error | cancelled, data)
-    last_entry_id: str | None = None
+    attempt_ms: int | None = None  # the attempt `open_attempt` opened: its entries are <ms>-1, <ms>-2, ...
+    cancelled: bool = False  # the job's cancel flag was set when the attempt opened
 
 
 def read_history(client: redis.Redis, job_id: str) -> History:
     """Replay a job's stream (empty for a first attempt)."""
+    return _replay(client.xrange(protocol.stream_key(job_id)))
+
+
+def _replay(entries) -> History:
     history = History()
-    for entry_id, fields in client.xrange(protocol.stream_key(job_id)):
-        history.last_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    for _, fields in entries:
         event_type, data = protocol.decode_event(fields)
         if event_type == "delta":
             history.tokens.setdefault(data["index"], []).extend(data.get("token_ids") or [])
         elif event_type in protocol.TERMINAL_EVENTS and history.terminal is None:
             history.terminal = (event_type, data)
+    return history
+
+
+# Opens an attempt of a job: its stream so far and, unless the job has ended, a fence. The stream's
+# last id becomes <ms>-0 (XSETID: readers see no entry), ms past both Redis's clock and every id the
+# stream has given, so the attempt's own entries <ms>-1, <ms>-2... are accepted and those of any
+# earlier attempt still running (a worker wrongly thought dead) are refused from now on. Redis's
+# clock, not the workers': hosts' clocks may disagree.
+_OPEN_ATTEMPT = """
+local entries = redis.call('XRANGE', KEYS[1], '-', '+')
+for _, entry in ipairs(entries) do
+  local fields = entry[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'type' then
+      for j = 2, #ARGV do
+        if fields[i + 1] == ARGV[j] then return {0, entries, 0} end
+      end
+    end
+  end
+end
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then
+      local last_ms = tonumber(string.match(info[i + 1], '^(%d+)'))
+      if last_ms >= ms then ms = last_ms + 1 end
+    end
+  end
+  redis.call('XSETID', KEYS[1], string.format('%d-0', ms))
+else  -- an empty stream, made without an entry that would wake its readers
+  redis.call('XGROUP', 'CREATE', KEYS[1], 'fence', '$', 'MKSTREAM')
+  redis.call('XGROUP', 'DESTROY', KEYS[1], 'fence')
+  redis.call('XSETID', KEYS[1], string.format('%d-0', ms))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return {ms, entries, redis.call('EXISTS', KEYS[2])}
+"""
+
+
+def open_attempt(client: redis.Redis, job_id: str) -> History:
+    """Replay the job's stream and, unless it has ended, fence earlier attempts out of it (see
+    `_OPEN_ATTEMPT`); one round trip, which also reads the job's cancel flag."""
+    ms, entries, cancelled = client.register_script(_OPEN_ATTEMPT)(
+        keys=[protocol.stream_key(job_id), protocol.cancel_key(job_id)],
+        args=[protocol.STREAM_TTL, *protocol.TERMINAL_EVENTS])
+    history = _replay((entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in entries)
+    if history.terminal is None:
+        history.attempt_ms, history.cancelled = int(ms), bool(cancelled)
     return history

@@ -144,6 +144,8 @@ class StreamHub:
         with self._lock:
             for key, entries in reply:
                 key = key.decode() if isinstance(key, bytes) else key
+                if not entries:  # a stream whose last id moved without an entry (a worker's fence)
+                    continue
                 last = entries[-1][0].decode()
                 if key == self._wake_key:
                     self._wake_last = last
