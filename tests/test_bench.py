@@ -267,3 +267,14 @@ def test_fidelity_compares_each_precision_with_float32(hf_checkpoint, tmp_path):
     assert result["float32"]["kv_cache"] == "float32"
     assert int8["kv_cache"] == str(cache_dtype(torch.float32, "cpu", int8=True)).removeprefix("torch.")
     assert "| int8 |" in fidelity.markdown(result)
+
+
+def test_structured_bench_measures_both_ways_alike(hf_checkpoint):
+    from bench import structured_bench
+
+    results = structured_bench.main(["--checkpoint", str(hf_checkpoint), "--requests", "1", "3", "--new", "6",
+                                     "--repeats", "2"])
+    assert [row["requests"] for row in results["rows"]] == [1, 3]
+    for row in results["rows"]:
+        assert all(len(runs) == 2 and min(runs) > 0 for runs in row["runs"].values())
+        assert row["ratio"] == pytest.approx(row["json_schema_tokens_per_s"] / row["plain_tokens_per_s"], abs=0.01)

@@ -326,12 +326,35 @@ def test_job_stream_resumes(stack):
     ({"extra_body": {"penalty_alpha": 0.6, "top_k": 9}}, "top_k"),  # more candidates than the worker's 8 slots
     ({"extra_body": {"penalty_alpha": 0.6, "top_k": 4}, "n": 2}, "n"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
+    ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+    ({"extra_body": {"structured_outputs": {"json": {"type": "nonsense"}}}}, "structured_outputs"),
+    ({"extra_body": {"guided_regex": "[^\\s\\S]"}}, "structured_outputs"),  # no text matches: the worker refuses it
 ])
 def test_bad_request_errors_name_the_param(client, kwargs, param):
     kwargs = {"model": "tiny", "prompt": PROMPT, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**kwargs)
     assert info.value.param == param and info.value.type == "invalid_request_error"
+
+
+def test_structured_output_through_the_client(client):
+    """vLLM's structured_outputs and OpenAI's response_format through `extra_body`, synchronous and
+    streamed: every choice follows its constraint and ends with `stop`."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rainy"],
+              "properties": {"city": {"type": "string", "maxLength": 10}, "rainy": {"type": "boolean"}}}
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, n=2, seed=1, logprobs=1,
+                                       extra_body={"structured_outputs": {"json": schema}})
+    for choice in answer.choices:
+        value = json.loads(choice.text)
+        assert set(value) == {"city", "rainy"} and isinstance(value["rainy"], bool) and len(value["city"]) <= 10
+        assert choice.finish_reason == "stop" and "".join(choice.logprobs.tokens) == choice.text
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}})
+    assert set(json.loads(answer.choices[0].text)) == {"city", "rainy"}
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, stream=True, seed=2,
+                                            extra_body={"guided_choice": ["sunny", "partly cloudy", "rain"]}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) in ("sunny", "partly cloudy", "rain")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
 def test_context_length_error_in_openais_words(client):
@@ -392,7 +415,7 @@ def test_health_and_ready(stack):
 
 # ---- beyond OpenAI's parameters (vLLM's extras through extra_body) ----
 
-@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"num_beams": 2}, {"guided_regex": "a+"}])
+@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"num_beams": 2}, {"prompt_embeds": "AAAA"}])
 def test_unknown_fields_are_a_400_naming_them(client, extra):
     with pytest.raises(openai.BadRequestError) as info:
         greedy(client, max_tokens=2, extra_body=extra)

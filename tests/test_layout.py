@@ -24,8 +24,9 @@ ARROWS = {
     "web.dev": {"models", "worker.protocol"},  # the development server: starts redis, a worker and gunicorn
     "processor": {"worker", "worker.protocol", "nanogpt", "nanogpt.kernels", "nanogpt.runtime", "models"},
     "wsgi": {"web"},
+    # bench builds jobs as web does (web.api.structured's grammars), never the other way round
     "bench": {"processor", "worker", "worker.protocol", "nanogpt", "nanogpt.kernels", "nanogpt.runtime",
-              "models", "web.dev"},
+              "models", "web.dev", "web"},
 }
 # The model modules reach into nanogpt's subpackages only where the design needs it: the serving
 # forward attends through the KV cache's windows. Layers and families import no kernel: loading

@@ -245,6 +245,24 @@ def test_stop_aborts_the_stream(stack, browser):
     assert r.keys(protocol.cancel_key("*"))
 
 
+def test_structured_output_constrains_the_completion(stack, browser):
+    from selenium.webdriver.support.ui import Select
+
+    page = Page(browser, stack["open"])
+    page.fill(prompt="Pick one:", max_tokens=20, temperature=1, seed=5, logprobs="")
+    Select(page.el("#structured")).select_by_value("choice")
+    page.el("#constraint").send_keys("red apple\ngreen pear\nblue plum")
+    page.run()
+    assert page.wait_finished() == "done", page.error()
+    assert page.completion() in ("red apple", "green pear", "blue plum")
+    assert "finish: stop" in page.el("#status").text
+    Select(page.el("#structured")).select_by_value("regex")
+    page.el("#constraint").clear()
+    page.el("#constraint").send_keys("a(b")
+    page.run()
+    assert page.wait_finished() == "error" and "regex" in page.error()
+
+
 def chunk(text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
     return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "tiny",
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}

@@ -42,7 +42,7 @@ def test_null_means_default_everywhere_openai_allows_it():
 
 
 @pytest.mark.parametrize("fields,name", [({"frobnicate": 3}, "frobnicate"), ({"num_beams": 2}, "num_beams"),
-                                         ({"guided_json": {}}, "guided_json"),
+                                         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
                                          ({"stream": True, "stream_options": {"include_usage": True, "x": 1}},
                                           "stream_options.x")])
 def test_unknown_fields_are_a_400_naming_them(fields, name):

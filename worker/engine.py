@@ -35,6 +35,7 @@ import torch
 from nanogpt.kernels.planner import row_costs
 from worker import protocol
 from worker.errors import EngineError, EngineFault
+from worker.grammar import Grammars
 from worker.output import OutputProcessor
 from worker.runner import Runner
 from worker.sampling import SamplingParams
@@ -103,9 +104,10 @@ class Engine:
             raise ValueError(f"tokenizer has {self.vocab_size} tokens, the model only {config.vocab_size}")
         self.event_sink = event_sink
         self.device = model.device
+        self.grammars = Grammars(tokenizer, self.vocab_size)
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
                              kv_memory_bytes=kv_memory_bytes, compile=compile, prepack=prepack,
-                             cuda_graphs=cuda_graphs)
+                             cuda_graphs=cuda_graphs, grammars=self.grammars)
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model))
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self.strategies = tuple(kind(self.runner, self.output) for kind in (Sampling, BeamSearch, ContrastiveSearch))
@@ -226,6 +228,11 @@ class Engine:
         if job.penalty_alpha > 0 and job.top_k > self.runner.slots:
             raise EngineError(f"Contrastive search among top_k={job.top_k} candidates needs as many KV-cache "
                               f"slots; this worker has {self.runner.slots}.", param="top_k")
+        if job.grammar is not None:
+            if job.use_beam_search or job.penalty_alpha > 0:  # the web tier refuses these too
+                raise EngineError("Structured output does not combine with use_beam_search or penalty_alpha.",
+                                  param="structured_outputs")
+            self.grammars.check(job.grammar)
         eos = self.output.eos_token_id
         # the one set of tokens that end a sequence: sampling, beam search and output all read it
         stop_ids = [*job.stop_token_ids, *([eos] if eos is not None and not job.ignore_eos else [])]
@@ -236,7 +243,7 @@ class Engine:
             logit_bias={t: min(100.0, max(-100.0, b)) for t, b in job.logit_bias.items()},
             allowed_token_ids=tuple(job.allowed_token_ids) if job.allowed_token_ids is not None else None,
             bad_words=tuple(tuple(w) for w in job.bad_words if w), stop_ids=tuple(dict.fromkeys(stop_ids)),
-            min_tokens=job.min_tokens, no_repeat_ngram_size=job.no_repeat_ngram_size)
+            min_tokens=job.min_tokens, no_repeat_ngram_size=job.no_repeat_ngram_size, grammar=job.grammar)
         if width > job.n or job.use_beam_search:
             return params, {}  # nothing of such a job is emitted before it ends: start over
         choices = len(job.prompts) * job.n

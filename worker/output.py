@@ -125,6 +125,8 @@ class OutputProcessor:
         if stop_token or seq.stops.stopped:
             seq.stop_reason = seq.stop_reason if stop_token else seq.stops.matched
             self._finish(seq, "stop")
+        elif seq.matcher is not None and seq.matcher.is_stopped():  # its grammar is complete
+            self._finish(seq, "stop")
         elif len(seq.tokens) >= seq.max_new:
             self._finish(seq, "length")
 

@@ -207,6 +207,8 @@ class CompletionJob(BaseModel):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     penalty_alpha: float = 0.0  # contrastive search among top_k candidates (worker/contrastive.py); 0: off
+    # structured output: an llguidance grammar every choice must follow (web/api/structured.py); None: off
+    grammar: str | None = None
 
     def to_payload(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

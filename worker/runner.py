@@ -43,7 +43,7 @@ class Draw(NamedTuple):
 
 class Runner:
     def __init__(self, model, vocab_size: int, *, max_batch: int, max_len: int, kv_memory_bytes: int | None = None,
-                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True):
+                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True, grammars=None):
         """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
         cannot hold that many (`slots`). See Engine for `compile`, `prepack` and `cuda_graphs`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
@@ -57,7 +57,7 @@ class Runner:
         graphed = cuda_graphs and self.device.type == "cuda"
         spare = DecodeRoutes.padded(compile, graphed)  # a slot for padding rows, a position past the context
         self.cache = KVCache(config, slots + spare, max_len + spare, self.device, dtype)
-        self.sampler = Sampler(slots, vocab_size, self.device)
+        self.sampler = Sampler(slots, vocab_size, self.device, grammars)
         self.prompt_tokens = self.tokens_generated = 0
         self.batch_sizes = Counter()  # decode forwards by batch size
         self.routes_taken = Counter()  # decode forwards by route (decode_routes.Graph)
@@ -88,6 +88,7 @@ class Runner:
         resumed one already drew (penalties, draw counter)."""
         for s in seqs:
             self.sampler.assign(s.slot, s.request.params, s.candidate, s.history, s.prompt)
+            s.matcher = self.sampler.matchers[s.slot]
             if s.request.contrastive:
                 s.search = contrastive.Search(s.request.job.penalty_alpha, [s.slot, *s.scratch],
                                               len(s.prompt) + s.max_new)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nanogpt.kernels import extension
+from worker.grammar import Grammars
 from worker.logits_processors import (NGramBans, apply_bans, apply_min_p, apply_repetition_penalty,
                                       apply_token_mask, bad_word_bans, token_mask)
 
@@ -170,6 +171,7 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()  # tokens that end a sequence: none of them before min_tokens
     min_tokens: int = 0
     no_repeat_ngram_size: int = 0  # 0: off
+    grammar: str | None = None  # structured output (worker/grammar.py); None: off
 
     @cached_property  # read by every step's logits processors
     def banned_ids(self) -> frozenset[int] | None:
@@ -206,8 +208,10 @@ class Sampler:
     repetition_penalty), the banned and stop tokens (max_slots, V); on the host the choice index and
     draw counter that seed the slot's draws, and the n-gram bans of slots that ask for them."""
 
-    def __init__(self, max_slots: int, vocab_size: int, device="cpu"):
+    def __init__(self, max_slots: int, vocab_size: int, device="cpu", grammars: Grammars | None = None):
         self.vocab_size = vocab_size
+        self.grammars = grammars
+        self.matchers: list = [None] * max_slots  # each slot's structured-output matcher (worker/grammar.py)
         self.params: list[SamplingParams | None] = [None] * max_slots
         f32 = dict(device=device, dtype=torch.float32)
         i64 = dict(device=device, dtype=torch.long)
@@ -255,6 +259,7 @@ class Sampler:
         size = params.no_repeat_ngram_size
         self.ngrams[slot] = NGramBans(size, [*prompt, *history]) if size else None
         self.prompt_len[slot] = len(prompt)
+        self.matchers[slot] = self.grammars.matcher(params.grammar, history) if params.grammar else None
 
     def fork(self, slots: list[int], parents: list[int]) -> None:
         """Slot slots[i] takes over the state of slot parents[i] (beam search forks its beams)."""
@@ -270,12 +275,15 @@ class Sampler:
     def adjusted_logits(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None,
                         in_place: bool = False):
         """Raw (B, V) logits (or log-probabilities: beam search) through the logits processors, in
-        vLLM's order: banned tokens, bad words and n-gram bans, stop tokens before min_tokens,
+        vLLM's order: the structured-output grammar's mask, banned tokens, bad words and n-gram bans, stop tokens before min_tokens,
         logit_bias, repetition penalty, presence/frequency penalties. Each is skipped when no row
         uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
         `in_place`: the caller reads the raw logits no more, so they may be overwritten."""
         params, raw = [self.params[s] for s in slots], logits
         idx = torch.tensor(slots, device=logits.device)
+        matchers = [self.matchers[s] for s in slots]
+        if any(m is not None for m in matchers):
+            logits = self.grammars.mask(logits if in_place else logits.clone(), matchers)
         if any(p.masked for p in params):
             logits = apply_token_mask(logits, self.banned[idx])
         if any(p.sequence_bans for p in params):
@@ -319,6 +327,11 @@ class Sampler:
         idx = torch.tensor(slots, device=tokens.device)
         for slot in slots:
             self.step[slot] += 1
+        constrained = [(b, self.matchers[s]) for b, s in enumerate(slots) if self.matchers[s] is not None]
+        if constrained:
+            drawn = tokens.tolist()
+            for b, matcher in constrained:
+                matcher.consume_token(drawn[b])
         if any(p.penalized for p in params):
             self.counts.index_put_((idx, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         if any(p.repetition_penalty != 1 for p in params):

@@ -82,6 +82,7 @@ class Sequence:
         self.slot: int | None = None
         self.scratch: list[int] = []  # more slots it holds (contrastive search's candidates)
         self.search = None  # its contrastive search (worker/contrastive.Search), from admission
+        self.matcher = None  # its structured-output matcher (worker/grammar.py), from admission
         self.tokens: list[int] = []  # generated so far (history included)
         self.entries: list[TokenLogprob] = []  # logprobs of the generated tokens
         self.logprob_sum = 0.0

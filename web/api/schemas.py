@@ -17,9 +17,10 @@ import json
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from models.registry import ModelSpec
+from web.api import structured
 from worker import protocol
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,14 @@ class CompletionRequest(BaseModel):
     # transformers' generate options
     no_repeat_ngram_size: int = Field(0, ge=0, le=1 << 20)
     penalty_alpha: float | None = Field(None, ge=0, le=1)  # contrastive search among top_k candidates
+    # structured output (web/api/structured.py): vLLM's fields, and OpenAI's response_format
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+    _grammar: str | None = PrivateAttr(None)  # what they ask for, as one llguidance grammar
 
     @field_validator("echo", "frequency_penalty", "n", "presence_penalty", "stream", "temperature",
                      "top_p", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
@@ -200,7 +209,21 @@ class CompletionRequest(BaseModel):
             self._check_contrastive_search()
         if self.use_beam_search:
             self._check_beam_search()
+        self._check_structured_output()
         return self
+
+    def _check_structured_output(self) -> None:
+        try:
+            asked = structured.requested(self.structured_outputs, self.response_format,
+                                         {name: getattr(self, name) for name in structured.GUIDED})
+            if asked is None:
+                return
+            if self.use_beam_search or self.penalty_alpha is not None:
+                raise structured.StructuredError("Structured output does not combine with use_beam_search or "
+                                                 "penalty_alpha.", asked[0])
+            self._grammar = structured.compile_grammar(*asked)
+        except structured.StructuredError as err:
+            raise RequestError(str(err), err.param) from None
 
     def _check_beam_search(self) -> None:
         """Beam search is deterministic: truncations of a sampled distribution have no meaning in it."""
@@ -264,7 +287,7 @@ class CompletionRequest(BaseModel):
             allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size,
             prompt_logprobs=self.prompt_logprobs, return_tokens_as_token_ids=self.return_tokens_as_token_ids,
             use_beam_search=self.use_beam_search, length_penalty=self.length_penalty,
-            early_stopping=self.early_stopping, penalty_alpha=self.penalty_alpha or 0.0)
+            early_stopping=self.early_stopping, penalty_alpha=self.penalty_alpha or 0.0, grammar=self._grammar)
 
 
 def _shown(value: Any, limit: int = 200) -> str:

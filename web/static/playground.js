@@ -72,6 +72,13 @@ function requestBody() {
   const stop = $("stop").value.split("\n").filter((line) => line !== "")
     .map((line) => line.replaceAll("\\n", "\n"));
   if (stop.length) body.stop = stop;
+  // vLLM's structured_outputs: a JSON schema goes as its text (the server parses it and names a mistake)
+  const form = $("structured").value;
+  const constraint = $("constraint").value;
+  if (form && constraint.trim() !== "") {
+    const value = form === "choice" ? constraint.split("\n").filter((line) => line !== "") : constraint;
+    body.structured_outputs = { [form]: value };
+  }
   return body;
 }
 
