@@ -134,7 +134,7 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
         return model
 
     engine = Engine.launch(load, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
-                           event_sink=sink, compile=compile)
+                           event_sink=sink, compile=compile, prefix_caching=spec.prefix_caching)
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "kernels": planner.describe(model), "max_batch": spec.max_batch,

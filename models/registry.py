@@ -12,7 +12,8 @@ supported family (GPT-2, GPT-Neo, GPT-J, OPT, GPT-NeoX/Pythia), or `hf:<repo>[@r
 the local Hugging Face cache, never downloaded here), resolved by models/formats.py (torch-free) as
 `nanogpt.checkpoint.load_model` resolves them. Relative paths resolve against the directory of the toml
 file. Optional keys: `aliases`, `device` ("auto", "cpu", "cuda", "cuda:N", "mps"), `dtype`
-(float32, bfloat16, float16, int8), `max_batch`, `owned_by`, `created` (unix time; default the toml's
+(float32, bfloat16, float16, int8), `max_batch`, `prefix_caching` (true: a prompt reuses the keys
+and values of a prefix a free slot still holds), `owned_by`, `created` (unix time; default the toml's
 modification time), `context_length` (caps the checkpoint's; required with `vocab_size` for an `hf:`
 repo that is neither cached nor a known size).
 
@@ -42,7 +43,7 @@ from models.formats import (CheckpointError, cached_snapshot, hf_repo, local_che
 DEFAULT_PATH = Path(__file__).with_name("models.toml")
 DTYPES = ("float32", "bfloat16", "float16", "int8")
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-MODEL_KEYS = {"checkpoint", "aliases", "device", "dtype", "max_batch", "owned_by", "created",
+MODEL_KEYS = {"checkpoint", "aliases", "device", "dtype", "max_batch", "prefix_caching", "owned_by", "created",
               "context_length", "vocab_size"}
 GPT2_EOS = 50256
 
@@ -94,6 +95,7 @@ class ModelSpec:
     device: str = "auto"
     dtype: str = "float32"
     max_batch: int = 32
+    prefix_caching: bool = True
     owned_by: str = "nanoserve"
     created: int = 0
     declared_context_length: int | None = None
@@ -218,6 +220,7 @@ def _parse_model(model_id: str, table, path: Path, created: int, fail) -> ModelS
     return ModelSpec(
         id=model_id, checkpoint=checkpoint, aliases=tuple(aliases), device=device, dtype=dtype,
         max_batch=typed("max_batch", int, 32, *positive),
+        prefix_caching=typed("prefix_caching", bool, True, expected="true or false"),
         owned_by=typed("owned_by", str, "nanoserve"),
         created=typed("created", int, created, lambda v: v >= 0, "a unix time"),
         declared_context_length=typed("context_length", int, None, *positive),

@@ -200,12 +200,15 @@ def test_claim_moves_the_cursor_once_and_bounds_the_lines_in_flight(store):
 def test_record_writes_each_line_once(store, r):
     batch = started(store, 2)
     assert store.claim(batch.id, Inflight(0, "j0", 5, None, True), 9)
-    assert store.record(batch.id, 0, {"custom_id": "c0", "n": 1}, ok=True, input_tokens=2, output_tokens=3)
-    assert not store.record(batch.id, 0, {"custom_id": "c0", "n": 2}, ok=True, input_tokens=2, output_tokens=3)
+    assert store.record(batch.id, 0, {"custom_id": "c0", "n": 1}, ok=True, input_tokens=2, output_tokens=3,
+                        cached_tokens=1)
+    assert not store.record(batch.id, 0, {"custom_id": "c0", "n": 2}, ok=True, input_tokens=2, output_tokens=3,
+                            cached_tokens=1)
     assert not store.record(batch.id, 0, {"custom_id": "c0", "n": 3}, ok=False)
     assert store.record(batch.id, 1, {"custom_id": "c1"}, ok=False)
     got = store.get(batch.id)
     assert (got.completed, got.failed, got.input_tokens, got.output_tokens) == (1, 1, 2, 3)
+    assert got.to_object()["usage"]["input_tokens_details"] == {"cached_tokens": 1}
     assert r.get(batch_key(batch.id, "output")) == b'{"custom_id":"c0","n":1}\n'
     assert r.get(batch_key(batch.id, "errors")) == b'{"custom_id":"c1"}\n'
     assert store.inflight(batch.id) == []

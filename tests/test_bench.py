@@ -278,3 +278,16 @@ def test_structured_bench_measures_both_ways_alike(hf_checkpoint):
     for row in results["rows"]:
         assert all(len(runs) == 2 and min(runs) > 0 for runs in row["runs"].values())
         assert row["ratio"] == pytest.approx(row["json_schema_tokens_per_s"] / row["plain_tokens_per_s"], abs=0.01)
+
+
+def test_prefix_bench_times_first_tokens_with_and_without_the_cache(hf_checkpoint):
+    from bench import prefix_bench
+
+    results = prefix_bench.main(["--checkpoint", str(hf_checkpoint), "--only", "ttft", "--prefix", "64",
+                                 "--prompts", "3", "--repeats", "1"])
+    ttft = results["ttft"]
+    assert ttft["prefix_tokens"] == 64 and ttft["prompts"] == 3
+    assert ttft["p50_ms_off"] > 0 and ttft["p50_ms_on"] > 0
+    pairs = prefix_bench.task(questions=3, choices=4, shots=2)
+    assert len(pairs) == 12 and len({context for context, _ in pairs}) == 3
+    assert len({context.rsplit("Question:", 1)[0] for context, _ in pairs}) == 1  # the shots, shared

@@ -8,6 +8,7 @@ with a registered but idle worker it fills its queue for the 429.
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import openai
@@ -104,7 +105,7 @@ def wait_for_status(base: str, job_id: str, statuses: tuple[str, ...], timeout: 
         state = requests.get(f"{base}/v1/jobs/{job_id}", timeout=10).json()
         if state["status"] in statuses:
             return state
-        assert time.monotonic() < deadline, state
+        assert time.monotonic() < deadline, (state["status"], state)
         time.sleep(0.05)
 
 
@@ -259,10 +260,18 @@ def test_job_submit_poll_result(stack, client):
 
 def test_job_cancel(stack):
     base = stack["url"]
+    r = redis.Redis.from_url(stack["redis_url"])
     job_id = requests.post(f"{base}/v1/jobs", json={"model": "tiny", "prompt": "x", "max_tokens": None,
                                                     "logit_bias": {"50256": -100}}, timeout=10).json()["id"]
-    wait_for_status(base, job_id, ("in_progress",))
-    assert requests.delete(f"{base}/v1/jobs/{job_id}", timeout=10).json()["status"] == "cancelled"
+    # the job is running once its first token is written: the worker is paused there (a 127-token
+    # job on this model takes about a tenth of a second), cancelled, and let go
+    assert r.xread({protocol.stream_key(job_id): "0-0"}, block=30_000)
+    stack["worker"].signal(signal.SIGSTOP)
+    try:
+        assert wait_for_status(base, job_id, ("in_progress", "completed"))["status"] == "in_progress"
+        assert requests.delete(f"{base}/v1/jobs/{job_id}", timeout=10).json()["status"] == "cancelled"
+    finally:
+        stack["worker"].signal(signal.SIGCONT)
     wait_for_status(base, job_id, ("cancelled",))
     events = redis.Redis.from_url(stack["redis_url"]).xrange(protocol.stream_key(job_id))
     types = [protocol.decode_event(fields)[0] for _, fields in events]
@@ -355,6 +364,16 @@ def test_structured_output_through_the_client(client):
                                             extra_body={"guided_choice": ["sunny", "partly cloudy", "rain"]}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) in ("sunny", "partly cloudy", "rain")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_a_repeated_prefix_comes_from_the_prefix_cache(client, tokenizer):
+    context = PROMPT + " Ishmael, and I have lived by the sea all my life, where the whales"
+    first = client.completions.create(model="tiny", prompt=context + " sing", max_tokens=3, temperature=0)
+    second = client.completions.create(model="tiny", prompt=context + " swim", max_tokens=3, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in second if chunk.usage][0]
+    assert first.usage.prompt_tokens_details.cached_tokens < len(tokenizer.encode(context)) - 1
+    assert usage.prompt_tokens_details.cached_tokens >= len(tokenizer.encode(context)) - 1
 
 
 def test_context_length_error_in_openais_words(client):

@@ -132,7 +132,8 @@ def test_echo_logprobs_score_the_prompt_like_transformers(model, tok, hf):
     assert all(len(t) in (2, 3) for t in lp["top_logprobs"][1:])
     # offsets index into the returned text
     assert [choice["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
-    assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3}
+    assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3, "total_tokens": len(prompt) + 3,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_echo_with_max_tokens_0_scores_a_prompt(model, tok, hf):
@@ -248,7 +249,8 @@ def test_n_choices_share_one_prefill_and_are_numbered_prompt_major(model, tok):
         assert c["text"].startswith(PROMPTS[c["index"] // 3])
     prompt_tokens = sum(len(tok.encode(p)) for p in PROMPTS[:2])
     assert engine.stats()["prompt_tokens"] == prompt_tokens  # each prompt was fed once
-    assert result["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 36, "total_tokens": prompt_tokens + 36}
+    assert result["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 36, "total_tokens": prompt_tokens + 36,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     assert len({c["text"] for c in result["choices"]}) > 2  # independent draws
     finishes = sink.of(j.id, "finish")
     assert sorted(d["index"] for _, d in finishes) == list(range(6))

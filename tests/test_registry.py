@@ -101,6 +101,7 @@ def test_all_options_and_aliases(tmp_path):
         device = "cuda:1"
         dtype = "bfloat16"
         max_batch = 64
+        prefix_caching = false
         owned_by = "me"
         created = 1700000000
     """)
@@ -108,7 +109,7 @@ def test_all_options_and_aliases(tmp_path):
     big = registry.get("the-big-one")
     assert big is registry.get("big") is registry.get("large") is registry.default
     assert big == ModelSpec(id="big", checkpoint="/abs/big", aliases=("large", "the-big-one"),
-                            device="cuda:1", dtype="bfloat16", max_batch=64, owned_by="me",
+                            device="cuda:1", dtype="bfloat16", max_batch=64, prefix_caching=False, owned_by="me",
                             created=1700000000, source=str(path))
     small = registry.get("small")
     assert small.checkpoint == str(tmp_path / "ckpts" / "small" / "ckpt.pt")  # relative to the toml
@@ -153,6 +154,8 @@ BAD_REGISTRIES = {
     "zero max_batch": ('[models.a]\ncheckpoint = "x"\nmax_batch = 0\n', r"`max_batch` must be a positive integer"),
     "bool max_batch": ('[models.a]\ncheckpoint = "x"\nmax_batch = true\n', r"`max_batch` must be a positive"),
     "string max_batch": ('[models.a]\ncheckpoint = "x"\nmax_batch = "8"\n', r"`max_batch` must be a positive"),
+    "string prefix_caching": ('[models.a]\ncheckpoint = "x"\nprefix_caching = "off"\n',
+                              r"`prefix_caching` must be true or false, got 'off'"),
     "bad aliases": ('[models.a]\ncheckpoint = "x"\naliases = "b"\n', r"`aliases` must be a list of non-empty"),
     "duplicate alias": ('[models.a]\ncheckpoint = "x"\naliases = ["z"]\n[models.b]\ncheckpoint = "y"\naliases = ["z"]\n',
                         r"model `b`: name `z` is already used by model `a`"),

@@ -83,7 +83,7 @@ class RequestHandle:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
-                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True):
+                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True, prefix_caching: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
@@ -94,6 +94,7 @@ class Engine:
         decode routes compiled here before the engine runs (worker/decode_routes.py: one per batch
         bucket, the batch padded up to one; on a CPU, graphs whose rows vary instead from two rows
         up, which also run steps that feed prompt tokens beside decoding rows).
+        prefix_caching: reuse the keys and values a free slot holds of a prompt's prefix (worker/prefix_cache.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py)."""
         config = model.config
@@ -108,7 +109,7 @@ class Engine:
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
                              kv_memory_bytes=kv_memory_bytes, compile=compile, prepack=prepack,
                              cuda_graphs=cuda_graphs, grammars=self.grammars)
-        self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model))
+        self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model), prefix_caching)
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self.strategies = tuple(kind(self.runner, self.output) for kind in (Sampling, BeamSearch, ContrastiveSearch))
         self._steps = 0

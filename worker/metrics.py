@@ -8,6 +8,9 @@ pays nothing for them:
 - `nanoserve_worker_kv_slots_used{model,device}`, `nanoserve_worker_kv_slots_total{model,device}`
 - `nanoserve_worker_tokens_generated_total{model,device}`: completion tokens since start
 - `nanoserve_worker_prompt_tokens_total{model,device}`, `nanoserve_worker_steps_total{model,device}`
+- `nanoserve_worker_prefix_cache_queried_tokens_total{model,device}`, `…_hit_tokens_total`: the
+  prompt tokens that looked for a cached prefix, and those found (the hit rate is their ratio; the
+  hits are the prefill tokens saved)
 - `nanoserve_worker_tokens_per_second{model,device}`: over the time since the previous scrape
   (at least `min_window` seconds; `rate(nanoserve_worker_tokens_generated_total[1m])` is the
   Prometheus way to get it over a fixed window)
@@ -15,7 +18,8 @@ pays nothing for them:
 
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
-     "tokens_generated": int, "prompt_tokens": int, "steps": int, "batch_size_counts": {size: steps}}
+     "tokens_generated": int, "prompt_tokens": int, "steps": int, "batch_size_counts": {size: steps},
+     "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int}
 The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).
 """
 from __future__ import annotations
@@ -39,6 +43,10 @@ _COUNTERS = {
     "tokens_generated": ("nanoserve_worker_tokens_generated", "Completion tokens generated."),
     "prompt_tokens": ("nanoserve_worker_prompt_tokens", "Prompt tokens prefilled."),
     "steps": ("nanoserve_worker_steps", "Engine steps (one batched forward each)."),
+    "prefix_cache_queried_tokens": ("nanoserve_worker_prefix_cache_queried_tokens",
+                                    "Prompt tokens of the prefills that looked for a cached prefix."),
+    "prefix_cache_hit_tokens": ("nanoserve_worker_prefix_cache_hit_tokens",
+                                "Prompt tokens whose keys and values came from the prefix cache."),
 }
 LABELS = ["model", "device"]
 

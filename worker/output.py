@@ -64,7 +64,7 @@ class OutputProcessor:
         if seq.history:
             replay = scores[len(scores) - len(seq.history):] if req.wants_logprobs else [(None, [])] * len(seq.history)
             for token, (lp, top) in zip(seq.history, replay):
-                self._accept(seq, token, lp, top)
+                self._accept(seq, token, lp, top[:req.job.logprobs or 0])
                 if seq.finish_reason is not None:
                     break
             seq.out_text, seq.out_ids, seq.out_entries = "", [], []  # emitted before the crash
@@ -211,7 +211,8 @@ class OutputProcessor:
         # beam search counts the tokens of the hypotheses returned (vLLM), sampling every candidate's
         completion_tokens = sum(len(s.tokens) for s in (returned if req.beam else req.seqs))
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
+                 "total_tokens": prompt_tokens + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
         completion = protocol.completion_object(job, choices, usage)
         events.append((job.id, "usage", usage))
         events.append((job.id, "done", {"completion": completion}))

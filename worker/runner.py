@@ -26,6 +26,7 @@ from nanogpt.kernels.planner import pack_linears
 from nanogpt.runtime.kv_cache import KVCache
 from nanogpt.runtime.precision import model_cache_dtype
 from worker import contrastive
+from worker.prefix_cache import MAX_TOP
 from worker.beams import BeamGroup, advance
 from worker.decode_routes import DecodeRoutes, Graph, Route, chunk_rows
 from worker.logprobs import score
@@ -261,7 +262,7 @@ class Runner:
         if lo >= hi:
             return
         job = unit.seqs[0].request.job
-        k = max(job.logprobs or 0, job.prompt_logprobs or 0)
+        k = MAX_TOP  # what any later request reusing this context may ask for (worker/prefix_cache.py)
         targets = torch.tensor(unit.context[lo + 1:hi + 1], device=logits.device)
         rows = logits[lo - unit.fed:hi - unit.fed]
         chosen, top_lp, top_ids = score(rows, targets, k, self.vocab_size)

@@ -9,7 +9,6 @@ step) -> decoding (one token per step) -> finished (its slot freed for the next 
 """
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import numpy as np
 from worker import protocol
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.logprobs import TokenLogprob
+from worker.prefix_cache import PrefixCache, Score
 from worker.sampling import SamplingParams
 from worker.stops import StopMatcher
 
@@ -59,6 +59,7 @@ class Request:
         self.needs_scores = self.wants_logprobs or not self.streams  # best_of ranks by mean logprob
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> vLLM's prompt_logprobs list
         self.prompt_texts = [tokenizer.decode(p) for p in job.prompts]
+        self.cached_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.echo_entries: dict[int, list[TokenLogprob]] = {}  # prompt index -> prompt's logprobs
         self.seqs = []
         for p, prompt in enumerate(job.prompts):
@@ -83,6 +84,7 @@ class Sequence:
         self.scratch: list[int] = []  # more slots it holds (contrastive search's candidates)
         self.search = None  # its contrastive search (worker/contrastive.Search), from admission
         self.matcher = None  # its structured-output matcher (worker/grammar.py), from admission
+        self.context_scores: dict[int, Score] = {}  # its prefill's scores by position, for the prefix cache
         self.tokens: list[int] = []  # generated so far (history included)
         self.entries: list[TokenLogprob] = []  # logprobs of the generated tokens
         self.logprob_sum = 0.0
@@ -134,16 +136,17 @@ class Scheduler:
     are filled by other threads and drained by `schedule`; everything else belongs to the engine
     thread (other threads only read `stats`)."""
 
-    def __init__(self, slots: int, prefill_chunk: int, row_costs: dict[int, float] | None = None):
+    def __init__(self, slots: int, prefill_chunk: int, row_costs: dict[int, float] | None = None,
+                 prefix_caching: bool = True):
         """prefill_chunk: the most prompt tokens a step feeds; row_costs: {rows: seconds} of a forward's
-        weight matmuls (nanogpt.kernels.row_costs), which size the chunks fed beside decoding sequences."""
+        weight matmuls (nanogpt.kernels.row_costs), which size the chunks fed beside decoding sequences;
+        prefix_caching: reuse what free slots hold (worker/prefix_cache.py)."""
         self.slots = slots
         self.prefill_chunk = max(1, prefill_chunk)
         self.row_costs = row_costs
         self.pace: deque[float] = deque(maxlen=PACE_STEPS)  # seconds per unit of step_cost, last steps
-        # a heap: sequences take the lowest free slot, so the running ones tend to fill slots
-        # 0..n-1 and, taken in slot order, read the KV cache in place (see schedule)
         self.free_slots = list(range(slots))
+        self.prefix = PrefixCache(prefix_caching)
         self.requests: dict[str, Request] = {}  # active jobs, in arrival order
         self.ready: list[Prefill] = []  # nothing to feed
         self.waiting: deque[Prefill] = deque()  # no slots yet
@@ -160,7 +163,8 @@ class Scheduler:
         return {"running": len(self.decoding) + sum(len(u.seqs) for u in self.prefilling),
                 "waiting": len(self.inbox) + len({id(u.seqs[0].request) for u in list(self.waiting)}),
                 "requests": len(self.requests), "kv_slots_used": self.slots - len(self.free_slots),
-                "kv_slots_total": self.slots}
+                "kv_slots_total": self.slots, "prefix_cache_queried_tokens": self.prefix.queried_tokens,
+                "prefix_cache_hit_tokens": self.prefix.hit_tokens}
 
     def schedule(self, events: list[Event]) -> Batch:
         """Take new requests and cancellations, admit waiting prefills into free slots, and choose
@@ -181,11 +185,16 @@ class Scheduler:
         sequences give their slots back."""
         for unit in prefilled:
             self.prefilling.remove(unit)
+            if unit.score_from is not None and self.prefix.enabled:
+                scores = {unit.score_from + i: Score(lp, top, unit.ranks[i] if i < len(unit.ranks) else None)
+                          for i, (lp, top) in enumerate(unit.scores)}
+                for s in unit.seqs:
+                    s.context_scores = scores
         seqs = batch.decoding + [s for unit in prefilled for s in unit.seqs]
         self.decoding = [s for s in seqs if s.finish_reason is None]
         for s in seqs:
             if s.finish_reason is not None:
-                self._release(s)
+                self._release(s, _kv_tokens(s))
 
     def timed(self, batch: Batch, seconds: float) -> None:
         """A step ran `batch` in `seconds`: the pace that `_in_time` expects of the next steps."""
@@ -201,12 +210,17 @@ class Scheduler:
     def drop(self, req: Request, err: EngineError, events: list[Event]) -> None:
         """End a request early (cancelled or failed): free its slots, tell the caller."""
         del self.requests[req.job.id]
+        # what its slots hold, where it is whole: a faulted step may have written part of its layers
+        kept = {}
+        if not isinstance(err, EngineFault):
+            kept = {id(s): _kv_tokens(s) for s in self.decoding if s.request is req}
+            kept.update({id(u.seqs[0]): u.context[:u.fed] for u in self.prefilling if u.seqs[0].request is req})
         self.ready = [u for u in self.ready if u.seqs[0].request is not req]
         self.waiting = deque(u for u in self.waiting if u.seqs[0].request is not req)
         self.prefilling = [u for u in self.prefilling if u.seqs[0].request is not req]
         self.decoding = [s for s in self.decoding if s.request is not req]
         for s in req.seqs:
-            self._release(s)
+            self._release(s, kept.get(id(s), []))
         if isinstance(err, RequestCancelled):
             events.append((req.job.id, "cancelled", {}))
         elif not isinstance(err, EngineFault):  # a fault writes nothing: the job may resume elsewhere
@@ -273,9 +287,11 @@ class Scheduler:
                 head.seqs = head.seqs[take:]
             else:
                 unit = self.waiting.popleft()
+            self._reuse_prefix(unit)
             for s in unit.seqs:
-                s.slot = heapq.heappop(self.free_slots)
-                s.scratch = [heapq.heappop(self.free_slots) for _ in range(req.slots_per_sequence - 1)]
+                if s.slot is None:
+                    s.slot = self._take_slot()
+                s.scratch = [self._take_slot() for _ in range(req.slots_per_sequence - 1)]
             admitted += unit.seqs
             self.prefilling.append(unit)
         return admitted
@@ -318,11 +334,48 @@ class Scheduler:
                 return False
         return True
 
-    def _release(self, seq: Sequence) -> None:
+    def _reuse_prefix(self, unit: Prefill) -> None:
+        """Give the prefill's leader the free slot holding the longest prefix of its context, and
+        start its prefill after that prefix (worker/prefix_cache.py). A contrastive search needs its
+        context's hidden states, which a reused prefix does not give."""
+        req = unit.seqs[0].request
+        if req.contrastive or unit.fed:
+            return
+        match = self.prefix.find(self.free_slots, unit.context, unit.score_from, req.job.prompt_logprobs is not None)
+        if match is None:
+            return
+        self.free_slots.remove(match.slot)
+        self.prefix.take(match.slot)
+        unit.seqs[0].slot = match.slot
+        unit.fed = match.reused
+        unit.scores = [(score.logprob, score.top) for score in match.scores]
+        if req.job.prompt_logprobs is not None:
+            unit.ranks = [score.rank for score in match.scores]
+        req.cached_tokens += min(match.reused, len(unit.seqs[0].prompt))
+
+    def _take_slot(self) -> int:
+        slot = self.prefix.evictable(self.free_slots)
+        self.free_slots.remove(slot)
+        self.prefix.take(slot)
+        return slot
+
+    def _release(self, seq: Sequence, kv_tokens: list[int]) -> None:
+        """Free the sequence's slots; its own keeps what it holds for the prefix cache (`kv_tokens`:
+        the tokens whose keys and values it holds) unless the request's search moved them around."""
         if seq.slot is not None:
-            for slot in [seq.slot, *seq.scratch]:
-                heapq.heappush(self.free_slots, slot)
+            req = seq.request
+            self.free_slots += [seq.slot, *seq.scratch]
+            searched = req.beam or req.contrastive
+            self.prefix.release(seq.slot, [] if searched else kv_tokens, seq.context_scores)
+            for slot in seq.scratch:
+                self.prefix.release(slot, [])
             seq.slot, seq.scratch, seq.search = None, [], None
+
+
+def _kv_tokens(seq: Sequence) -> list[int]:
+    """The tokens whose keys and values a sequence past its prefill holds: its context, and each
+    token it generated but the last, which no forward has fed yet."""
+    return (seq.prompt + seq.tokens)[:seq.position] if seq.tokens else list(seq.prompt)
 
 
 def arrival(job: protocol.CompletionJob) -> float:

@@ -275,8 +275,9 @@ class Dispatcher:
         else:  # cancelled (by the batch's cancel or expiry, or through /v1/jobs), or lost while stopping
             line = _skipped_line(custom_id, batch)
         ok = outcome.kind == "done"
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         if self.store.record(batch.id, i.index, line, ok, usage.get("prompt_tokens", 0),
-                             usage.get("completion_tokens", 0)):
+                             usage.get("completion_tokens", 0), cached_tokens=cached):
             self.executor.settle(batch, i, usage.get("total_tokens", 0))
 
     def _record_skipped(self, batch: Batch, indices: list[int]) -> None:

@@ -83,6 +83,7 @@ class Batch:
     next: int = 0  # index of the first line not yet claimed
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, those the worker's prefix cache held
     ending: str = ""  # "expired" while an expired batch's running lines are being stopped
     times: dict[str, int | None] = field(default_factory=dict)
 
@@ -106,7 +107,7 @@ class Batch:
             "status": self.status, "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
             **times,
             "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
-            "usage": {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                       "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": self.input_tokens + self.output_tokens},
             "metadata": self.metadata,
@@ -131,6 +132,7 @@ class Batch:
             error_file_id=f.get("error_file_id") or None, total=number("total") or 0,
             completed=number("completed") or 0, failed=number("failed") or 0, next=number("next") or 0,
             input_tokens=number("input_tokens") or 0, output_tokens=number("output_tokens") or 0,
+            cached_tokens=number("cached_tokens") or 0,
             ending=f.get("ending", ""), times={name: number(name) for name in _TIMESTAMPS})
 
 
@@ -163,7 +165,7 @@ return 1
 """
 
 # KEYS: record, inflight, done, result string. ARGV: index, line, counter, input tokens, output
-# tokens. Writes the line once (1), or nothing (0) when it was written before or the batch is over.
+# tokens, input tokens from the prefix cache. Writes the line once (1), or nothing (0) when it was written before or the batch is over.
 _RECORD = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'failed' or status == 'completed' or status == 'expired' or status == 'cancelled' then
@@ -175,6 +177,7 @@ redis.call('APPEND', KEYS[4], ARGV[2])
 redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[1], 'cached_tokens', ARGV[6])
 return 1
 """
 
@@ -385,14 +388,14 @@ class BatchStore:
         return sorted((Inflight.from_json(int(k), v) for k, v in raw.items()), key=lambda i: i.index)
 
     def record(self, batch_id: str, index: int, line: dict[str, Any], ok: bool, input_tokens: int = 0,
-               output_tokens: int = 0, client: redis.client.Pipeline | None = None) -> bool:
+               output_tokens: int = 0, client: redis.client.Pipeline | None = None, cached_tokens: int = 0) -> bool:
         """Write one line's result to the output (`ok`) or error file, once (on `client`, a
         pipeline, the answer comes with its `execute()`)."""
         part = "output" if ok else "errors"
         keys = [batch_key(batch_id), batch_key(batch_id, "inflight"), batch_key(batch_id, "done"),
                 batch_key(batch_id, part)]
         text = json.dumps(line, separators=(",", ":")) + "\n"
-        args = [index, text, "completed" if ok else "failed", input_tokens, output_tokens]
+        args = [index, text, "completed" if ok else "failed", input_tokens, output_tokens, cached_tokens]
         written = self._record(keys=keys, args=args, client=client)
         return client is None and bool(written)
 
