@@ -231,6 +231,12 @@ def test_worker_metrics_of_a_real_engine(models_toml):
         assert value(text, "nanoserve_worker_batch_size_count", **labels) > 0
         # Every token but each sequence's first (sampled from its prefill) came from a decode step.
         assert 14 - 2 <= value(text, "nanoserve_worker_batch_size_sum", **labels) <= 14
+        # the same prompt again: all its tokens but the last come from the prefix cache
+        again = engine.submit(job.model_copy(update={"id": protocol.new_completion_id(), "prompts": [[464, 2068, 7586]]}))
+        assert again.result(timeout=120)["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+        assert value(text, "nanoserve_worker_prefix_cache_hit_tokens_total", **labels) == 2
+        assert value(text, "nanoserve_worker_prefix_cache_queried_tokens_total", **labels) == 9
     finally:
         server.shutdown()
         engine.stop()
