@@ -956,3 +956,18 @@ def test_a_build_lock_left_by_a_killed_process_does_not_stop_the_next_start(tmp_
                           env={**os.environ, extension.ENV: str(tmp_path / "extensions")})
     assert done.stdout.strip() == "True", done.stderr[-2000:]
     assert not (copy / "lock").exists()
+
+
+def test_the_compile_cache_has_a_directory_per_version_of_the_model_code(tmp_path, monkeypatch):
+    from nanogpt.runtime import compile_cache
+
+    code = tmp_path / "code"
+    (code / "kernels").mkdir(parents=True)
+    (code / "model.py").write_text("x = 1\n")
+    (code / "kernels" / "k.cpp").write_text("int f();\n")
+    first = compile_cache.code_key.__wrapped__(code)
+    assert compile_cache.code_key.__wrapped__(code) == first  # the same sources, the same directory
+    (code / "kernels" / "k.cpp").write_text("int g();\n")
+    assert compile_cache.code_key.__wrapped__(code) != first
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "cache"))
+    assert compile_cache.default_directory() == tmp_path / "cache" / compile_cache.code_key()

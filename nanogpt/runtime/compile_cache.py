@@ -8,7 +8,9 @@ things defeat it, and this module takes care of both:
 
 - where it lives: by default under /tmp/torchinductor_<user>, which a container or a reboot
   empties. `enable()` puts it under ~/.cache/nanoserve/torch-compile (or NANOSERVE_COMPILE_CACHE);
-  a deployment keeps that directory on a volume.
+  a deployment keeps that directory on a volume. Inside it, a directory per version of the code
+  that is traced (nanogpt/'s sources, `code_key`) and of torch: an entry written by older code could
+  bring back its shape guards and narrow a new graph, so an upgrade never reads one.
 - weight freezing (`torch._inductor.config.freezing`): a frozen graph's packed weights are
   oneDNN tensors, which the cache cannot store, so every start compiles from scratch. The packed
   kernels of nanogpt/kernels/ give a compiled graph the same prepacked matmuls without
@@ -17,6 +19,8 @@ things defeat it, and this module takes care of both:
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -24,7 +28,19 @@ ENV = "NANOSERVE_COMPILE_CACHE"
 
 
 def default_directory() -> Path:
-    return Path(os.environ.get(ENV) or Path.home() / ".cache" / "nanoserve" / "torch-compile")
+    base = Path(os.environ.get(ENV) or Path.home() / ".cache" / "nanoserve" / "torch-compile")
+    return base / code_key()
+
+
+@functools.cache
+def code_key(root: Path = Path(__file__).resolve().parent.parent) -> str:
+    """torch's version and a hash of the model code's sources (every file under nanogpt/)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h") and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:12]}"
 
 
 def enable(directory: str | Path | None = None) -> Path:
