@@ -125,9 +125,12 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
     started = time.monotonic()
 
     def load():  # on the engine's thread (Engine.launch)
+        log.info("loading weights", extra={"model": spec.id, "device": device, "dtype": chosen.name})
+        began = time.monotonic()
         model = load_model(spec.checkpoint, device=device, dtype=chosen.dtype)
         if chosen.int8:
             quantize_int8(model)
+        log.info("weights loaded", extra={"model": spec.id, "seconds": round(time.monotonic() - began, 2)})
         faster = precision.faster_options(chosen, device, flags)
         if faster:
             log_faster_options(spec.id, model, faster)

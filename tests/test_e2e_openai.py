@@ -366,6 +366,19 @@ def test_structured_output_through_the_client(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_the_worker_logs_each_start_phase_with_its_duration(stack):
+    records = [json.loads(line) for line in stack["worker"].logs().splitlines() if line.startswith("{")]
+    phases = [r["msg"] for r in records]
+    order = ["loading weights", "weights loaded", "matmul kernels chosen", "engine ready", "serving"]
+    assert [phases.index(p) for p in order] == sorted(phases.index(p) for p in order), phases
+    timed = {r["msg"]: r for r in records if r["msg"] in ("weights loaded", "matmul kernels chosen", "decode step compiled")}
+    assert all(r["seconds"] >= 0 for r in timed.values())
+    if "compiling the decode step" in phases:  # this CPU compiles by default: each graph said, then the whole
+        compiled = [r for r in records if r["msg"] == "decode graph compiled"]
+        assert len(compiled) == next(r for r in records if r["msg"] == "compiling the decode step")["graphs"]
+        assert "decode step compiled" in timed
+
+
 def test_a_repeated_prefix_comes_from_the_prefix_cache(client, tokenizer):
     context = PROMPT + " Ishmael, and I have lived by the sea all my life, where the whales"
     first = client.completions.create(model="tiny", prompt=context + " sing", max_tokens=3, temperature=0)

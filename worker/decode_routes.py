@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -164,20 +165,27 @@ class DecodeRoutes:
         with equal sizes as one size (dynamo's duck sizing): SMALL's is traced with as many outputs
         as rows, as its decodes run; KERNEL's with fewer, as a step with chunks runs, which its
         decodes (as many outputs as rows, from the kernel's rows up) then also match."""
-        for size in self.buckets():
-            if self.route(size).graph is Graph.BUCKET:
-                self.run(Route(Graph.BUCKET, size), [0] * size, [self.slots] * size, [0] * size)
+        graphs = [(Route(Graph.BUCKET, size), None) for size in self.buckets() if self.route(size).graph is Graph.BUCKET]
         if self.mixed:
-            for route, outputs in ((Route(Graph.KERNEL, decode_attention.ROWS), 2),
-                                   (Route(Graph.SMALL, SMALL_ROWS), SMALL_ROWS)):
-                self.run(route, [0] * route.rows, [self.slots] * route.rows, [0] * route.rows, list(range(outputs)))
+            graphs += [(Route(Graph.KERNEL, decode_attention.ROWS), 2), (Route(Graph.SMALL, SMALL_ROWS), SMALL_ROWS)]
+        log.info("compiling the decode step", extra={"graphs": len(graphs)})
+        started = time.monotonic()
+        for route, outputs in graphs:
+            began = time.monotonic()
+            self.run(route, [0] * route.rows, [self.slots] * route.rows, [0] * route.rows,
+                     None if outputs is None else list(range(outputs)))
+            log.info("decode graph compiled", extra={"graph": route.graph.name, "rows": route.rows,
+                                                     "seconds": round(time.monotonic() - began, 2)})
+        log.info("decode step compiled", extra={"graphs": len(graphs), "seconds": round(time.monotonic() - started, 2)})
 
     def _record_graphs(self, max_len: int) -> None:
         """The BUCKET decode's CUDA graphs, every batch and span bucket, recorded before serving."""
         graphs = GraphedDecode(self._call, self.cache, spare_slot=self.slots, max_batch=bucket(self.slots),
                                max_span=max_len, vocab=self.model.config.vocab_size)
+        started = time.monotonic()
         try:
             graphs.record(self.buckets())
+            log.info("CUDA graphs recorded", extra={"graphs": len(graphs.graphs), "seconds": round(time.monotonic() - started, 2)})
         except Exception:
             log.exception("recording the decode step's CUDA graphs failed; the engine launches its kernels one by one")
             return

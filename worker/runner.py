@@ -17,6 +17,8 @@ The model is used through its serving contract only: `config`, `device`, `dtype`
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
 from typing import NamedTuple
 
@@ -32,6 +34,8 @@ from worker.decode_routes import DecodeRoutes, Graph, Route, chunk_rows
 from worker.logprobs import score
 from worker.sampling import Sampler
 from worker.scheduler import Prefill, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class Draw(NamedTuple):
@@ -63,7 +67,9 @@ class Runner:
         self.batch_sizes = Counter()  # decode forwards by batch size
         self.routes_taken = Counter()  # decode forwards by route (decode_routes.Graph)
         if prepack and self.device.type == "cpu":
-            pack_linears(model)
+            started = time.monotonic()
+            pack_linears(model)  # times the kernels this CPU has for the model's matmuls
+            log.info("matmul kernels chosen", extra={"seconds": round(time.monotonic() - started, 2)})
         if self.device.type == "cuda":
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step

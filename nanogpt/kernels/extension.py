@@ -8,7 +8,8 @@ They are compiled on first use for the vector width this CPU has, and the GEMV's
 products where it has AVX512_BF16 (torch.utils.cpp_extension, under a minute) into
 ~/.cache/nanoserve/extensions (or $NANOSERVE_EXTENSIONS), where later starts load them in
 milliseconds; the directory's name carries the instruction set, the torch version and a hash of the
-sources, so a cache carried to another CPU or torch, or left by other sources, is never loaded.
+sources and their place, so a cache carried to another CPU or torch, or left by other sources or
+another checkout, is never loaded.
 Without a C++ compiler they are not offered, and PyTorch's kernels serve.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -57,8 +59,10 @@ def extension():
     flags = FLAGS[capability]
     if capability == "AVX512" and "avx512_bf16" in cpu_flags():
         capability, flags = "AVX512_BF16", flags + BF16_FLAGS
-    # torch rebuilds when a source changes, not a header: the hash of both names the build
-    sources = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:12]
+    # torch rebuilds when a source changes, not a header: the hash of both names the build; and when
+    # the sources' paths change (its build file names them): two checkouts sharing one directory
+    # would rebuild it in turn, so their paths are part of the name too
+    sources = hashlib.sha256(str(CSRC).encode() + b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:12]
     version = torch.__version__.replace(".", "_").replace("+", "_")
     name = f"nanoserve_kernels_{capability.lower()}_torch{version}_{sources}"
     build = directory() / name
@@ -71,8 +75,16 @@ def extension():
         # with its holder, no other process is loading from here: a `lock` found is stale.
         with FileLock(build / "nanoserve.lock"):
             (build / "lock").unlink(missing_ok=True)
-            return load(name, [str(path) for path in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
-                        build_directory=str(build))
+            fresh = not (build / f"{name}.so").exists()
+            if fresh:
+                log.info("building the CPU kernels (once per CPU, torch and sources; about a minute)",
+                         extra={"directory": str(build)})
+            started = time.monotonic()
+            module = load(name, [str(path) for path in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
+                          build_directory=str(build))
+            if fresh:
+                log.info("CPU kernels built", extra={"seconds": round(time.monotonic() - started, 1)})
+            return module
     except Exception as error:  # no place to build, a compiler that fails: PyTorch's kernels serve
         log.warning("own kernels not offered: their build failed (%s)",
                     str(error).splitlines()[0] if str(error) else error)
