@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench import checkpoint
+from bench import checkpoint, write_results
 from bench.engine_bench import code_version
 
 WORDS = ("whale camel octopus river desert ocean mountain forest village harbour lantern winter summer "
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefix", type=int, default=256, help="ttft: the shared prefix's tokens")
     parser.add_argument("--prompts", type=int, default=12, help="ttft: prompts per run")
     parser.add_argument("--repeats", type=int, default=3, help="ttft: runs on and off, alternated")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", default="bench/.cache/prefix_bench.json", help="the results as JSON")
     args = parser.parse_args(argv)
 
     import torch
@@ -140,10 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "ratio": round(on_p50 / off_p50, 3)}
         print(f"TTFT p50 with a shared {len(prefix)}-token prefix: {off_p50 * 1e3:.1f} ms off, {on_p50 * 1e3:.1f} ms on "
               f"({on_p50 / off_p50:.2f}x)")
-    print(f"{results['shape']} on {device}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(results, f"{results['shape']} on {device}", args.out)
     return results
 
 

@@ -10,13 +10,12 @@ the schema's one string must hold 4000 characters or more, so no constrained com
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from bench import EOS, checkpoint
+from bench import EOS, checkpoint, write_results
 from bench.engine_bench import code_version
 
 SCHEMA = {"type": "object", "required": ["story"], "additionalProperties": False,
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", default="bench/.cache/structured_bench.json", help="the results as JSON")
     args = parser.parse_args(argv)
 
     from llguidance import LLMatcher
@@ -81,13 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
                      "runs": runs})
     results = {"device": device, "shape": str(args.checkpoint or args.shape), "new_tokens": args.new, "repeats": args.repeats,
                "code": code_version(), "rows": rows}
-    print(f"{results['shape']} on {device}; decode tokens/s, medians of {args.repeats}")
-    print("| requests | without | with a JSON schema | ratio |\n| ---: | ---: | ---: | ---: |")
-    for row in rows:
-        print(f"| {row['requests']} | {row['plain_tokens_per_s']} | {row['json_schema_tokens_per_s']} | {row['ratio']} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    table = "\n".join([f"{results['shape']} on {device}; decode tokens/s, medians of {args.repeats}",
+                       "| requests | without | with a JSON schema | ratio |", "| ---: | ---: | ---: | ---: |"] +
+                      [f"| {row['requests']} | {row['plain_tokens_per_s']} | {row['json_schema_tokens_per_s']} | "
+                       f"{row['ratio']} |" for row in rows])
+    write_results(results, table, args.out)
     return results
 
 
