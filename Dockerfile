@@ -39,4 +39,4 @@ RUN pip install --no-deps -e .
 
 USER nanoserve
 EXPOSE 8000 9100
-CMD ["gunicorn", "wsgi:app", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "2", "--threads", "32"]
+CMD ["gunicorn", "wsgi:app", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "4", "--threads", "1024"]

@@ -1,8 +1,10 @@
 """Open streams on one web host: N streamed completions opened at once against one web host (gunicorn
 with `--worker-class` gthread or gevent) while `/health` and `/v1/models` are probed every 100 ms.
 
-    python -m bench.streams_bench [--streams 2000] [--classes gevent,gthread] [--web-workers 2]
-                                  [--threads 64] [--max-tokens 8] [--connect-rate 500] [--json PATH]
+    python -m bench.streams_bench [--streams 2000] [--classes gthread] [--web-workers 4]
+                                  [--threads 1024] [--max-tokens 8] [--connect-rate 500] [--json PATH]
+
+(gevent, a class gunicorn also has, needs the gevent package, which the project does not install.)
 
 Per worker class: a private Redis, one worker (`processor.py`, the tiny random-weight GPT-2, batch 64)
 and gunicorn on one host; the client opens the streams over raw asyncio sockets (one process, no
@@ -89,7 +91,7 @@ def _summary(values: list[float]) -> dict:
     return {"count": len(values), "p50_s": pick(0.5), "p99_s": pick(0.99), "max_s": round(values[-1], 3)}
 
 
-def run_class(worker_class: str, streams: int, *, web_workers: int = 2, threads: int = 64, max_tokens: int = 8,
+def run_class(worker_class: str, streams: int, *, web_workers: int = 4, threads: int = 1024, max_tokens: int = 8,
               connect_rate: float = 500.0, log=print) -> dict:
     """One worker class's round on a stack of its own."""
     from tests.stack import start_gunicorn, start_processor, write_models_toml
@@ -119,9 +121,9 @@ def run_class(worker_class: str, streams: int, *, web_workers: int = 2, threads:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.streams_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=2000)
-    parser.add_argument("--classes", default="gevent,gthread")
-    parser.add_argument("--web-workers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=64, help="gthread's threads per process")
+    parser.add_argument("--classes", default="gthread")
+    parser.add_argument("--web-workers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1024, help="gthread's threads per process")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--connect-rate", type=float, default=500.0, help="new connections a second")
     parser.add_argument("--json", default="bench/.cache/streams_bench.json")

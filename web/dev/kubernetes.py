@@ -37,7 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "web_image": "nanoserve:cpu",
     "hf_cache_claim": "",  # a PersistentVolumeClaim holding the Hugging Face cache (hf: models); "": none
     "redis": {"image": "redis:7.4-alpine", "storage": "20Gi", "maxmemory": "4gb", "secret": "nanoserve-redis"},
-    "web": {"replicas": 2, "workers": 4, "threads": 32, "port": 8000, "cpu": "2", "memory": "4Gi"},
+    "web": {"replicas": 2, "workers": 4, "threads": 1024, "port": 8000, "cpu": "2", "memory": "4Gi"},
     "worker": {"gpus": 1, "cpu": "4", "memory": "16Gi", "metrics_port": 9100, "grace_seconds": 120,
                "min_replicas": 1, "max_replicas": 4, "queue_length": 16, "startup_seconds": 600},
 }
