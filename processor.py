@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(nanogpt/runtime/compile.py)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics of the engines on this port")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="load each model, build the kernels and compile its decode step into the "
+                             "caches, then exit without serving (for image builds: a later start loads "
+                             "them instead of building them; no Redis needed)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -250,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("cannot load model", extra={"model": spec.id, "device": device, "error": str(err)})
                 status = 2
                 break
-            freeze_heap()
             engines.append((spec.id, engine))
+            if args.warm_up:
+                continue
+            freeze_heap()
             concurrency = args.concurrency or spec.max_batch
             batch_concurrency = batch_threads(concurrency, args.batch_concurrency)
             pool.add(Binding(spec.id, engine, writer), device, concurrency, batch_concurrency)
@@ -259,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "queue": protocol.queue_name(spec.id), "workers": concurrency,
                                        "batch_queue": protocol.batch_queue_name(spec.id),
                                        "batch_workers": batch_concurrency})
+        if args.warm_up:  # built, compiled and cached: what a later start loads in seconds
+            log.info("warmed up; exiting", extra={"models": [model_id for model_id, _ in engines]})
+            return status
         if args.metrics_port and not status:
             from worker import metrics
 

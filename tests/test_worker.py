@@ -303,3 +303,22 @@ def test_sigterm_finishes_running_jobs_takes_no_new_ones_and_exits_0(worker, r):
     assert events(r, late.id) == []
     assert registered_workers(worker.info["redis_url"], MODEL) == set()
     assert '"msg": "stopped"' in worker.logs()
+
+
+def test_warm_up_builds_the_engines_and_exits_without_serving(models_file, tmp_path):
+    """`processor.py --warm-up` (an image build's step): the engine is built and its decode step
+    compiled into the cache, then the process exits 0 without a Redis to serve from."""
+    import json
+    import subprocess
+    import sys
+
+    cache = tmp_path / "compile-cache"
+    env = {**__import__("os").environ, "NANOSERVE_COMPILE_CACHE": str(cache), "REDIS_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run([sys.executable, "processor.py", "--models-file", str(models_file), "--warm-up", "--compile"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
+    messages = [r["msg"] for r in records]
+    assert "engine ready" in messages and messages[-1] == "warmed up; exiting", messages
+    assert "serving" not in messages and "decode step compiled" in messages
+    assert any(cache.rglob("*"))  # the compiled graphs' cache entries, for the next start

@@ -4,7 +4,8 @@ attention over the slot cache (csrc/decode_attention.cpp, through decode_attenti
 first maximum for the sampler (csrc/first_max.cpp); and the C++ CPU kernels of the compiled graphs'
 ops (csrc/layer_ops.cpp, ops.py). One module (csrc/extension.cpp) on PyTorch's own threads.
 
-They are compiled on first use for the vector width this CPU has, and the GEMV's bfloat16 dot
+They are compiled at install (`make install` runs `python -m nanogpt.kernels.extension`), else on
+first use, for the vector width this CPU has, and the GEMV's bfloat16 dot
 products where it has AVX512_BF16 (torch.utils.cpp_extension, under a minute) into
 ~/.cache/nanoserve/extensions (or $NANOSERVE_EXTENSIONS), where later starts load them in
 milliseconds; the directory's name carries the instruction set, the torch version and a hash of the
@@ -110,3 +111,9 @@ def loaded():
     """The kernels' module where this process has built or loaded it already, else None: for a hot
     path that must never wait for a build."""
     return extension() if extension.cache_info().currsize else None
+
+
+if __name__ == "__main__":  # the install step builds them: `python -m nanogpt.kernels.extension`
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = extension()
+    print(f"own CPU kernels: {'built in ' + str(directory()) if module is not None else 'not offered here'}")
