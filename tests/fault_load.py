@@ -77,6 +77,7 @@ class Outcome:
     pieces_at: list[float] = field(default_factory=list)  # arrival of each streamed piece
     resends: int = 0
     resumes: int = 0
+    cuts: int = 0  # connections the client cut itself (`cut_after`)
     ended_at: float | None = None
 
 
@@ -214,6 +215,7 @@ class Client:
                             outcome.pieces_at.append(time.monotonic())
                     if cut_after is not None and len(outcome.pieces_at) >= cut_after:
                         cut_after = None
+                        outcome.cuts += 1
                         response.fp.raw._sock.shutdown(socket.SHUT_RDWR)
                         response.close()
                         raise NoAnswer("cut by the client")
