@@ -309,11 +309,13 @@ def test_warm_up_builds_the_engines_and_exits_without_serving(models_file, tmp_p
     """`processor.py --warm-up` (an image build's step): the engine is built and its decode step
     compiled into the cache, then the process exits 0 without a Redis to serve from."""
     import json
+    import os
     import subprocess
     import sys
 
     cache = tmp_path / "compile-cache"
-    env = {**__import__("os").environ, "NANOSERVE_COMPILE_CACHE": str(cache), "REDIS_URL": "redis://127.0.0.1:1/0"}
+    env = {**os.environ, "NANOSERVE_COMPILE_CACHE": str(cache), "REDIS_URL": "redis://127.0.0.1:1/0"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # an earlier test's compile_cache.enable() sets it here
     done = subprocess.run([sys.executable, "processor.py", "--models-file", str(models_file), "--warm-up", "--compile"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
