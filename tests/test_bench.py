@@ -291,3 +291,13 @@ def test_prefix_bench_times_first_tokens_with_and_without_the_cache(hf_checkpoin
     pairs = prefix_bench.task(questions=3, choices=4, shots=2)
     assert len(pairs) == 12 and len({context for context, _ in pairs}) == 3
     assert len({context.rsplit("Question:", 1)[0] for context, _ in pairs}) == 1  # the shots, shared
+
+
+@pytest.mark.slow  # the cold start builds the CPU kernels in a directory of its own: a minute
+def test_start_bench_times_a_cold_and_a_warm_start_to_the_first_completion(hf_checkpoint):
+    from bench import start_bench
+
+    results = start_bench.main(["--checkpoint", str(hf_checkpoint), "--no-compile"])
+    assert [row["start"] for row in results["rows"]] == ["cold", "warm"]
+    for row in results["rows"]:
+        assert row["first_completion_s"] > 0 and "engine ready" in row["phases"] and "weights loaded" in row["phases"]
