@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from test_engine import job, make_engine, model, tok  # noqa: F401 (fixtures)
 from test_families import family, make_engine as family_engine  # noqa: F401 (fixtures)
-from worker.errors import EngineFault
+from worker.errors import EngineFault, RequestCancelled
 
 CONTEXT = ("Question: which of these animals lives in the sea, and which on land? Think of the whale, the "
            "camel and the octopus before you answer.")
@@ -113,7 +113,7 @@ def test_a_cancelled_prefill_leaves_what_it_wrote_and_a_fault_leaves_nothing(mod
     engine.step()  # two chunks of 8 fed
     engine._cancel(long.id)
     engine.step()
-    with pytest.raises(Exception):
+    with pytest.raises(RequestCancelled):
         handle.result(timeout=1)
     again = job(tok, [CONTEXT], max_tokens=4)
     got = engine.generate(again)

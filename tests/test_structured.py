@@ -65,9 +65,10 @@ def test_every_finished_completion_follows_its_constraint(model, tok, name):
         for choice in completion["choices"]:
             assert choice["finish_reason"] == "stop", choice
             assert valid(choice["text"]), choice["text"]
-        for choice in completion["choices"][3:] if completion["choices"][0].get("logprobs") else []:
-            lp = choice["logprobs"]
-            assert "".join(lp["tokens"]) == choice["text"] and all(v <= 0 for v in lp["token_logprobs"])
+            if choice["logprobs"] is not None:  # the sampled job's: the model's own, of exactly the text's tokens
+                lp = choice["logprobs"]
+                assert "".join(lp["tokens"]) == choice["text"] and all(v <= 0 for v in lp["token_logprobs"])
+    assert len(completion["choices"]) == 6 and completion["choices"][0]["logprobs"] is not None  # the last, sampled job
 
 
 def test_an_unconstrained_request_in_the_same_batch_is_unchanged(model, tok):

@@ -287,7 +287,7 @@ def _replay(entries) -> History:
 
 
 # Opens an attempt of a job: its stream so far and, unless the job has ended, a fence. The stream's
-# last id becomes <ms>-0 (XSETID: readers see no entry), ms past both Redis's clock and every id the
+# last id becomes <ms>-0 (XSETID: no entry is added), ms past both Redis's clock and every id the
 # stream has given, so the attempt's own entries <ms>-1, <ms>-2... are accepted and those of any
 # earlier attempt still running (a worker wrongly thought dead) are refused from now on. Redis's
 # clock, not the workers': hosts' clocks may disagree.
@@ -314,7 +314,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     end
   end
   redis.call('XSETID', KEYS[1], string.format('%d-0', ms))
-else  -- an empty stream, made without an entry that would wake its readers
+else  -- an empty stream, with no entry (a reader already blocked on it gets one empty reply)
   redis.call('XGROUP', 'CREATE', KEYS[1], 'fence', '$', 'MKSTREAM')
   redis.call('XGROUP', 'DESTROY', KEYS[1], 'fence')
   redis.call('XSETID', KEYS[1], string.format('%d-0', ms))

@@ -3,7 +3,7 @@ schema, regex, choices or Lark grammar: web/api/structured.py) constrains each o
 token by token.
 
 Each constrained sequence has an `llguidance.LLMatcher`. Each step the matchers of the batch's
-constrained rows fill one bitmask on the host (tens of microseconds a row), which goes to the
+constrained rows fill one bitmask on the host, which goes to the
 logits' device in one copy and bans there every token the grammar does not allow, before any other
 logits processor; the drawn token then advances the row's matcher. A sequence whose grammar is
 complete (nothing but the end of text may follow) ends with `stop` (output.py); one cut by
@@ -12,6 +12,7 @@ max_tokens ends with `length`, its text a prefix of a valid one.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -22,12 +23,16 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 class Grammars:
-    """llguidance's view of one model's vocabulary (built once, on first use: ~0.1 s for GPT-2's),
-    and the matchers made with it."""
+    """llguidance's view of one model's vocabulary (built once, on first use),
+    and the matchers made with it: each grammar compiled once (`check`, as the job is submitted),
+    each sequence's matcher a copy of that one."""
+
+    TEMPLATES = 64  # the grammars kept compiled (a request's `n` sequences share theirs)
 
     def __init__(self, tokenizer, vocab_size: int):
         self.source, self.vocab_size = tokenizer, vocab_size
         self._tokenizer = None
+        self._templates: OrderedDict[str, object] = OrderedDict()  # grammar -> its matcher at the start
         self._lock = threading.Lock()
 
     def tokenizer(self):
@@ -41,15 +46,28 @@ class Grammars:
     def matcher(self, grammar: str, history: list[int] = ()):
         """A matcher of `grammar` that has consumed `history` (the tokens a resumed sequence already
         generated). A grammar llguidance refuses (web checked it already) refuses the request."""
-        import llguidance
-
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise EngineError(f"Invalid structured output grammar: {matcher.get_error()}", param="structured_outputs")
+        matcher = self._template(grammar).deep_copy()
         for token in history:
             if not matcher.consume_token(token):
                 break  # what an earlier attempt wrote stands; the rest is constrained from where it holds
         return matcher
+
+    def _template(self, grammar: str):
+        with self._lock:
+            template = self._templates.get(grammar)
+            if template is not None:
+                self._templates.move_to_end(grammar)
+                return template
+        import llguidance
+
+        template = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if template.is_error():
+            raise EngineError(f"Invalid structured output grammar: {template.get_error()}", param="structured_outputs")
+        with self._lock:
+            self._templates[grammar] = template
+            while len(self._templates) > self.TEMPLATES:
+                self._templates.popitem(last=False)
+        return template
 
     def check(self, grammar: str) -> None:
         """Refuse a grammar llguidance cannot compile, or one no text of this vocabulary can follow."""
@@ -81,8 +99,8 @@ class Grammars:
 
 def _banned(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
     """(R, V) bool: the tokens a bitmask (R, ceil(V / 32)) int32 does not allow (bit j of word w
-    allows token 32 w + j). Unpacked by numpy on a CPU (1.7 ms by tensor ops at 32 rows of GPT-2's
-    vocabulary, 0.1 ms so); on another device, where the packed words go in one small copy."""
+    allows token 32 w + j). Unpacked by numpy on a CPU, where it is much faster than the tensor ops;
+    by the tensor ops on another device, where the packed words go in one small copy."""
     if device.type == "cpu":
         return _banned_by_numpy(bitmask, vocab_size)
     return _banned_on(bitmask, vocab_size, device)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 MAX_TOP = 5  # a scored context keeps this many alternatives a token, the most a request asks for
 
 
@@ -34,7 +36,7 @@ class Score:
 
 @dataclass
 class Record:
-    tokens: list[int]  # the slot's keys and values are those of these tokens, positions 0..len-1
+    tokens: np.ndarray  # the slot's keys and values are those of these tokens, positions 0..len-1
     scores: dict[int, Score] = field(default_factory=dict)  # position -> that token's score
     released: int = 0  # the release order: the lowest is evicted first
 
@@ -57,7 +59,7 @@ class PrefixCache:
     def release(self, slot: int, tokens: list[int], scores: dict[int, Score] | None = None) -> None:
         """A sequence left `slot` holding the keys and values of `tokens` (nothing: `tokens` empty)."""
         if self.enabled and tokens:
-            self.records[slot] = Record(list(tokens), dict(scores or {}), next(self._clock))
+            self.records[slot] = Record(np.asarray(tokens, dtype=np.int64), dict(scores or {}), next(self._clock))
         else:
             self.records.pop(slot, None)
 
@@ -75,12 +77,12 @@ class PrefixCache:
         if not self.enabled:
             return None
         self.queried_tokens += len(context)
-        best = None
+        best, wanted = None, np.asarray(context, dtype=np.int64)
         for slot in free:
             record = self.records.get(slot)
             if record is None:
                 continue
-            common = _common(record.tokens, context)
+            common = _common(record.tokens, wanted)
             reused = min(common, len(context) - 1)
             if score_from is not None:
                 # the tokens score_from..reused are scored by the record, so token `reused` is one
@@ -101,12 +103,12 @@ class PrefixCache:
         return best
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the longest common prefix (one vector compare: this runs per free slot at every
+    admission)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 def _usable(score: Score | None, ranks: bool) -> bool:

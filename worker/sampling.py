@@ -275,8 +275,8 @@ class Sampler:
     def adjusted_logits(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None,
                         in_place: bool = False):
         """Raw (B, V) logits (or log-probabilities: beam search) through the logits processors, in
-        vLLM's order: the structured-output grammar's mask, banned tokens, bad words and n-gram bans, stop tokens before min_tokens,
-        logit_bias, repetition penalty, presence/frequency penalties. Each is skipped when no row
+        vLLM's order: the structured-output grammar's mask, banned tokens, bad words and n-gram
+        bans, stop tokens before min_tokens, logit_bias, repetition penalty, presence/frequency penalties. Each is skipped when no row
         uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
         `in_place`: the caller reads the raw logits no more, so they may be overwritten."""
         params, raw = [self.params[s] for s in slots], logits
