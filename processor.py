@@ -89,25 +89,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat", type=float, default=5.0,
                         help="seconds between job heartbeats; a job is re-queued after 3 missed beats")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the decode step (a slower first start, faster steps); default: "
-                             "where it pays, float32, bfloat16 and int8 on a CPU with a C++ compiler "
-                             "(nanogpt/runtime/compile.py)")
+                        help="torch.compile the decode step (faster steps); default: where it pays, "
+                             "float32, bfloat16 and int8 on a CPU with a C++ compiler "
+                             "(nanogpt/runtime/compile.py). The worker serves at once, eagerly, while its "
+                             "graphs compile in the background (a minute or two on a first start, seconds "
+                             "from the compile cache), each taken from the step after it is ready")
+    parser.add_argument("--compile-first", action="store_true",
+                        help="compile every graph before taking jobs, instead of in the background")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics of the engines on this port")
     parser.add_argument("--warm-up", action="store_true",
                         help="load each model, build the kernels and compile its decode step into the "
                              "caches, then exit without serving (for image builds: a later start loads "
-                             "them instead of building them; no Redis needed)")
+                             "them instead of building them, its graphs live in seconds; no Redis needed)")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
 
-def build_engine(spec, device: str, sink, compile: bool | None = False):
+def build_engine(spec, device: str, sink, compile: bool | None = False, background: bool = False):
     """Load the model and tokenizer onto one device and wrap them in a started engine, in the
     precision nanogpt.runtime.precision chooses for the registry's dtype on this hardware (a CPU without
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
     kernels (nanogpt.kernels.planner). `compile`: compile the decode step, or None: where it pays
-    (nanogpt.runtime.compile.compiles_by_default). The model is loaded on the engine's thread (Engine.launch)."""
+    (nanogpt.runtime.compile.compiles_by_default); `background`: compile it while the engine serves
+    (Engine's compile_in_background). The model is loaded on the engine's thread (Engine.launch)."""
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
     from nanogpt.kernels import planner
@@ -141,11 +146,12 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
         return model
 
     engine = Engine.launch(load, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
-                           event_sink=sink, compile=compile, prefix_caching=spec.prefix_caching)
+                           event_sink=sink, compile=compile, compile_in_background=background,
+                           prefix_caching=spec.prefix_caching)
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "kernels": planner.describe(model), "max_batch": spec.max_batch,
-                                    "compiled": engine.runner.compiled,
+                                    "compiled": engine.runner.compiled, "warming_up": engine.warming,
                                     # keys and values: the model's dtype, float32 or bfloat16 (precision.cache_dtype)
                                     "kv_cache": str(engine.runner.cache.k[0].dtype).removeprefix("torch."),
                                     # decode steps replayed from CUDA graphs (a GPU; 0 where recording failed)
@@ -154,13 +160,16 @@ def build_engine(spec, device: str, sink, compile: bool | None = False):
     return engine
 
 
-def freeze_heap() -> None:
+def freeze_heap(collect: bool = True) -> None:
     """Keep what loading built out of the garbage collector's full passes. A loaded, compiled
     engine leaves hundreds of thousands of tracked objects (modules, compiled graphs, their
     guards), and a full collection walks them all while holding the GIL, every thread of the
     worker (the engine's step included) stopped for a good part of a second (docs/notes/frozen-heap.md).
-    Collected once, then frozen, a full pass walks only what serving allocates since."""
-    gc.collect()
+    Collected once, then frozen, a full pass walks only what serving allocates since. Once the
+    background compile has ended its graphs are frozen too, without that collection (which would
+    stop the serving engine)."""
+    if collect:
+        gc.collect()
     gc.freeze()
     log.info("loaded objects frozen", extra={"objects": gc.get_freeze_count()})
 
@@ -249,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             client = protocol.redis_client(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
             try:
-                engine = build_engine(spec, device, writer, compile=args.compile)
+                engine = build_engine(spec, device, writer, compile=args.compile,
+                                      background=not (args.compile_first or args.warm_up))
             except CheckpointError as err:
                 log.error("cannot load model", extra={"model": spec.id, "device": device, "error": str(err)})
                 status = 2
@@ -272,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             from worker import metrics
 
             metrics.start(engines, args.metrics_port)
+        warming = any(engine.warming for _, engine in engines)
         while not status and not stop.wait(0.5):
             status = check_engines(engines)
+            if warming and not any(engine.warming for _, engine in engines):
+                warming = False
+                freeze_heap(collect=False)
         pool.stop()
         log.info("taking no new jobs; waiting for running ones", extra={"running": pool.running()})
         pool.join()

@@ -72,9 +72,9 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     models = sorted(spec.id for spec in Registry.from_file(models_file).models())
     server = start_redis()
     try:
-        # a compiling worker compiles one graph per batch size on its first start (about a minute)
+        # measured at full speed: after the worker's background compile (a minute or two on a first start)
         with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir,
-                             compile=compile, timeout=600.0), \
+                             compile=compile, timeout=600.0, warmed=True), \
                 start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
                                log_dir=workdir) as web:
             yield web

@@ -159,11 +159,12 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
                     concurrency: int | None = None, device: str | None = None, heartbeat: float | None = None,
                     compile: bool | None = False, extra_args: list[str] = (), env: dict[str, str] | None = None,
                     log_dir: Path | None = None, timeout: float = 240.0, wait: bool = True,
-                    via: Sequence[str] = ()) -> Service:
+                    via: Sequence[str] = (), warmed: bool = False) -> Service:
     """Start `processor.py` and wait until all its rq workers are registered on every model's queue
-    (with `wait=False`, return at once; `service.wait_ready()` waits later). `compile`: the
-    worker's --compile / --no-compile, None for its default (uncompiled unless asked: most tests
-    start workers on tiny models, where compiling would only cost time)."""
+    (with `wait=False`, return at once; `service.wait_ready()` waits later), and with `warmed`
+    until every engine's background compile has ended too (a benchmark's steady state). `compile`:
+    the worker's --compile / --no-compile, None for its default (uncompiled unless asked: most
+    tests start workers on tiny models, where compiling would only cost time)."""
     args = [sys.executable, "processor.py", "--redis-url", redis_url]
     for model in models or []:
         args += ["--model", model]
@@ -191,7 +192,8 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
         mine = {model: {name for name in registered_workers(redis_url, model) if name.startswith(prefix)}
                 for model in models}
         service.info["workers"] = mine
-        return all(len(names) >= (concurrency or 1) * engines for names in mine.values())
+        registered = all(len(names) >= (concurrency or 1) * engines for names in mine.values())
+        return registered and (not warmed or not compiling(service.logs()))
 
     service.ready = ready
     return service.wait_ready(timeout) if wait else service
@@ -217,6 +219,14 @@ def spawn_gunicorn(redis_url: str, models_file: Path, *, port: int | None = None
 
     service.ready = ready
     return service.wait_ready(timeout)
+
+
+def compiling(logs: str) -> bool:
+    """Whether a worker's log says an engine's graphs still compile in the background."""
+    said = [line for line in logs.splitlines() if line.startswith("{")]
+    started = sum('"engine ready"' in line and '"warming_up": true' in line for line in said)
+    ended = sum('"decode step compiled"' in line or '"compiling the decode step failed' in line for line in said)
+    return ended < started
 
 
 @contextlib.contextmanager

@@ -296,6 +296,31 @@ def test_ready_needs_a_worker_for_every_model(client, redis_url):
         assert ready.status_code == 200 and ready.get_json()["models"]["tiny"]["workers"] == 1
 
 
+
+def test_ready_counts_the_workers_whose_engine_still_compiles(client, redis_url):
+    """A worker serves while its graphs compile in the background, and its record in Redis says so
+    at every beat: /ready stays 200 and counts it under `warming_up` until it has compiled."""
+    from worker.consumer import EngineWorker
+
+    compiling = threading.Event()
+    compiling.set()
+    r = redis.Redis.from_url(redis_url)
+    worker = EngineWorker([protocol.queue_name("tiny")], connection=r,
+                          serializer=protocol.SERIALIZER, heartbeat_ttl=10, poll_interval=1, warming=compiling.is_set)
+    worker.register_birth()
+    worker.heartbeat()
+    try:
+        with ScriptedWorker(redis_url, "org/idle"):
+            ready = client.get("/ready")
+            assert ready.status_code == 200
+            assert ready.get_json()["models"]["tiny"] == {"workers": 1, "queued": 0, "warming_up": 1}
+            assert ready.get_json()["models"]["org/idle"]["warming_up"] == 0
+            compiling.clear()
+            worker.heartbeat()
+            assert client.get("/ready").get_json()["models"]["tiny"] == {"workers": 1, "queued": 0, "warming_up": 0}
+    finally:
+        worker.register_death()
+
 # ---- synchronous answers ----
 
 def test_sync_completion_and_the_job_it_enqueued(client, redis_url, tokenizer):

@@ -18,7 +18,7 @@ import requests
 
 from models.tokenizer import load_tokenizer
 from tests import rq_json
-from tests.stack import start_gunicorn, start_processor, write_models_toml
+from tests.stack import compiling, start_gunicorn, start_processor, write_models_toml
 from web.dev.local_redis import start_redis
 from worker import protocol
 
@@ -63,12 +63,13 @@ def tokenizer(hf_checkpoint):
 
 def test_the_worker_compiles_its_float32_cpu_decode_step_by_default(stack):
     """Where it was measured to pay (nanogpt.runtime.compile.compiles_by_default), the worker every other
-    test here talks to runs the compiled decode step unless told otherwise."""
+    test here talks to runs the compiled decode step unless told otherwise, compiled in the background
+    while it serves (the module's last test sees it end)."""
     from nanogpt.runtime.compile import compiles_by_default
 
     ready = next(line for line in stack["worker"].logs().splitlines() if "engine ready" in line)
     assert compiles_by_default("cpu", "float32")  # this machine has the C++ compiler inductor needs
-    assert '"compiled": true' in ready, ready
+    assert '"compiled": true' in ready and '"warming_up": true' in ready, ready
     assert '"cuda_graphs": 0' in ready, ready  # CUDA graphs: a GPU's only
 
 
@@ -366,19 +367,6 @@ def test_structured_output_through_the_client(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
-def test_the_worker_logs_each_start_phase_with_its_duration(stack):
-    records = [json.loads(line) for line in stack["worker"].logs().splitlines() if line.startswith("{")]
-    phases = [r["msg"] for r in records]
-    order = ["loading weights", "weights loaded", "matmul kernels chosen", "engine ready", "serving"]
-    assert [phases.index(p) for p in order] == sorted(phases.index(p) for p in order), phases
-    timed = {r["msg"]: r for r in records if r["msg"] in ("weights loaded", "matmul kernels chosen", "decode step compiled")}
-    assert all(r["seconds"] >= 0 for r in timed.values())
-    if "compiling the decode step" in phases:  # this CPU compiles by default: each graph said, then the whole
-        compiled = [r for r in records if r["msg"] == "decode graph compiled"]
-        assert len(compiled) == next(r for r in records if r["msg"] == "compiling the decode step")["graphs"]
-        assert "decode step compiled" in timed
-
-
 def test_a_repeated_prefix_comes_from_the_prefix_cache(client, tokenizer):
     context = PROMPT + " Ishmael, and I have lived by the sea all my life, where the whales"
     first = client.completions.create(model="tiny", prompt=context + " sing", max_tokens=3, temperature=0)
@@ -559,3 +547,28 @@ def test_special_token_text_in_a_prompt_is_the_token(client, tokenizer):
     assert result.choices[0].logprobs.tokens[:2] == ["<|endoftext|>", "Hello"]
     truncated = greedy(client, prompt=[1, 2, 3, 4, 5], max_tokens=1, extra_body={"truncate_prompt_tokens": 2})
     assert truncated.usage.prompt_tokens == 2
+
+
+def test_the_worker_logs_each_start_phase_and_took_jobs_before_its_graphs_compiled(stack):
+    """Each start phase in the log with its duration. The worker registered on its queue (`serving`)
+    before its background compile ended, each graph went live with its cost in the log, and /ready
+    counts no worker warming up once its record has beaten again. Last in the module: every other
+    test here ran while it compiled, or after."""
+    deadline = time.monotonic() + 300
+    while compiling(stack["worker"].logs()):
+        assert time.monotonic() < deadline, "the background compile did not end"
+        time.sleep(0.5)
+    records = [json.loads(line) for line in stack["worker"].logs().splitlines() if line.startswith("{")]
+    phases = [r["msg"] for r in records]
+    order = ["loading weights", "weights loaded", "matmul kernels chosen", "engine ready", "serving",
+             "decode step compiled"]
+    assert [phases.index(p) for p in order] == sorted(phases.index(p) for p in order), phases
+    timed = [r for r in records if r["msg"] in ("weights loaded", "matmul kernels chosen", "decode step compiled")]
+    assert len(timed) == 3 and all(r["seconds"] >= 0 for r in timed)
+    planned = next(r["graphs"] for r in records if r["msg"] == "compiling the decode step")
+    live = [r for r in records if r["msg"] == "decode graph live"]
+    assert len(live) == planned >= 1 and all(r["seconds"] > 0 for r in live)
+    while (state := requests.get(f"{stack['url']}/ready", timeout=10).json()["models"]["tiny"])["warming_up"]:
+        assert time.monotonic() < deadline + 30, state
+        time.sleep(0.5)
+    assert state["workers"] == 4

@@ -603,6 +603,84 @@ def test_chunks_whose_attention_costs_more_than_the_kernel_saves_go_through_the_
     assert routes.route(2, [(n, n)]) == Route(Graph.PACKED, 2 + n)  # the next n tokens attend to twice as many
 
 
+def background_engine(compiled, tok):
+    """An engine of the compiled fixture's checkpoint whose graphs compile in the background."""
+    return make_engine(load_model(compiled.checkpoint), tok, compile=True, compile_in_background=True, max_batch=12)[0]
+
+
+def test_a_long_generation_keeps_its_tokens_across_the_switch_to_compiled_graphs(compiled, tok):
+    """An engine compiling in the background serves at once, eagerly, and takes its compiled graphs
+    between two steps: a long greedy generation across the switch gives the eager engine's tokens
+    (and logprobs within 1e-4), and so does every request decoding beside it after the switch."""
+    engine = background_engine(compiled, tok)
+    routes, taken = engine.runner.routes, engine.runner.routes_taken
+    assert engine.warming and engine.stats()["warming_up"] == 1 and engine.runner.compiled
+    first = lambda: [job(tok, [PROMPTS[0]], max_tokens=100, ignore_eos=True, logprobs=1),  # noqa: E731
+                     *[job(tok, [p], max_tokens=3) for p in PROMPTS[1:]]]
+    after = lambda: [job(tok, [p], max_tokens=4) for p in PROMPTS[1:]]  # noqa: E731
+    handles = [engine.submit(j) for j in first()]
+    for _ in range(6):
+        engine.step()
+    assert set(taken) == {Graph.EAGER} and not handles[0].done  # 4 rows, then the long one alone
+    assert routes.wait_compiled(timeout=600)
+    assert not engine.warming and engine.stats()["compiled_graphs_live"] == len(routes.planned) >= 1
+    for _ in range(3):
+        engine.step()
+    handles += [engine.submit(j) for j in after()]  # prompts fed beside the long row, then 4 rows decode
+    while not all(h.done for h in handles):
+        engine.step()
+    got = [h.result() for h in handles]
+    expected = run_all(compiled.eager, first() + after())
+    assert texts(got) == texts(expected) == texts(run_all(compiled.engine, first() + after()))
+    assert_close(got[0]["choices"][0]["logprobs"]["token_logprobs"],
+                 expected[0]["choices"][0]["logprobs"]["token_logprobs"], atol=1e-4, rtol=0)
+    compiled_routes = {Graph.BUCKET, Graph.SMALL, Graph.KERNEL}
+    assert sum(taken[graph] for graph in compiled_routes) >= 60  # the long row's steps after the switch
+    if routes.mixed:
+        assert taken[Graph.KERNEL] >= 1 and taken[Graph.SMALL] >= 1
+
+
+def test_an_engine_serves_on_its_thread_while_its_graphs_compile(compiled, tok):
+    """The engine's thread steps while the compile's thread traces and runs its graphs: every wave
+    of requests, during the compile and after it, gets the eager engine's tokens."""
+    engine = background_engine(compiled, tok)
+    engine.start()
+    try:
+        jobs = lambda: [job(tok, [p], max_tokens=6) for p in PROMPTS]  # noqa: E731
+        expected = texts(run_all(compiled.eager, jobs()))
+        during = 0
+        while True:
+            warming = engine.warming
+            handles = [engine.submit(j) for j in jobs()]
+            assert [h.result(timeout=120)["choices"][0]["text"] for h in handles] == expected
+            if not warming:
+                break
+            during += 1
+        taken = engine.runner.routes_taken
+        assert during >= 1 and taken[Graph.EAGER] >= 1
+        assert taken[Graph.BUCKET] + taken[Graph.SMALL] + taken[Graph.KERNEL] >= 1  # the last wave's
+    finally:
+        engine.stop()
+
+
+def test_a_failed_background_compile_leaves_the_engine_serving_eagerly(compiled, tok, monkeypatch, caplog):
+    import worker.decode_routes
+
+    def no_compiler(model):
+        def step(*args):
+            raise RuntimeError("inductor found no C++ compiler")
+        return step
+
+    monkeypatch.setattr(worker.decode_routes, "compile_decode", no_compiler)
+    engine = background_engine(compiled, tok)
+    assert engine.runner.routes.wait_compiled(timeout=60)
+    assert not engine.runner.compiled and not engine.runner.routes.live and engine.stats()["warming_up"] == 0
+    jobs = lambda: [job(tok, [p], max_tokens=5) for p in PROMPTS]  # noqa: E731
+    assert texts(run_all(engine, jobs())) == texts(run_all(compiled.eager, jobs()))
+    assert set(engine.runner.routes_taken) == {Graph.EAGER}
+    assert "compiling the decode step failed" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bfloat16", "int8"])
 def test_compiled_decode_in_the_other_precisions_stays_close_to_eager(tok, tmp_path, mode):

@@ -173,13 +173,15 @@ def test_worker_metrics_served_on_a_port():
     server = start([engine], port, addr="127.0.0.1")
     try:
         engine.snapshot.update(running=3, waiting=2, kv_slots_used=3, tokens_generated=120,
-                               batch_size_counts={1: 4, 3: 10})
+                               batch_size_counts={1: 4, 3: 10}, warming_up=1, compiled_graphs_live=2)
         text = _get(f"http://127.0.0.1:{port}/metrics")
         labels = {"model": "tiny", "device": "cpu"}
         assert value(text, "nanoserve_worker_running_sequences", **labels) == 3
         assert value(text, "nanoserve_worker_waiting_requests", **labels) == 2
         assert value(text, "nanoserve_worker_kv_slots_used", **labels) == 3
         assert value(text, "nanoserve_worker_kv_slots_total", **labels) == 8
+        assert value(text, "nanoserve_worker_warming_up", **labels) == 1
+        assert value(text, "nanoserve_worker_compiled_graphs_live", **labels) == 2
         assert value(text, "nanoserve_worker_tokens_generated_total", **labels) == 120
         assert value(text, "nanoserve_worker_tokens_per_second", **labels) > 0
         assert value(text, "nanoserve_worker_batch_size_count", **labels) == 14

@@ -1,5 +1,6 @@
 """`GET /health`: the process answers. `GET /ready`: Redis answers and every served model has at
-least one live worker on its queue (503 with the details otherwise)."""
+least one live worker on its queue (503 with the details otherwise). Each model's `warming_up`
+counts those of its workers whose engine still compiles its decode step: they serve, more slowly."""
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,7 @@ def ready():
     jq = job_queue()
     try:
         jq.redis.ping()
-        models = {spec.id: dict(zip(("workers", "queued"), jq.load(spec.id)))
+        models = {spec.id: {**dict(zip(("workers", "queued"), jq.load(spec.id))), "warming_up": jq.warming(spec.id)}
                   for spec in served_models().registry.models()}
     except redis.RedisError as err:
         # the details (host, port, the client's words) go to the log, not to whoever asks

@@ -238,6 +238,7 @@ class EngineWorker(SimpleWorker):
       only while the worker holds a turn of `listeners` (a semaphore its kind of thread shares).
     - Running jobs' registry entries live `heartbeat_ttl` seconds; `beat()` refreshes them.
     - Registries are cleaned only as `grace` allows (see OutageGrace).
+    - Its record in Redis says whether its engine still compiles its graphs (`warming`: web's /ready).
     """
 
     death_penalty_class = TimerDeathPenalty
@@ -246,8 +247,10 @@ class EngineWorker(SimpleWorker):
     max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
     def __init__(self, *args, heartbeat_ttl: int, poll_interval: int,
-                 listeners: threading.Semaphore | None = None, grace: OutageGrace | None = None, **kwargs):
+                 listeners: threading.Semaphore | None = None, grace: OutageGrace | None = None,
+                 warming=lambda: False, **kwargs):
         self.heartbeat_ttl = heartbeat_ttl
+        self.warming = warming
         self.grace = grace
         self.poll_interval = poll_interval
         self.listeners = listeners
@@ -274,6 +277,9 @@ class EngineWorker(SimpleWorker):
 
     def get_heartbeat_ttl(self, job: Job) -> int:
         return self.heartbeat_ttl
+
+    def serialize(self) -> dict:
+        return {**super().serialize(), protocol.WARMING_FIELD: int(self.warming())}
 
     def heartbeat(self, timeout=None, pipeline=None) -> None:
         # rq keeps a worker's key `worker_ttl + 60` s past each beat; ours beat every few seconds,
@@ -400,13 +406,15 @@ class WorkerPool:
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
 
-    def _new_worker(self, name: str, queues: list[str], listeners: threading.Semaphore | None = None) -> EngineWorker:
+    def _new_worker(self, name: str, queues: list[str], listeners: threading.Semaphore | None = None,
+                    warming=lambda: False) -> EngineWorker:
         connection = protocol.redis_client(self.redis_url)
         return EngineWorker(queues, name=name, connection=connection, serializer=protocol.SERIALIZER,
                             worker_ttl=self.worker_ttl, job_monitoring_interval=int(self.heartbeat_interval) or 1,
                             maintenance_interval=self.maintenance_interval,
                             exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
-                            poll_interval=self.poll_interval, listeners=listeners, grace=self.grace)
+                            poll_interval=self.poll_interval, listeners=listeners, grace=self.grace,
+                            warming=warming)
 
     @property
     def heartbeat_ttl(self) -> int:
@@ -421,7 +429,7 @@ class WorkerPool:
         generation, failing = 0, False
         while not self.stopping.is_set():
             try:
-                worker = self._new_worker(f"{name}.{generation}", queues, listeners)
+                worker = self._new_worker(f"{name}.{generation}", queues, listeners, lambda: binding.engine.warming)
                 failing = False
                 self.workers[slot] = worker
                 if self.stopping.is_set():

@@ -16,16 +16,21 @@ is read from one place, `DecodeRoutes.route(rows, chunks, candidates)`.
 Prompts that no decoding row runs beside, and prompts that score their context, are fed by the
 runner's eager prefill forwards, never here. Why each line: docs/notes/decode-routes.md.
 
-The compiled graphs are few and all compiled before serving (`_warm_up`): one per bucket whose
-route is BUCKET, and where the engine mixes, SMALL's and KERNEL's. Their one dynamic size is the
-span (the keys attended, never 1, which would specialize); SMALL's and KERNEL's rows and outputs
-are dynamic too, BUCKET's rows fixed. Padding rows are token 0 at position 0 of the spare slot
-(`slots`, one past the sequences'), which the cache holds for them, with a spare position.
+The compiled graphs are few (`planned`): one per bucket whose route is BUCKET, and where the
+engine mixes, SMALL's and KERNEL's. Their one dynamic size is the span (the keys attended, never 1,
+which would specialize); SMALL's and KERNEL's rows and outputs are dynamic too, BUCKET's rows fixed.
+Padding rows are token 0 at position 0 of the spare slot (`slots`, one past the sequences'), which
+the cache holds for them, with a spare position.
+
+A route takes a compiled graph only once it is live: all of them before serving, or, compiled in
+the background, each from the step after its compile finished; until then the step runs eager
+(EAGER, PACKED), which gives the same tokens (docs/notes/background-compile.md).
 """
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from itertools import accumulate
 from typing import NamedTuple
@@ -79,28 +84,53 @@ def chunk_rows(rows: int, chunks: list[int]) -> list[int]:
 
 
 class DecodeRoutes:
-    def __init__(self, model, cache, slots: int, max_len: int, *, compile: bool, graphed: bool):
+    def __init__(self, model, cache, slots: int, max_len: int, *, compile: bool, graphed: bool,
+                 background: bool = False):
         """The routes of an engine over `cache`, whose sequences hold slots 0..slots-1 (and, where
-        `pads`, the cache has the spare slot `slots`). compile: torch.compile forward_decode, all
-        its graphs before serving (serving uncompiled where compiling fails); graphed: replay the
-        BUCKET decode from CUDA graphs, recorded here (launched kernel by kernel where recording fails)."""
+        `pads`, the cache has the spare slot `slots`). compile: torch.compile forward_decode, every
+        graph before serving, or with `background` on a thread of its own while the engine serves
+        eagerly (not with CUDA graphs, which record the compiled step); the engine stays eager where
+        compiling fails. graphed: replay the BUCKET decode from CUDA graphs, recorded here (launched
+        kernel by kernel where recording fails)."""
         self.model, self.cache, self.slots, self.device = model, cache, slots, model.device
         self.pads = self.padded(compile, graphed)
         self.compiled, self.graphs = compile, None
         self.mixed = compile and cache.own_attention  # SMALL and KERNEL
+        # the compiled graphs routes take (as `planned` names them); replaced, never changed in place, as
+        # the engine's thread reads it while the compile's adds to it
+        self.live: frozenset[Route] = frozenset()
+        self.planned: list[tuple[Route, int | None]] = []
         self._step = model.forward_decode
+        self._compiling: threading.Thread | None = None
+        self._closing = threading.Event()
         if compile:
             self._step = compile_decode(model)
             for i in range(len(cache.k)):  # one graph serves every engine's slot count
                 torch._dynamo.mark_dynamic(cache.k[i], 0)
                 torch._dynamo.mark_dynamic(cache.v[i], 0)
-            try:
-                self._warm_up()
-            except Exception:  # e.g. no C++ compiler for inductor's CPU kernels
-                log.exception("compiling the decode step failed; the engine runs it uncompiled")
-                self.compiled, self.mixed, self._step = False, False, model.forward_decode
+            self.planned = self._plan()
+            if background and not graphed:
+                self._compiling = threading.Thread(target=self._compile, name="nanoserve-compile", daemon=True)
+                self._compiling.start()
+            else:
+                self._compile()
         if graphed:
             self._record_graphs(max_len)
+
+    @property
+    def warming(self) -> bool:
+        """Whether graphs are still compiling in the background (the engine serves meanwhile)."""
+        return self._compiling is not None and self._compiling.is_alive()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile to end; whether it has."""
+        if self._compiling is not None:
+            self._compiling.join(timeout)
+        return not self.warming
+
+    def close(self) -> None:
+        """Stop compiling after the graph in progress (an engine that stops)."""
+        self._closing.set()
 
     @staticmethod
     def padded(compile: bool, graphed: bool) -> bool:
@@ -115,18 +145,25 @@ class DecodeRoutes:
         `candidates` (contrastive candidate rows, which go with the rows and no chunk)."""
         if candidates:
             return Route(Graph.CANDIDATES, rows + candidates)
+        kernel = self.mixed and self._live(Graph.KERNEL)
         if chunks:
             tokens = rows + sum(n for _, n in chunks)
-            if self.mixed and sum(n * (fed + n) for fed, n in chunks) <= MIXED_ATTENTION:
+            if kernel and sum(n * (fed + n) for fed, n in chunks) <= MIXED_ATTENTION:
                 return Route(Graph.KERNEL, max(tokens, decode_attention.ROWS))
             return Route(Graph.PACKED, tokens)
         if self.mixed and rows >= 2:
-            if rows <= SMALL_ROWS:
+            if rows <= SMALL_ROWS and self._live(Graph.SMALL):
                 return Route(Graph.SMALL, rows)
-            return Route(Graph.KERNEL, max(rows, decode_attention.ROWS))
-        if self.pads:
+            if kernel:
+                return Route(Graph.KERNEL, max(rows, decode_attention.ROWS))
+            return Route(Graph.EAGER, rows)
+        if self.pads and (self.graphs is not None or self._live(Graph.BUCKET, bucket(rows))):
             return Route(Graph.BUCKET, bucket(rows))
         return Route(Graph.EAGER, rows)
+
+    def _live(self, graph: Graph, rows: int | None = None) -> bool:
+        """Whether the compiled graph a route of `graph` runs (BUCKET's: that of `rows`) is live."""
+        return any(route.graph is graph and rows in (None, route.rows) for route in self.live)
 
     def run(self, route: Route, tokens: list[int], slots: list[int], positions: list[int],
             outputs: list[int] | None = None) -> torch.Tensor:
@@ -160,23 +197,39 @@ class DecodeRoutes:
         """The batch buckets up to this engine's slots."""
         return [b for b in BATCH_BUCKETS if b <= bucket(self.slots)]
 
-    def _warm_up(self) -> None:
-        """Compile every graph of this engine's routes, on padding rows only. A graph is traced
-        with equal sizes as one size (dynamo's duck sizing): SMALL's is traced with as many outputs
-        as rows, as its decodes run; KERNEL's with fewer, as a step with chunks runs, which its
-        decodes (as many outputs as rows, from the kernel's rows up) then also match."""
-        graphs = [(Route(Graph.BUCKET, size), None) for size in self.buckets() if self.route(size).graph is Graph.BUCKET]
+    def _plan(self) -> list[tuple[Route, int | None]]:
+        """The graphs to compile, each a route run on padding rows with its outputs (None: BUCKET's,
+        every row), the most used first: one row, then KERNEL (most rows, and prompts beside them),
+        then SMALL. A graph is traced with equal sizes as one size (dynamo's duck sizing): SMALL's
+        is traced with as many outputs as rows, as its decodes run; KERNEL's with fewer, as a step
+        with chunks runs, which its decodes (as many outputs as rows, from the kernel's rows up)
+        then also match."""
+        graphs = [(Route(Graph.BUCKET, size), None) for size in self.buckets() if size == 1 or not self.mixed]
         if self.mixed:
             graphs += [(Route(Graph.KERNEL, decode_attention.ROWS), 2), (Route(Graph.SMALL, SMALL_ROWS), SMALL_ROWS)]
-        log.info("compiling the decode step", extra={"graphs": len(graphs)})
+        return graphs
+
+    def _compile(self) -> None:
+        """Compile the planned graphs in turn, each live once its padding rows ran through it. Where
+        one fails (e.g. no C++ compiler for inductor's CPU kernels), the engine stays eager."""
+        background = threading.current_thread() is self._compiling
+        log.info("compiling the decode step", extra={"graphs": len(self.planned), "background": background})
         started = time.monotonic()
-        for route, outputs in graphs:
-            began = time.monotonic()
-            self.run(route, [0] * route.rows, [self.slots] * route.rows, [0] * route.rows,
-                     None if outputs is None else list(range(outputs)))
-            log.info("decode graph compiled", extra={"graph": route.graph.name, "rows": route.rows,
+        try:
+            for route, outputs in self.planned:
+                if self._closing.is_set():
+                    return
+                began = time.monotonic()
+                self.run(route, [0] * route.rows, [self.slots] * route.rows, [0] * route.rows,
+                         None if outputs is None else list(range(outputs)))
+                self.live = self.live | {route}  # the engine's next route() takes it
+                log.info("decode graph live", extra={"graph": route.graph.name, "rows": route.rows,
                                                      "seconds": round(time.monotonic() - began, 2)})
-        log.info("decode step compiled", extra={"graphs": len(graphs), "seconds": round(time.monotonic() - started, 2)})
+        except Exception:
+            log.exception("compiling the decode step failed; the engine runs it uncompiled")
+            self.live, self.compiled, self.mixed, self._step = frozenset(), False, False, self.model.forward_decode
+            return
+        log.info("decode step compiled", extra={"graphs": len(self.planned), "seconds": round(time.monotonic() - started, 2)})
 
     def _record_graphs(self, max_len: int) -> None:
         """The BUCKET decode's CUDA graphs, every batch and span bucket, recorded before serving."""

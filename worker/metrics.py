@@ -11,6 +11,9 @@ pays nothing for them:
 - `nanoserve_worker_prefix_cache_queried_tokens_total{model,device}`, `…_hit_tokens_total`: the
   prompt tokens that looked for a cached prefix, and those found (the hit rate is their ratio; the
   hits are the prefill tokens saved)
+- `nanoserve_worker_warming_up{model,device}`: 1 while the engine compiles its decode step's graphs
+  in the background (serving eagerly meanwhile), else 0; `nanoserve_worker_compiled_graphs_live`:
+  the compiled graphs its steps take so far
 - `nanoserve_worker_tokens_per_second{model,device}`: over the time since the previous scrape
   (at least `min_window` seconds; `rate(nanoserve_worker_tokens_generated_total[1m])` is the
   Prometheus way to get it over a fixed window)
@@ -19,7 +22,8 @@ pays nothing for them:
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
      "tokens_generated": int, "prompt_tokens": int, "steps": int, "batch_size_counts": {size: steps},
-     "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int}
+     "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int, "warming_up": int,
+     "compiled_graphs_live": int}
 The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).
 """
 from __future__ import annotations
@@ -38,6 +42,8 @@ _GAUGES = {
     "waiting": ("nanoserve_worker_waiting_requests", "Requests submitted to the engine, not yet admitted."),
     "kv_slots_used": ("nanoserve_worker_kv_slots_used", "KV-cache sequence slots in use."),
     "kv_slots_total": ("nanoserve_worker_kv_slots_total", "KV-cache sequence slots allocated."),
+    "warming_up": ("nanoserve_worker_warming_up", "1 while the decode step's graphs compile in the background."),
+    "compiled_graphs_live": ("nanoserve_worker_compiled_graphs_live", "Compiled decode graphs the engine's steps take."),
 }
 _COUNTERS = {
     "tokens_generated": ("nanoserve_worker_tokens_generated", "Completion tokens generated."),

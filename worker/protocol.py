@@ -127,6 +127,9 @@ def redis_client(url: str, pool_class: type[redis.ConnectionPool] = redis.Connec
 QUEUE_PREFIX = "completions:"
 BATCH_QUEUE_PREFIX = "batch:"
 JOB_FUNCTION = "worker.consumer.run_completion"
+# The field of an rq worker's record (its hash) that is 1 while its engine compiles its decode step's
+# graphs in the background, serving eagerly meanwhile, else 0 (web's /ready counts them).
+WARMING_FIELD = "nanoserve_warming"
 # How rq stores a job's call, meta and return value in Redis; every rq Queue, Job and Worker here is
 # built with it. rq's default is pickle, which would run whatever a job written into Redis holds on
 # the worker that takes it; all of ours is JSON already (payload, meta, completion object).

@@ -48,9 +48,11 @@ class Draw(NamedTuple):
 
 class Runner:
     def __init__(self, model, vocab_size: int, *, max_batch: int, max_len: int, kv_memory_bytes: int | None = None,
-                 compile: bool = False, prepack: bool = True, cuda_graphs: bool = True, grammars=None):
+                 compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
+                 cuda_graphs: bool = True, grammars=None):
         """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
-        cannot hold that many (`slots`). See Engine for `compile`, `prepack` and `cuda_graphs`."""
+        cannot hold that many (`slots`). See Engine for `compile`, `compile_in_background`, `prepack`
+        and `cuda_graphs`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
         config, dtype = model.config, model_cache_dtype(model)
         slots = max_batch
@@ -74,11 +76,13 @@ class Runner:
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed)
+        self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed,
+                                   background=compile_in_background)
 
     @property
     def compiled(self) -> bool:
-        """Whether the decode step runs compiled (False where compiling it failed)."""
+        """Whether the decode step runs compiled, or will once its graphs are live (False where
+        compiling it failed)."""
         return self.routes.compiled
 
     @property
@@ -88,7 +92,8 @@ class Runner:
 
     def stats(self) -> dict:
         return {"tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
-                "batch_size_counts": dict(self.batch_sizes)}
+                "batch_size_counts": dict(self.batch_sizes), "warming_up": int(self.routes.warming),
+                "compiled_graphs_live": len(self.routes.live)}
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Sampling state for sequences given a slot: their request's parameters, and the tokens a

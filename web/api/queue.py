@@ -53,6 +53,15 @@ class JobQueue:
             registered, queued = pipe.execute()
         return (self.redis.exists(*registered) if registered else 0), queued
 
+    def warming(self, model_id: str) -> int:
+        """Of a model's live workers, how many belong to an engine that still compiles its graphs
+        (serving meanwhile, more slowly: worker/decode_routes.py)."""
+        registered = self.redis.smembers(WORKERS_BY_QUEUE_KEY % self.queue(model_id).name)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key in registered:
+                pipe.hget(key, protocol.WARMING_FIELD)
+            return sum(flag in (b"1", "1") for flag in pipe.execute())
+
     def check_capacity(self, model_id: str) -> None:
         """503 when no worker serves the model, 429 when its queue is full (both with Retry-After)."""
         workers, queued = self.load(model_id)
