@@ -6,6 +6,7 @@ phases its log gives (docs/performance.md, "Start").
 
     python -m bench.start_bench                       # GPT-2 small's shape, float32, this CPU
     python -m bench.start_bench --dtype int8
+    python -m bench.start_bench --decode-pairs 4      # the engine's decode speed after the switch
 
 The CPU kernels are built first, as `make install` builds them, and that build is timed; a last
 launch starts without them (nothing built, nothing compiled). Each launch has a job waiting in the
@@ -14,6 +15,11 @@ compiled". The decode speed is the median over 3 greedy 64-token jobs, one at a 
 speed, from their first token's event to their `done` event. The caches are private temporary
 directories (NANOSERVE_EXTENSIONS, NANOSERVE_COMPILE_CACHE), so the machine's own are neither used
 nor touched.
+
+`--decode-pairs N`: N pairs of processes, alternating, each an engine launched as the worker launches
+it, compiled before serving or in the background (from the machine's compile cache); once its
+graphs are live, ms per token of 5 greedy 128-token jobs one at a time (each less a 1-token job's
+time), their median.
 """
 from __future__ import annotations
 
@@ -94,6 +100,50 @@ def launch(checkpoint_dir: Path, work: Path, caches: dict[str, Path], dtype: str
             "tpot_ms": round(tpot * 1000, 2), "phases": phases}
 
 
+def decode_speed(path: Path, dtype: str, background: bool) -> float:
+    """This process: an engine compiled first or in the background, its median ms per token once live."""
+    from models.tokenizer import load_tokenizer
+    from nanogpt.checkpoint import load_model
+    from nanogpt.kernels.machine import cpu_flags
+    from nanogpt.kernels.quantize import quantize_int8
+    from nanogpt.runtime import precision
+    from worker.engine import Engine
+    from worker.protocol import CompletionJob
+
+    chosen = precision.choose(dtype, "cpu", cpu_flags())
+
+    def load():
+        model = load_model(str(path), dtype=chosen.dtype)
+        return quantize_int8(model) if chosen.int8 else model
+
+    engine = Engine.launch(load, load_tokenizer(str(path)), max_batch=8, compile=True, compile_in_background=background)
+    engine.runner.routes.wait_compiled()
+
+    def seconds(i: int, tokens: int) -> float:
+        job = CompletionJob(id=f"j{i}", model="m", prompts=[[464, 2068, 7586]], max_tokens=tokens, temperature=0.0,
+                            seed=0, ignore_eos=True)
+        started = time.perf_counter()
+        engine.submit(job).result()
+        return time.perf_counter() - started
+
+    seconds(0, 4)
+    per_token = [(seconds(i, 129) - seconds(100 + i, 1)) / 128 * 1000 for i in range(1, 6)]
+    engine.stop()
+    return statistics.median(per_token)
+
+
+def decode_pairs(path: Path, dtype: str, pairs: int) -> dict:
+    """`pairs` alternating pairs of processes (decode_speed): their ms per token by way of compiling."""
+    speeds = {"first": [], "background": []}
+    for _ in range(pairs):
+        for mode in speeds:
+            done = subprocess.run([sys.executable, "-m", "bench.start_bench", "--checkpoint", str(path), "--dtype", dtype,
+                                   "--decode-one", mode], check=True, capture_output=True, text=True)
+            speeds[mode].append(float(done.stdout.strip().splitlines()[-1]))
+    return {mode: {"ms_per_token": [round(x, 2) for x in xs], "median": round(statistics.median(xs), 2)}
+            for mode, xs in speeds.items()}
+
+
 def build_kernels(directory: Path) -> float:
     """`make install`'s kernel build into `directory`: seconds."""
     started = time.monotonic()
@@ -108,10 +158,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", help="a Hugging Face directory instead of --shape's random checkpoint")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="bench/.cache/start_bench.json", help="the results as JSON")
+    parser.add_argument("--decode-pairs", type=int, help="measure the decode speed after the switch instead")
+    parser.add_argument("--decode-one", choices=("first", "background"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from nanogpt.kernels.machine import cpu_name
 
     path = Path(args.checkpoint) if args.checkpoint else checkpoint(args.shape)
+    if args.decode_one:  # one process of --decode-pairs
+        print(decode_speed(path, args.dtype, args.decode_one == "background"))
+        return {}
+    if args.decode_pairs:
+        results = {"cpu": cpu_name(), "shape": str(args.checkpoint or args.shape), "dtype": args.dtype,
+                   "code": code_version(), "decode_after_switch": decode_pairs(path, args.dtype, args.decode_pairs)}
+        table = "\n".join(["| compiled | ms per token, each process | median |", "| --- | --- | ---: |"] +
+                          [f"| {mode} | {', '.join(map(str, r['ms_per_token']))} | {r['median']} |"
+                           for mode, r in results["decode_after_switch"].items()])
+        write_results(results, table, args.out)
+        return results
     rows = []
     with tempfile.TemporaryDirectory(prefix="nanoserve-start-") as tmp:
         work = Path(tmp)

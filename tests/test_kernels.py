@@ -316,6 +316,55 @@ def test_the_output_head_is_planned_on_its_own_timings(checkpoint, monkeypatch, 
     assert planner.describe(model).endswith(" head: " + head.describe())
 
 
+def test_a_plan_measured_on_a_quiet_machine_is_read_back_by_a_later_start_on_the_same_cpu(checkpoint, monkeypatch,
+                                                                                        tmp_path):
+    """keep_plans: the worker's next start reads the plan instead of timing; another CPU, a busy
+    machine's rule, or a kernel no longer offered never comes back from the disk."""
+    timed = []
+
+    def timings(weights, names, rows):
+        timed.append(names)
+        return {name: {r: 1.0 if name == "onednn" else 2.0 for r in rows} for name in names}
+
+    monkeypatch.setattr(planner, "time_kernels", timings)
+    monkeypatch.setattr(machine, "QUIET_CORES", math.inf)
+    monkeypatch.setattr(planner, "_plans", {})
+    planner.keep_plans(tmp_path)
+    try:
+        model = load_model(str(checkpoint))
+        planner.pack_linears(model)
+        measured, first = model.lm_head._plan, len(timed)
+        assert first >= 1 and len(list(tmp_path.glob("*.json"))) == first
+        monkeypatch.setattr(planner, "_plans", {})  # a new process
+        again = load_model(str(checkpoint))
+        planner.pack_linears(again)
+        plan = again.lm_head._plan
+        assert len(timed) == first  # nothing timed
+        assert plan == measured and plan.seconds == measured.seconds and plan.fused_gelu == measured.fused_gelu
+        assert plan.describe().endswith("(measured before on this CPU)")
+        assert planner.row_costs(again) == planner.row_costs(model)
+
+        monkeypatch.setattr(planner, "_plans", {})
+        monkeypatch.setattr(machine, "cpu_identity", lambda: "another CPU")
+        planner.pack_linears(load_model(str(checkpoint)))
+        assert len(timed) == 2 * first  # timed again, and kept beside the first CPU's
+        assert len(list(tmp_path.glob("*.json"))) == 2 * first
+
+        monkeypatch.setattr(planner, "_plans", {})
+        monkeypatch.setattr(machine, "cpu_identity", lambda: "a third CPU")
+        monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # busy: the rule's plan is not kept
+        planner.pack_linears(load_model(str(checkpoint)))
+        assert len(list(tmp_path.glob("*.json"))) == 2 * first
+
+        monkeypatch.setattr(machine, "cpu_identity", lambda: "another CPU")
+        monkeypatch.setattr(planner, "_plans", {})
+        monkeypatch.setattr(planner, "available", lambda dtype: ["linear", "mkl"])  # onednn no longer offered
+        monkeypatch.setattr(machine, "QUIET_CORES", math.inf)
+        assert planner.choose([load_model(str(checkpoint)).lm_head]).packed != "onednn"
+    finally:
+        planner.keep_plans(None)
+
+
 def test_busy_timings_give_way_to_the_rule(checkpoint, monkeypatch):
     model = load_model(str(checkpoint))
     monkeypatch.setattr(machine, "QUIET_CORES", -1.0)  # as if other processes had been busy

@@ -50,6 +50,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_identity() -> str:
+    """What names this CPU model exactly, for results measured on it that outlive the process
+    (vendor, family, model, stepping, name, flags and cache of /proc/cpuinfo's first CPU; its name
+    and flags elsewhere), with the cores this process may use."""
+    fields = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "cache size", "Features", "CPU part")
+    seen = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                name, _, value = line.partition(":")
+                if name.strip() in fields:
+                    seen[name.strip()] = value.strip()
+    except OSError:
+        seen = {"name": cpu_name(), "flags": " ".join(sorted(cpu_flags()))}
+    return "\n".join(f"{k}: {v}" for k, v in sorted(seen.items())) + f"\ncores: {len(os.sched_getaffinity(0))}"
+
+
 def last_level_cache_bytes() -> int:
     """The largest cache the first CPU reports (sysfs; 0 where it reports none)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

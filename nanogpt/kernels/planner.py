@@ -9,6 +9,10 @@ it for the row counts where no kernel that needs no pack (F.linear, the GEMV) se
 Where the timing cannot be trusted (other processes busy), a rule measured on this project's CPUs
 decides (RULE). docs/notes/kernel-plan.md has the measurements behind each choice.
 
+A plan measured on a quiet machine is kept on disk where the worker asks for it (`keep_plans`), keyed
+by the CPU, the thread count and the layers' shapes (in a directory per version of the code and
+torch): a later start on the same machine reads it instead of timing again.
+
 A packed copy costs as much memory as the weights it packs. Under torch.compile a packed layer is
 one opaque op (ops.py), so compiled graphs run the same kernels and stay storable in the compile
 cache (nanogpt/runtime/compile_cache.py).
@@ -16,10 +20,14 @@ cache (nanogpt/runtime/compile_cache.py).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
 import math
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -29,6 +37,8 @@ from nanogpt.kernels import gemv, machine
 from nanogpt.kernels.linear import KernelLinear
 from nanogpt.kernels.matmuls import (GEMV, INT8, INT8_GEMV, KERNELS, ONEDNN_ACTIVATIONS, PLAIN, Plan, available)
 from nanogpt.kernels.quantize import Int8Linear
+
+log = logging.getLogger(__name__)
 
 # Row counts timed when choosing; each stands for the rows up to the geometric mean with the next
 # (1: 1-2, 4: 3-5, 8: 6-22, 64: 23-128, 256: the rest): one sequence, a few, a small batch, a large
@@ -130,6 +140,44 @@ def _check(name: str, dtype: torch.dtype) -> str:
 # ---- choosing by measurement ----
 
 _plans: dict[tuple, Plan] = {}  # one measurement per weight shapes, dtype and thread count
+_kept: Path | None = None  # where measured plans outlive the process (`keep_plans`)
+
+
+def keep_plans(directory: str | Path | None) -> None:
+    """Keep every plan measured on a quiet machine in `directory`, and read one from there instead
+    of timing (None: neither). The directory should be one per version of the code and torch (the
+    worker's is in its compile cache's: nanogpt/runtime/compile_cache.py)."""
+    global _kept
+    _kept = None if directory is None else Path(directory)
+
+
+def _kept_path(key: tuple) -> Path:
+    digest = hashlib.sha256(f"{machine.cpu_identity()}\n{key}".encode()).hexdigest()[:24]
+    return _kept / f"{digest}.json"
+
+
+def _read_kept(key: tuple) -> Plan | None:
+    try:
+        kept = json.loads(_kept_path(key).read_text())
+        ranges = tuple((math.inf if most is None else most, name) for most, name in kept["ranges"])
+        seconds = {name: {int(rows): t for rows, t in by_rows.items()} for name, by_rows in kept["seconds"].items()}
+        plan = Plan(kept["packed"], ranges, seconds, "measured before on this CPU", kept["fused_gelu"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    usable = available(key[0])  # a kernel whose build failed since is not offered now
+    return plan if all(name in usable for _, name in plan.ranges) and plan.packed in [*usable, PLAIN] else None
+
+
+def _keep(key: tuple, plan: Plan) -> None:
+    path = _kept_path(key)
+    record = {**asdict(plan), "ranges": [(None if most == math.inf else most, name) for most, name in plan.ranges]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(record))
+        os.replace(partial, path)  # whole or absent for a process reading it at the same time
+    except OSError as error:
+        log.warning("kernel plan not kept: %s", error)
 
 
 def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
@@ -145,6 +193,10 @@ def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
                (m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in sample]
     dtype = torch.qint8 if int8 else weights[0][0].dtype
     key = (dtype, tuple(tuple(w.shape) for w, _ in weights), torch.get_num_threads(), gelu)
+    if key not in _plans and _kept is not None:
+        kept = _read_kept(key)
+        if kept is not None:
+            _plans[key] = kept
     if key not in _plans:
         others = machine.OtherProcesses()
         seconds = time_kernels(weights, available(dtype), TIMED_ROWS)
@@ -156,6 +208,8 @@ def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
                 if others.quiet():  # still quiet while the GELU was timed
                     plan = replace(plan, fused_gelu=fused)
             _plans[key] = plan
+            if _kept is not None:
+                _keep(key, plan)
         else:
             source = f"rule: other processes used {busy:.1f} cores while timing"
             packed = INT8 if int8 else next(name for name in RULE if name in seconds)
