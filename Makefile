@@ -40,8 +40,9 @@ browser:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	    chromium chromium-driver fonts-dejavu-core; }
 
+# `make serve MODEL=gpt2`: another model of the registry (an `hf:` one is downloaded on first start)
 serve: install
-	$(BIN)/python -m web.dev.devserver
+	$(BIN)/python -m web.dev.devserver $(if $(MODEL),--model $(MODEL))
 
 check: install-dev
 	$(BIN)/python -m pytest -m "$(CHECK_MARKERS)" --durations=20 $(PYTEST_ARGS)

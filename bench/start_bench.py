@@ -19,7 +19,7 @@ nor touched.
 `--decode-pairs N`: N pairs of processes, alternating, each an engine launched as the worker launches
 it, compiled before serving or in the background (from the machine's compile cache); once its
 graphs are live, ms per token of 5 greedy 128-token jobs one at a time (each less a 1-token job's
-time), their median.
+time), their median; every process with the kernel plan the first measured (kept as the worker keeps it).
 """
 from __future__ import annotations
 
@@ -104,13 +104,15 @@ def decode_speed(path: Path, dtype: str, background: bool) -> float:
     """This process: an engine compiled first or in the background, its median ms per token once live."""
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
+    from nanogpt.kernels import planner
     from nanogpt.kernels.machine import cpu_flags
     from nanogpt.kernels.quantize import quantize_int8
-    from nanogpt.runtime import precision
+    from nanogpt.runtime import compile_cache, precision
     from worker.engine import Engine
     from worker.protocol import CompletionJob
 
     chosen = precision.choose(dtype, "cpu", cpu_flags())
+    planner.keep_plans(compile_cache.default_directory() / "kernel-plans")  # as the worker: one plan for every process
 
     def load():
         model = load_model(str(path), dtype=chosen.dtype)
@@ -118,6 +120,7 @@ def decode_speed(path: Path, dtype: str, background: bool) -> float:
 
     engine = Engine.launch(load, load_tokenizer(str(path)), max_batch=8, compile=True, compile_in_background=background)
     engine.runner.routes.wait_compiled()
+    print(planner.describe(engine.runner.model), file=sys.stderr)
 
     def seconds(i: int, tokens: int) -> float:
         job = CompletionJob(id=f"j{i}", model="m", prompts=[[464, 2068, 7586]], max_tokens=tokens, temperature=0.0,

@@ -142,3 +142,14 @@ def test_keys_are_required_beyond_loopback_unless_disabled_with_a_warning(capsys
 
     assert default_auth(host, configured) == expected
     assert ("WARNING" in capsys.readouterr().err) == warned
+
+
+def test_the_default_model_is_trained_only_when_it_is_served():
+    """`make serve MODEL=gpt2` serves the Hub's GPT-2 without training shakespeare-char first."""
+    from web.dev.devserver import trains_default_model
+
+    env = {k: v for k, v in os.environ.items() if k != "NANOSERVE_MODELS"}  # the default registry
+    assert trains_default_model(["shakespeare-char"], env)
+    assert not trains_default_model(["gpt2"], env) and not trains_default_model(["gpt-2"], env)  # an alias
+    assert trains_default_model(["gpt2", "shakespeare-char"], env)
+    assert not trains_default_model(["no-such-model"], env)

@@ -177,6 +177,15 @@ def wait_until_ready(stack: Stack, base: str, models: list[str] | None, timeout:
     return False, body.decode(errors="replace")
 
 
+def trains_default_model(models: list[str], env: dict[str, str]) -> bool:
+    """Whether the default model is among those to serve (from the default registry): only then is
+    it trained first. An unknown name is left for `run` to report."""
+    try:
+        return DEFAULT_MODEL in model_ids(models, env)
+    except (KeyError, ValueError):
+        return False
+
+
 def model_ids(names: list[str] | None, env: dict[str, str]) -> list[str] | None:
     """Registry ids of the names given to --model (which may be aliases)."""
     if not names:
@@ -259,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     env["NANOSERVE_AUTH"] = os.environ["NANOSERVE_AUTH"] = auth
     models = args.model
     if "NANOSERVE_MODELS" not in env:
+        models = models or [DEFAULT_MODEL]
         try:
-            ensure_default_model(env)
+            if trains_default_model(models, env):
+                ensure_default_model(env)
         except KeyboardInterrupt:
             print("devserver: interrupted", flush=True)
             return 130
-        models = models or [DEFAULT_MODEL]
 
     stack = Stack()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
