@@ -15,7 +15,6 @@ import gc
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -110,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 class ChildCompile:
     """Fills the compile cache for one engine in a child process (`processor.py --warm-up` of its
-    model, at a lower priority), so that the worker's own background compile then loads its graphs
+    model), so that the worker's own background compile then loads its graphs
     in seconds: the serving engine's thread shares the interpreter's lock with that loading, not
     with minutes of tracing (docs/notes/background-compile.md). The child loads the model again."""
 
@@ -119,8 +118,6 @@ class ChildCompile:
                      "--device", device, "--log-level", "warning"]
         if models_file:
             self.args += ["--models-file", models_file]
-        if shutil.which("nice"):
-            self.args = ["nice", "-n", "10", *self.args]
         self.process: subprocess.Popen | None = None
         self._stopped = False
 
