@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -107,46 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class ChildCompile:
-    """Fills the compile cache for one engine in a child process (`processor.py --warm-up` of its
-    model), so that the worker's own background compile then loads its graphs
-    in seconds: the serving engine's thread shares the interpreter's lock with that loading, not
-    with minutes of tracing (docs/notes/background-compile.md). The child loads the model again."""
-
-    def __init__(self, model_id: str, device: str, models_file: str | None):
-        self.args = [sys.executable, os.path.abspath(__file__), "--warm-up", "--compile", "--model", model_id,
-                     "--device", device, "--log-level", "warning"]
-        if models_file:
-            self.args += ["--models-file", models_file]
-        self.process: subprocess.Popen | None = None
-        self._stopped = False
-
-    def __call__(self) -> None:
-        if self._stopped:
-            return
-        started = time.monotonic()
-        self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-        _, errors = self.process.communicate()
-        if self.process.returncode != 0:
-            raise RuntimeError(f"the child exited {self.process.returncode}: {errors[-2000:]}")
-        log.info("compile cache filled by a child process", extra={"seconds": round(time.monotonic() - started, 2)})
-
-    def stop(self) -> None:
-        self._stopped = True
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-
-
-def build_engine(spec, device: str, sink, compile: bool | None = False, background: bool = False,
-                 warm_cache=None):
+def build_engine(spec, device: str, sink, compile: bool | None = False, background: bool = False):
     """Load the model and tokenizer onto one device and wrap them in a started engine, in the
     precision nanogpt.runtime.precision chooses for the registry's dtype on this hardware (a CPU without
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
     kernels (nanogpt.kernels.planner). `compile`: compile the decode step, or None: where it pays
     (nanogpt.runtime.compile.compiles_by_default); `background`: compile it while the engine serves
-    (Engine's compile_in_background, after `warm_cache()`). The model is loaded on the engine's
-    thread (Engine.launch)."""
+    (Engine's compile_in_background). The model is loaded on the engine's thread (Engine.launch)."""
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
     from nanogpt.kernels import planner
@@ -180,7 +146,7 @@ def build_engine(spec, device: str, sink, compile: bool | None = False, backgrou
         return model
 
     engine = Engine.launch(load, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
-                           event_sink=sink, compile=compile, compile_in_background=background, warm_cache=warm_cache,
+                           event_sink=sink, compile=compile, compile_in_background=background,
                            prefix_caching=spec.prefix_caching)
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
@@ -288,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
     planner.keep_plans(compile_cache.default_directory() / "kernel-plans")
     pool = WorkerPool(args.redis_url, heartbeat_interval=args.heartbeat)
     engines = []
-    children: list[ChildCompile | None] = []
     status = 0
     try:
         for spec, device in targets:
@@ -298,11 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             client = protocol.redis_client(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
             try:
-                background = not (args.compile_first or args.warm_up)
-                child = ChildCompile(spec.id, device, args.models_file) if background else None
-                children.append(child)
-                engine = build_engine(spec, device, writer, compile=args.compile, background=background,
-                                      warm_cache=child)
+                engine = build_engine(spec, device, writer, compile=args.compile,
+                                      background=not (args.compile_first or args.warm_up))
             except CheckpointError as err:
                 log.error("cannot load model", extra={"model": spec.id, "device": device, "error": str(err)})
                 status = 2
@@ -335,9 +297,6 @@ def main(argv: list[str] | None = None) -> int:
         log.info("taking no new jobs; waiting for running ones", extra={"running": pool.running()})
         pool.join()
     finally:
-        for child in children:
-            if child is not None:
-                child.stop()
         for _, engine in engines:
             engine.stop()
         # what an outage kept back gets a last chance to land (the writers' retry threads are daemons)

@@ -37,8 +37,7 @@ from pathlib import Path
 from bench import checkpoint, write_results
 from bench.engine_bench import code_version
 
-PHASES = ("weights loaded", "matmul kernels chosen", "CPU kernels built", "compile cache filled by a child process",
-          "decode step compiled")
+PHASES = ("weights loaded", "matmul kernels chosen", "CPU kernels built", "decode step compiled")
 
 
 def launch(checkpoint_dir: Path, work: Path, caches: dict[str, Path], dtype: str, first: bool, label: str) -> dict:

@@ -85,15 +85,13 @@ def chunk_rows(rows: int, chunks: list[int]) -> list[int]:
 
 class DecodeRoutes:
     def __init__(self, model, cache, slots: int, max_len: int, *, compile: bool, graphed: bool,
-                 background: bool = False, warm_cache=None):
+                 background: bool = False):
         """The routes of an engine over `cache`, whose sequences hold slots 0..slots-1 (and, where
         `pads`, the cache has the spare slot `slots`). compile: torch.compile forward_decode, every
         graph before serving, or with `background` on a thread of its own while the engine serves
         eagerly (not with CUDA graphs, which record the compiled step); the engine stays eager where
-        compiling fails; `warm_cache()`, called first on that thread, fills the compile cache away
-        from this process, whose serving thread then shares the interpreter's lock with a few seconds
-        of loading instead of minutes of compiling. graphed: replay the BUCKET decode from CUDA
-        graphs, recorded here (launched kernel by kernel where recording fails)."""
+        compiling fails. graphed: replay the BUCKET decode from CUDA graphs, recorded here (launched
+        kernel by kernel where recording fails)."""
         self.model, self.cache, self.slots, self.device = model, cache, slots, model.device
         self.pads = self.padded(compile, graphed)
         self.compiled, self.graphs = compile, None
@@ -105,7 +103,6 @@ class DecodeRoutes:
         self._step = model.forward_decode
         self._compiling: threading.Thread | None = None
         self._closing = threading.Event()
-        self._warm_cache = warm_cache
         if compile:
             self._step = compile_decode(model)
             for i in range(len(cache.k)):  # one graph serves every engine's slot count
@@ -218,11 +215,6 @@ class DecodeRoutes:
         background = threading.current_thread() is self._compiling
         log.info("compiling the decode step", extra={"graphs": len(self.planned), "background": background})
         started = time.monotonic()
-        if background and self._warm_cache is not None:
-            try:
-                self._warm_cache()
-            except Exception:  # compiled here instead, from what the cache holds
-                log.exception("warming the compile cache failed")
         try:
             for route, outputs in self.planned:
                 if self._closing.is_set():

@@ -83,8 +83,8 @@ class RequestHandle:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
-                 compile: bool = False, compile_in_background: bool = False, warm_cache=None,
-                 prepack: bool = True, cuda_graphs: bool = True, prefix_caching: bool = True):
+                 compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
+                 cuda_graphs: bool = True, prefix_caching: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
@@ -97,9 +97,7 @@ class Engine:
         up, which also run steps that feed prompt tokens beside decoding rows).
         compile_in_background: compile those graphs on a thread of their own instead, the engine
         serving eagerly meanwhile and taking each graph from the step after it compiled (not with
-        CUDA graphs, which record the compiled step before the engine runs). warm_cache: called
-        first on that thread, to fill the compile cache away from this process (processor.py runs a
-        child process), so that the graphs then load here in seconds.
+        CUDA graphs, which record the compiled step before the engine runs).
         prefix_caching: reuse the keys and values a free slot holds of a prompt's prefix (worker/prefix_cache.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py)."""
@@ -114,7 +112,7 @@ class Engine:
         self.grammars = Grammars(tokenizer, self.vocab_size)
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
                              kv_memory_bytes=kv_memory_bytes, compile=compile,
-                             compile_in_background=compile_in_background, warm_cache=warm_cache, prepack=prepack,
+                             compile_in_background=compile_in_background, prepack=prepack,
                              cuda_graphs=cuda_graphs, grammars=self.grammars)
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model), prefix_caching)
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)

@@ -48,11 +48,11 @@ class Draw(NamedTuple):
 
 class Runner:
     def __init__(self, model, vocab_size: int, *, max_batch: int, max_len: int, kv_memory_bytes: int | None = None,
-                 compile: bool = False, compile_in_background: bool = False, warm_cache=None,
-                 prepack: bool = True, cuda_graphs: bool = True, grammars=None):
+                 compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
+                 cuda_graphs: bool = True, grammars=None):
         """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
-        cannot hold that many (`slots`). See Engine for `compile`, `compile_in_background`,
-        `warm_cache`, `prepack` and `cuda_graphs`."""
+        cannot hold that many (`slots`). See Engine for `compile`, `compile_in_background`, `prepack`
+        and `cuda_graphs`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
         config, dtype = model.config, model_cache_dtype(model)
         slots = max_batch
@@ -77,7 +77,7 @@ class Runner:
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed,
-                                   background=compile_in_background, warm_cache=warm_cache)
+                                   background=compile_in_background)
 
     @property
     def compiled(self) -> bool:
