@@ -40,7 +40,8 @@ from bench.engine_bench import code_version
 PHASES = ("weights loaded", "matmul kernels chosen", "CPU kernels built", "decode step compiled")
 
 
-def launch(checkpoint_dir: Path, work: Path, caches: dict[str, Path], dtype: str, first: bool, label: str) -> dict:
+def launch(checkpoint_dir: Path, work: Path, caches: dict[str, Path], dtype: str, first: bool, label: str,
+           compile: bool | None = None) -> dict:
     """One launch: seconds to the first completion and to full speed, the decode speed then, and the
     log's phases."""
     import redis
@@ -81,7 +82,7 @@ def launch(checkpoint_dir: Path, work: Path, caches: dict[str, Path], dtype: str
                     raise RuntimeError(f"the worker exited: {worker.logs()[-2000:]}")
 
         launched, launched_at = time.monotonic(), time.time()
-        worker = spawn_processor(server.url, models, concurrency=2, compile=None, env=env, log_dir=work / label,
+        worker = spawn_processor(server.url, models, concurrency=2, compile=compile, env=env, log_dir=work / label,
                                  wait=False, extra_args=["--compile-first"] if first else [])
         try:
             ended, _ = run(8)
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", help="a Hugging Face directory instead of --shape's random checkpoint")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="bench/.cache/start_bench.json", help="the results as JSON")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="the worker's --compile / --no-compile (default: its own choice)")
+    parser.add_argument("--skip-unbuilt", action="store_true", help="leave out the launch with nothing built")
     parser.add_argument("--decode-pairs", type=int, help="measure the decode speed after the switch instead")
     parser.add_argument("--decode-one", choices=("first", "background"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -192,11 +196,12 @@ def main(argv: list[str] | None = None) -> dict:
         for first in (False, True):
             caches = {"extensions": built, "compile": work / f"compile-{first}"}
             for label in ("first start", "warm"):
-                rows.append(launch(path, work / f"{label}-{first}", caches, args.dtype, first, label))
-        caches = {"extensions": work / "unbuilt", "compile": work / "compile-unbuilt"}
-        rows.append(launch(path, work / "unbuilt", caches, args.dtype, False, "nothing built"))
+                rows.append(launch(path, work / f"{label}-{first}", caches, args.dtype, first, label, args.compile))
+        if not args.skip_unbuilt:
+            caches = {"extensions": work / "unbuilt", "compile": work / "compile-unbuilt"}
+            rows.append(launch(path, work / "unbuilt", caches, args.dtype, False, "nothing built", args.compile))
     results = {"cpu": cpu_name(), "shape": str(args.checkpoint or args.shape), "dtype": args.dtype,
-               "code": code_version(), "kernel_build_at_install_s": install_s, "rows": rows}
+               "compile": args.compile, "code": code_version(), "kernel_build_at_install_s": install_s, "rows": rows}
     table = "\n".join(["| start | compile | first completion s | full speed s | TPOT ms warming (jobs) | TPOT ms | "
                         + " | ".join(PHASES) + " |", "| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(PHASES)] +
                        [f"| {row['start']} | {row['compile']} | {row['first_completion_s']} | {row['full_speed_s']} | "

@@ -643,11 +643,12 @@ def test_a_long_generation_keeps_its_tokens_across_the_switch_to_compiled_graphs
 def test_an_engine_serves_on_its_thread_while_its_graphs_compile(compiled, tok):
     """The engine's thread steps while the compile's thread traces and runs its graphs: every wave
     of requests, during the compile and after it, gets the eager engine's tokens."""
+    jobs = lambda: [job(tok, [p], max_tokens=6) for p in PROMPTS]  # noqa: E731
+    expected = texts(run_all(compiled.eager, jobs()))
     engine = background_engine(compiled, tok)
     engine.start()
     try:
-        jobs = lambda: [job(tok, [p], max_tokens=6) for p in PROMPTS]  # noqa: E731
-        expected = texts(run_all(compiled.eager, jobs()))
+        assert engine.warming  # a compile takes seconds even from the compile cache; a wave, milliseconds
         during = 0
         while True:
             warming = engine.warming

@@ -429,7 +429,8 @@ class WorkerPool:
         generation, failing = 0, False
         while not self.stopping.is_set():
             try:
-                worker = self._new_worker(f"{name}.{generation}", queues, listeners, lambda: binding.engine.warming)
+                worker = self._new_worker(f"{name}.{generation}", queues, listeners,
+                                          lambda: bool(getattr(binding.engine, "warming", False)))
                 failing = False
                 self.workers[slot] = worker
                 if self.stopping.is_set():
