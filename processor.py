@@ -304,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("leaving with events Redis did not take")
     log.info("stopped")
     if any(engine.warming for _, engine in engines):
-        # a compile still running on its thread would abort the interpreter's exit (std::terminate)
+        # a compile still running on its thread would abort the interpreter's exit (std::terminate):
+        # leave without the exit's handlers, stopping inductor's compile workers as its handler would
+        async_compile = sys.modules.get("torch._inductor.async_compile")
+        if async_compile is not None:
+            async_compile.shutdown_compile_workers()
         logging.shutdown()
         os._exit(status)
     return status

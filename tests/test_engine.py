@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from nanogpt.kernels.quantize import quantize_int8
 from worker.engine import Engine
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
-from worker.decode_routes import MIXED_ATTENTION, Graph, Route
+from worker.decode_routes import MIXED_ATTENTION, DecodeRoutes, Graph, Route
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
 _ids = itertools.count()
@@ -608,10 +609,20 @@ def background_engine(compiled, tok):
     return make_engine(load_model(compiled.checkpoint), tok, compile=True, compile_in_background=True, max_batch=12)[0]
 
 
-def test_a_long_generation_keeps_its_tokens_across_the_switch_to_compiled_graphs(compiled, tok):
+def compile_gate(monkeypatch) -> threading.Event:
+    """Background compiles wait for the event: a graph compiled already in this process (by the
+    compiled fixture) may go live again within milliseconds, before a test has stepped eagerly."""
+    gate = threading.Event()
+    compile = DecodeRoutes._compile
+    monkeypatch.setattr(DecodeRoutes, "_compile", lambda routes: gate.wait(600) and compile(routes))
+    return gate
+
+
+def test_a_long_generation_keeps_its_tokens_across_the_switch_to_compiled_graphs(compiled, tok, monkeypatch):
     """An engine compiling in the background serves at once, eagerly, and takes its compiled graphs
     between two steps: a long greedy generation across the switch gives the eager engine's tokens
     (and logprobs within 1e-4), and so does every request decoding beside it after the switch."""
+    gate = compile_gate(monkeypatch)
     engine = background_engine(compiled, tok)
     routes, taken = engine.runner.routes, engine.runner.routes_taken
     assert engine.warming and engine.stats()["warming_up"] == 1 and engine.runner.compiled
@@ -622,6 +633,7 @@ def test_a_long_generation_keeps_its_tokens_across_the_switch_to_compiled_graphs
     for _ in range(6):
         engine.step()
     assert set(taken) == {Graph.EAGER} and not handles[0].done  # 4 rows, then the long one alone
+    gate.set()
     assert routes.wait_compiled(timeout=600)
     assert not engine.warming and engine.stats()["compiled_graphs_live"] == len(routes.planned) >= 1
     for _ in range(3):
@@ -640,25 +652,25 @@ def test_a_long_generation_keeps_its_tokens_across_the_switch_to_compiled_graphs
         assert taken[Graph.KERNEL] >= 1 and taken[Graph.SMALL] >= 1
 
 
-def test_an_engine_serves_on_its_thread_while_its_graphs_compile(compiled, tok):
+def test_an_engine_serves_on_its_thread_while_its_graphs_compile(compiled, tok, monkeypatch):
     """The engine's thread steps while the compile's thread traces and runs its graphs: every wave
-    of requests, during the compile and after it, gets the eager engine's tokens."""
+    of requests, before the compile, during it and after it, gets the eager engine's tokens."""
     jobs = lambda: [job(tok, [p], max_tokens=6) for p in PROMPTS]  # noqa: E731
     expected = texts(run_all(compiled.eager, jobs()))
+    gate = compile_gate(monkeypatch)
     engine = background_engine(compiled, tok)
     engine.start()
     try:
-        assert engine.warming  # a compile takes seconds even from the compile cache; a wave, milliseconds
-        during = 0
-        while True:
-            warming = engine.warming
-            handles = [engine.submit(j) for j in jobs()]
-            assert [h.result(timeout=120)["choices"][0]["text"] for h in handles] == expected
-            if not warming:
-                break
-            during += 1
+        def wave():
+            return [h.result(timeout=120)["choices"][0]["text"] for h in [engine.submit(j) for j in jobs()]]
+
+        assert engine.warming and wave() == expected
+        assert set(engine.runner.routes_taken) == {Graph.EAGER}
+        gate.set()
+        while engine.warming:
+            assert wave() == expected
+        assert wave() == expected
         taken = engine.runner.routes_taken
-        assert during >= 1 and taken[Graph.EAGER] >= 1
         assert taken[Graph.BUCKET] + taken[Graph.SMALL] + taken[Graph.KERNEL] >= 1  # the last wave's
     finally:
         engine.stop()
