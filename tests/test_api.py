@@ -488,6 +488,26 @@ def test_job_submit_poll_result(client, redis_url, r):
     assert state["result"]["id"] == job["id"] and state["result"]["choices"][0]["text"] == "Hello world"
 
 
+def test_a_job_rq_has_finished_is_in_progress_until_its_stream_has_its_result(client, r):
+    """The worker's last events can land after rq marks the job finished (its writer retries them
+    through an outage): until the `done` event is there, a poll says in_progress, never completed
+    without a result."""
+    from rq.job import Job
+
+    rq_json.worker(["completions:tiny"], r).register_birth()
+    job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}).get_json()["id"]
+    done = list(hello_script(protocol.CompletionJob.from_payload(
+        Job.fetch(job_id, connection=r, serializer=rq_json.SERIALIZER).args[0])))[-1]
+    r.xadd(protocol.stream_key(job_id), protocol.encode_event("delta", {"index": 0, "text": "Hello", "token_ids": [1],
+                                                                        "logprobs": None}))
+    Job.fetch(job_id, connection=r, serializer=rq_json.SERIALIZER).set_status(JobStatus.FINISHED)
+    state = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert state["status"] == "in_progress" and "result" not in state
+    r.xadd(protocol.stream_key(job_id), protocol.encode_event(*done))
+    state = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert state["status"] == "completed" and state["result"]["id"] == job_id
+
+
 def test_job_failed(client, redis_url):
     def failing(job):
         yield "error", protocol.error_body("bad", "server_error")

@@ -26,8 +26,10 @@ from worker.protocol import APIError, bad_request
 
 bp = Blueprint("jobs", __name__)
 
+# A job's status before its stream has a terminal event (`outcomes`). rq's FINISHED is then still
+# in progress: the worker's last events can land after rq's record (a writer retrying through an outage).
 _STATUS = {JobStatus.CREATED: "queued", JobStatus.QUEUED: "queued", JobStatus.DEFERRED: "queued",
-           JobStatus.SCHEDULED: "queued", JobStatus.STARTED: "in_progress", JobStatus.FINISHED: "completed",
+           JobStatus.SCHEDULED: "queued", JobStatus.STARTED: "in_progress", JobStatus.FINISHED: "in_progress",
            JobStatus.FAILED: "failed", JobStatus.CANCELED: "cancelled", JobStatus.STOPPED: "cancelled"}
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 ACTIVE = ("queued", "in_progress")
