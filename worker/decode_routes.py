@@ -145,25 +145,21 @@ class DecodeRoutes:
         `candidates` (contrastive candidate rows, which go with the rows and no chunk)."""
         if candidates:
             return Route(Graph.CANDIDATES, rows + candidates)
-        kernel = self.mixed and self._live(Graph.KERNEL)
+        kernel = self.mixed and Route(Graph.KERNEL, decode_attention.ROWS) in self.live
         if chunks:
             tokens = rows + sum(n for _, n in chunks)
             if kernel and sum(n * (fed + n) for fed, n in chunks) <= MIXED_ATTENTION:
                 return Route(Graph.KERNEL, max(tokens, decode_attention.ROWS))
             return Route(Graph.PACKED, tokens)
         if self.mixed and rows >= 2:
-            if rows <= SMALL_ROWS and self._live(Graph.SMALL):
+            if rows <= SMALL_ROWS and Route(Graph.SMALL, SMALL_ROWS) in self.live:
                 return Route(Graph.SMALL, rows)
             if kernel:
                 return Route(Graph.KERNEL, max(rows, decode_attention.ROWS))
             return Route(Graph.EAGER, rows)
-        if self.pads and (self.graphs is not None or self._live(Graph.BUCKET, bucket(rows))):
+        if self.pads and (self.graphs is not None or Route(Graph.BUCKET, bucket(rows)) in self.live):
             return Route(Graph.BUCKET, bucket(rows))
         return Route(Graph.EAGER, rows)
-
-    def _live(self, graph: Graph, rows: int | None = None) -> bool:
-        """Whether the compiled graph a route of `graph` runs (BUCKET's: that of `rows`) is live."""
-        return any(route.graph is graph and rows in (None, route.rows) for route in self.live)
 
     def run(self, route: Route, tokens: list[int], slots: list[int], positions: list[int],
             outputs: list[int] | None = None) -> torch.Tensor:

@@ -276,8 +276,8 @@ class Sampler:
                         in_place: bool = False):
         """Raw (B, V) logits (or log-probabilities: beam search) through the logits processors, in
         vLLM's order: the structured-output grammar's mask, banned tokens, bad words and n-gram
-        bans, stop tokens before min_tokens, logit_bias, repetition penalty, presence/frequency penalties. Each is skipped when no row
-        uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
+        bans, stop tokens before min_tokens, logit_bias, repetition penalty, presence/frequency
+        penalties. Each is skipped when no row uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
         `in_place`: the caller reads the raw logits no more, so they may be overwritten."""
         params, raw = [self.params[s] for s in slots], logits
         idx = torch.tensor(slots, device=logits.device)

@@ -60,7 +60,7 @@ class JobQueue:
         with self.redis.pipeline(transaction=False) as pipe:
             for key in registered:
                 pipe.hget(key, protocol.WARMING_FIELD)
-            return sum(flag in (b"1", "1") for flag in pipe.execute())
+            return sum(flag == b"1" for flag in pipe.execute())
 
     def check_capacity(self, model_id: str) -> None:
         """503 when no worker serves the model, 429 when its queue is full (both with Retry-After)."""
