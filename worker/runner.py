@@ -27,6 +27,7 @@ import torch
 from nanogpt.kernels.planner import pack_linears
 from nanogpt.runtime.kv_cache import KVCache
 from nanogpt.runtime.precision import model_cache_dtype
+from nanogpt.runtime.transfer import ToHost, to_device
 from worker import contrastive
 from worker.prefix_cache import MAX_TOP
 from worker.beams import BeamGroup, advance
@@ -44,6 +45,26 @@ class Draw(NamedTuple):
     token: int
     logprob: float | None
     top: list[tuple[int, float]]
+
+
+class Drawn:
+    """The tokens a step drew for `rows`, with their scores, on their way to the host in one copy:
+    `draws()` waits for that copy alone, so the engine may launch its next step first."""
+
+    def __init__(self, rows: list[Sequence], packed: torch.Tensor, k: int | None):
+        """packed (B, 1) tokens, or with scores (k: the most top logprobs a row asked for) (B, 2 + 2k):
+        token, its logprob, the top logprobs, their ids."""
+        self.rows, self._k, self._host = rows, k, ToHost(packed)
+
+    def draws(self) -> list[Draw]:
+        values, k = self._host.tolist(), self._k
+        if k is None:
+            return [Draw(int(row[0]), None, []) for row in values]
+        draws = []
+        for s, row in zip(self.rows, values):
+            kk = s.request.job.logprobs or 0
+            draws.append(Draw(int(row[0]), row[1], [(int(i), lp) for lp, i in zip(row[2:2 + kk], row[2 + k:2 + k + kk])]))
+        return draws
 
 
 class Runner:
@@ -65,6 +86,8 @@ class Runner:
         spare = DecodeRoutes.padded(compile, graphed)  # a slot for padding rows, a position past the context
         self.cache = KVCache(config, slots + spare, max_len + spare, self.device, dtype)
         self.sampler = Sampler(slots, vocab_size, self.device, grammars)
+        # each slot's last drawn token, on the device: the next step's input before the host has it
+        self.last = torch.zeros(slots + spare, dtype=torch.long, device=self.device)
         self.prompt_tokens = self.tokens_generated = 0
         self.batch_sizes = Counter()  # decode forwards by batch size
         self.routes_taken = Counter()  # decode forwards by route (decode_routes.Graph)
@@ -137,7 +160,10 @@ class Runner:
             tokens, lengths, slots, start, span = self._decode_batch(rows)
             return self.model.forward_cached(tokens, lengths, slots, start, self.cache, span=span), None
         # each row a token at its own (slot, position): the decoding rows', then the chunks' prompt tokens
-        tokens = [s.tokens[-1] for s in rows] + [t for unit, n in riding for t in unit.context[unit.fed:unit.fed + n]]
+        tokens = self._last_tokens(rows)
+        if riding:
+            tokens = torch.cat([tokens, to_device([t for unit, n in riding for t in unit.context[unit.fed:unit.fed + n]],
+                                                  self.device)])
         slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in riding for _ in range(n)]
         positions = [s.position for s in rows] + [p for unit, n in riding for p in range(unit.fed, unit.fed + n)]
         outputs = None if route.graph is Graph.BUCKET else chunk_rows(len(rows), [n for _, n in riding])
@@ -152,9 +178,9 @@ class Runner:
         cand_slots, cand_positions = contrastive.rows(searches)
         slots = [s.slot for s in seqs] + cand_slots
         positions = [s.position for s in seqs] + cand_positions
-        tokens = torch.cat([torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=self.device), candidates])
+        tokens = torch.cat([self._last_tokens(seqs), candidates])
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        meta = torch.tensor([[slots[r] for r in order], [positions[r] for r in order], order], device=self.device)
+        meta = to_device([[slots[r] for r in order], [positions[r] for r in order], order], self.device)
         logits, hidden = self.model.forward_cached(tokens[meta[2], None], torch.ones_like(meta[0]), meta[0], meta[1],
                                                    self.cache, span=max(positions) + 1, hidden=True)
         back = torch.empty_like(meta[2])
@@ -187,16 +213,22 @@ class Runner:
 
     def _decode_batch(self, seqs: list[Sequence]) -> tuple:
         """The decoding sequences as forward_cached's (tokens (B, 1), lengths, slots, start_pos, span)."""
-        tokens, slots, start = torch.tensor([[s.tokens[-1] for s in seqs], [s.slot for s in seqs],
-                                             [s.position for s in seqs]], device=self.device)
-        return tokens[:, None], torch.ones_like(slots), slots, start, max(s.position for s in seqs) + 1
+        slots, start = to_device([[s.slot for s in seqs], [s.position for s in seqs]], self.device)
+        return self._last_tokens(seqs)[:, None], torch.ones_like(slots), slots, start, max(s.position for s in seqs) + 1
+
+    def _last_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The sequences' last tokens (B,) on the device: from the host where it has them all, else
+        from `last`, where a draw still on its way to the host already is."""
+        if any(s.pending for s in seqs):
+            return self.last[to_device([s.slot for s in seqs], self.device)]
+        return to_device([s.tokens[-1] for s in seqs], self.device)
 
     def _prefill_batch(self, group: list[tuple[Prefill, int]]) -> tuple:
         """The prefills' next chunks as forward_cached's (tokens (B, T), lengths, slots, start_pos, span)."""
         T = max(n for _, n in group)
-        tokens = torch.tensor([u.context[u.fed:u.fed + n] + [0] * (T - n) for u, n in group], device=self.device)
-        lengths, slots, start = torch.tensor([[n for _, n in group], [u.seqs[0].slot for u, _ in group],
-                                              [u.fed for u, _ in group]], device=self.device)
+        tokens = to_device([u.context[u.fed:u.fed + n] + [0] * (T - n) for u, n in group], self.device)
+        lengths, slots, start = to_device([[n for _, n in group], [u.seqs[0].slot for u, _ in group],
+                                           [u.fed for u, _ in group]], self.device)
         return tokens, lengths, slots, start, max(u.fed + n for u, n in group)
 
     def _fed(self, group: list[tuple[Prefill, int]], out: torch.Tensor, all_logits: bool) -> list[tuple[Prefill, torch.Tensor]]:
@@ -219,17 +251,16 @@ class Runner:
                 unit.seqs[0].search.logits = last
         return done
 
-    def sample(self, rows: list[Sequence], logits: list[torch.Tensor]) -> list[Draw]:
+    def sample(self, rows: list[Sequence], logits: list[torch.Tensor]) -> Drawn:
         """Draw a token for every row from its logits (pieces of (B, V), in row order) and score it
-        as its request asks; one host sync for all of it."""
-        if not rows:
-            return []
+        as its request asks: on the device, each slot's token kept in `last`; to the host in one copy."""
         full = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, rows): every row of the head
         scored = any(s.request.needs_scores for s in rows)  # else the raw logits are read no more
+        slots = [s.slot for s in rows]
         # drawn among the tokenizer's ids only (nanoGPT and GPT-J pad the head past them)
-        tokens = self.sampler.sample(full[:, :self.vocab_size], [s.slot for s in rows], [s.tokens for s in rows],
-                                     in_place=not scored)
-        return self._draws(rows, full, tokens)
+        tokens = self.sampler.sample(full[:, :self.vocab_size], slots, [s.tokens for s in rows], in_place=not scored)
+        self.last[to_device(slots, self.device)] = tokens
+        return self._drawn(rows, full, tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:
         """The token each contrastive search chooses among the candidates of this step's decode,
@@ -240,22 +271,17 @@ class Runner:
         x = torch.stack([s.logits for s in searches])  # the distributions the candidates came from
         tokens = contrastive.choose(searches, self.cache)
         self.sampler.advance([s.slot for s in seqs], tokens)
-        return self._draws(seqs, x, tokens)
+        return self._drawn(seqs, x, tokens).draws()
 
-    def _draws(self, rows: list[Sequence], x: torch.Tensor, tokens: torch.Tensor) -> list[Draw]:
+    def _drawn(self, rows: list[Sequence], x: torch.Tensor, tokens: torch.Tensor) -> Drawn:
         """The rows' tokens (B,) drawn from logits x (B, rows), with the logprobs their requests ask for."""
         self.tokens_generated += len(rows)
         if not any(s.request.needs_scores for s in rows):
-            return [Draw(t, None, []) for t in tokens.tolist()]
+            return Drawn(rows, tokens[:, None], None)
         k = max((s.request.job.logprobs or 0) for s in rows)
         chosen, top_lp, top_ids = score(x, tokens, k, self.vocab_size)
-        packed = torch.cat([tokens[:, None].double(), chosen[:, None].double(), top_lp.double(),
-                            top_ids.double()], 1).tolist()  # the step's one sync
-        draws = []
-        for s, row in zip(rows, packed):
-            kk = s.request.job.logprobs or 0
-            draws.append(Draw(int(row[0]), row[1], [(int(i), lp) for lp, i in zip(row[2:2 + kk], row[2 + k:2 + k + kk])]))
-        return draws
+        return Drawn(rows, torch.cat([tokens[:, None].double(), chosen[:, None].double(), top_lp.double(),
+                                      top_ids.double()], 1), k)
 
     def step_beams(self, groups: list[tuple[BeamGroup, torch.Tensor]], tokenizer) -> None:
         """One beam-search step for each group, from the logits (R, V) of its running beams."""
@@ -274,7 +300,7 @@ class Runner:
             return
         job = unit.seqs[0].request.job
         k = MAX_TOP  # what any later request reusing this context may ask for (worker/prefix_cache.py)
-        targets = torch.tensor(unit.context[lo + 1:hi + 1], device=logits.device)
+        targets = to_device(unit.context[lo + 1:hi + 1], logits.device)
         rows = logits[lo - unit.fed:hi - unit.fed]
         chosen, top_lp, top_ids = score(rows, targets, k, self.vocab_size)
         if job.prompt_logprobs is not None:  # vLLM's rank: 1 + the tokens more likely than it
@@ -288,6 +314,6 @@ class Runner:
         others = [s.slot for s in unit.seqs[1:]] + [slot for s in unit.seqs for slot in s.scratch]
         if others:
             src, L = unit.seqs[0].slot, len(unit.context)
-            dst = torch.tensor(others, device=self.device)
+            dst = to_device(others, self.device)
             for layer in self.cache.k + self.cache.v:
                 layer[dst, :, :L] = layer[src, :, :L]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nanogpt.kernels import extension
+from nanogpt.runtime.transfer import to_device
 from worker.grammar import Grammars
 from worker.logits_processors import (NGramBans, apply_bans, apply_min_p, apply_repetition_penalty,
                                       apply_token_mask, bad_word_bans, token_mask)
@@ -43,30 +44,40 @@ def draw_key(seed: int, choice: int, step: int) -> int:
     return _mix64((_mix64((_mix64(seed & _MASK64) + choice) & _MASK64) + step) & _MASK64) >> 1  # < 2**63
 
 
-def gumbel_noise(keys: list[int], vocab_size: int, device) -> torch.Tensor:
-    """(R, V) standard Gumbel noise, -log(E) for E ~ Exp(1), row r drawn from a generator seeded
-    with keys[r] alone."""
-    sample = _numpy_exponential if torch.device(device).type == "cpu" else _torch_exponential
-    e = sample(keys, vocab_size, device)
-    return e.clamp_(min=1e-30).log_().neg_()  # E = 0 would give +inf: a sure win for any token
+def gumbel_noise(keys: list[int], vocab_size: int, device, hashed: bool | None = None) -> torch.Tensor:
+    """(R, V) standard Gumbel noise on `device`, row r a pure function of keys[r] alone: from
+    numpy's generator on a CPU, from `hashed_gumbel` on any other device (or where `hashed`)."""
+    if not (torch.device(device).type != "cpu" if hashed is None else hashed):
+        # numpy's PCG64 with its ziggurat: ~5x faster than torch's CPU generator (mt19937)
+        out = np.empty((len(keys), vocab_size), dtype=np.float32)
+        for row, key in enumerate(keys):
+            np.random.Generator(np.random.PCG64(key)).standard_exponential(out=out[row], dtype=np.float32)
+        return torch.from_numpy(out).to(device).clamp_(min=1e-30).log_().neg_()  # E = 0 would win for sure
+    return hashed_gumbel(to_device(keys, device), vocab_size)
 
 
-def _numpy_exponential(keys, vocab_size, device):
-    # numpy's PCG64 with its ziggurat: ~5x faster than torch's CPU generator (mt19937)
-    out = np.empty((len(keys), vocab_size), dtype=np.float32)
-    for row, key in enumerate(keys):
-        np.random.Generator(np.random.PCG64(key)).standard_exponential(out=out[row], dtype=np.float32)
-    return torch.from_numpy(out).to(device)
+_M32 = 0xFFFFFFFF
 
 
-def _torch_exponential(keys, vocab_size, device):
-    # the device's own generator (Philox on CUDA): the noise never crosses the bus
-    out = torch.empty(len(keys), vocab_size, device=device)
-    gen = torch.Generator(device=device)
-    for row, key in enumerate(keys):
-        gen.manual_seed(key)
-        out[row].exponential_(generator=gen)
-    return out
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' lowbias32 integer hash of 32-bit values held in int64 (products wrap, then masked)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hashed_gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, V) Gumbel noise from a counter-based hash of (keys[r], token id): a dozen elementwise
+    kernels for the whole batch on the keys' device, no generator per row and nothing from the host
+    but the keys. A 23-bit uniform u in (0, 1) per entry gives -log(-log(u))."""
+    ids = torch.arange(vocab_size, device=keys.device, dtype=torch.long)
+    lo, hi = (keys & _M32)[:, None], ((keys >> 32) & _M32)[:, None]
+    x = _lowbias32((ids[None, :] * 0x9E3779B1 + lo) & _M32)
+    x = _lowbias32(x ^ hi)
+    u = ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))  # < 1 in float32: its log is never 0
+    return u.log().neg().log().neg()
 
 
 # ---- the pieces, as pure functions over a batch ----
@@ -83,8 +94,8 @@ def apply_logit_bias(logits, biases: list[dict[int, float]], in_place: bool = Fa
     `logits` itself when `in_place` (a copy of GPT-2's 32 rows costs ~0.7 ms of a 20 ms step)."""
     rows = [b for b, bias in enumerate(biases) for _ in bias]
     ids = [t for bias in biases for t in bias]
-    values = torch.tensor([v for bias in biases for v in bias.values()], dtype=logits.dtype, device=logits.device)
-    index = torch.tensor([rows, ids], device=logits.device)
+    values = to_device([v for bias in biases for v in bias.values()], logits.device, logits.dtype)
+    index = to_device([rows, ids], logits.device)
     add = logits.index_put_ if in_place else logits.index_put
     return add((index[0], index[1]), values, accumulate=True)
 
@@ -115,11 +126,15 @@ def first_max(x: torch.Tensor) -> torch.Tensor:
     return x.max(-1).indices
 
 
-def draw_truncated(probs, top_k, top_p, noise):
+def draw_truncated(probs, top_k, top_p, noise, full_sort: bool | None = None):
     """Draw from each row of probs (R, V) truncated by top_k, then top_p (in probability order),
-    by the Gumbel noise (R, V) of the kept tokens. A full sort costs ~5 ms a row on a CPU, so a
-    row sorts only its CANDIDATES best tokens (topk) when those are known to hold its kept set, and
-    fully otherwise; which way a row goes depends on the row alone."""
+    by the Gumbel noise (R, V) of the kept tokens. A full sort costs ~5 ms a row on a CPU, so there
+    a row sorts only its CANDIDATES best tokens (topk) when those are known to hold its kept set,
+    and fully otherwise; which way a row goes depends on the row alone. A GPU sorts every row fully
+    (`full_sort`, by default off a CPU): choosing rows would wait for the device."""
+    if probs.device.type != "cpu" if full_sort is None else full_sort:
+        p_sorted, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        return _draw_sorted(p_sorted, order, top_k, top_p, noise)
     K = min(CANDIDATES, probs.shape[-1])
     p_sorted, order = probs.topk(K, dim=-1)  # (R, K) descending
     fits = torch.where(top_k > 0, top_k <= K, p_sorted.sum(-1) >= top_p)
@@ -148,7 +163,7 @@ def draw(logits, temperature, top_k, top_p, noise, truncated: list[bool], min_p=
     tokens = first_max(scaled + noise)
     rows = [i for i, t in enumerate(truncated) if t]
     if rows:
-        rows = torch.tensor(rows, device=logits.device)
+        rows = to_device(rows, logits.device)
         tokens[rows] = draw_truncated(torch.softmax(scaled[rows], dim=-1), top_k[rows], top_p[rows], noise[rows])
     return tokens
 
@@ -247,7 +262,7 @@ class Sampler:
         self.step[slot] = len(history)
         self.counts[slot].zero_()
         if history:
-            ids = torch.tensor(list(history), device=self.counts.device)
+            ids = to_device(list(history), self.counts.device)
             self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         device = self.seen.device
         self.seen[slot] = token_mask([*prompt, *history], self.vocab_size, device)
@@ -263,7 +278,7 @@ class Sampler:
 
     def fork(self, slots: list[int], parents: list[int]) -> None:
         """Slot slots[i] takes over the state of slot parents[i] (beam search forks its beams)."""
-        dst, src = torch.tensor(slots, device=self.counts.device), torch.tensor(parents, device=self.counts.device)
+        dst, src = to_device(slots, self.counts.device), to_device(parents, self.counts.device)
         for table in (self.counts, self.seen):
             table[dst] = table[src]
         ngrams, steps = [self.ngrams[p] for p in parents], [self.step[p] for p in parents]
@@ -280,7 +295,7 @@ class Sampler:
         penalties. Each is skipped when no row uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
         `in_place`: the caller reads the raw logits no more, so they may be overwritten."""
         params, raw = [self.params[s] for s in slots], logits
-        idx = torch.tensor(slots, device=logits.device)
+        idx = to_device(slots, logits.device)
         matchers = [self.matchers[s] for s in slots]
         if any(m is not None for m in matchers):
             logits = self.grammars.mask(logits if in_place else logits.clone(), matchers)
@@ -290,7 +305,7 @@ class Sampler:
             logits = apply_bans(logits, self._sequence_bans(slots, params, outputs))
         early = [self.step[s] < p.min_tokens for s, p in zip(slots, params)]
         if any(early):
-            logits = apply_token_mask(logits, self.stops[idx], torch.tensor(early, device=logits.device))
+            logits = apply_token_mask(logits, self.stops[idx], to_device(early, logits.device, torch.bool))
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, [p.logit_bias for p in params], in_place or logits is not raw)
         if any(p.repetition_penalty != 1 for p in params):
@@ -305,13 +320,13 @@ class Sampler:
         (distinct). Advances each slot's draw counter and token counts. Returns (B,) long, on device.
         `in_place`: as adjusted_logits takes it."""
         params = [self.params[s] for s in slots]
-        idx = torch.tensor(slots, device=logits.device)
+        idx = to_device(slots, logits.device)
         x = self.adjusted_logits(logits, slots, outputs, in_place)
         random = [b for b, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum, like transformers
         tokens = first_max(x) if len(random) < len(params) else torch.empty_like(idx)
         if random:
-            rows = torch.tensor(random, device=logits.device)
+            rows = to_device(random, logits.device)
             s = idx[rows]
             keys = [draw_key(params[b].seed, self.choice[slots[b]], self.step[slots[b]]) for b in random]
             noise = gumbel_noise(keys, x.shape[-1], x.device)
@@ -324,7 +339,7 @@ class Sampler:
     def advance(self, slots: list[int], tokens: torch.Tensor) -> None:
         """Count the tokens the rows took (drawn here, or chosen by beam search)."""
         params = [self.params[s] for s in slots]
-        idx = torch.tensor(slots, device=tokens.device)
+        idx = to_device(slots, tokens.device)
         for slot in slots:
             self.step[slot] += 1
         constrained = [(b, self.matchers[s]) for b, s in enumerate(slots) if self.matchers[s] is not None]

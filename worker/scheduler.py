@@ -57,6 +57,9 @@ class Request:
         self.streams = self.best_of == self.n and not self.beam
         self.wants_logprobs = job.logprobs is not None
         self.needs_scores = self.wants_logprobs or not self.streams  # best_of ranks by mean logprob
+        # whether its sequences decode a step ahead of the host taking their tokens in (engine.py):
+        # sampled, without bans that read the tokens so far or a grammar that must consume each
+        self.overlaps = not self.beam and not self.contrastive and not params.sequence_bans and params.grammar is None
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> vLLM's prompt_logprobs list
         self.prompt_texts = [tokenizer.decode(p) for p in job.prompts]
         self.cached_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
@@ -86,6 +89,7 @@ class Sequence:
         self.matcher = None  # its structured-output matcher (worker/grammar.py), from admission
         self.context_scores: dict[int, Score] = {}  # its prefill's scores by position, for the prefix cache
         self.tokens: list[int] = []  # generated so far (history included)
+        self.pending = 0  # drawn on the device, not yet taken in (the engine runs a step ahead)
         self.entries: list[TokenLogprob] = []  # logprobs of the generated tokens
         self.logprob_sum = 0.0
         self.text = ""  # completion text released so far (stops applied)
@@ -101,8 +105,9 @@ class Sequence:
 
     @property
     def position(self) -> int:
-        """Tokens in this sequence's cache slot = position of the next token fed."""
-        return len(self.prompt) + len(self.tokens) - 1
+        """Tokens in this sequence's cache slot = position of the next token fed (its draws still
+        on their way to the host count)."""
+        return len(self.prompt) + len(self.tokens) + self.pending - 1
 
     def mean_logprob(self) -> float:
         return self.logprob_sum / len(self.tokens) if self.tokens else 0.0
@@ -126,7 +131,7 @@ class Batch:
     """What one step runs."""
     ready: list[Prefill]  # nothing to feed (max_tokens 0, the prompt not scored): they start at once, slotless
     admitted: list[Sequence]  # given a slot this step: their sampling state is still to be set
-    decoding: list[Sequence]  # one token each, in slot order
+    decoding: list[Sequence]  # one token each, in slot order (not those whose last token is drawn)
     chunks: list[tuple[Prefill, int]]  # context tokens fed this step, per prefill, in arrival order
     requests: set[Request]  # every request with a sequence in the step: they fail together on a fault
 
@@ -177,12 +182,13 @@ class Scheduler:
         # order every layer copies their keys and values first (measured: 18% of the throughput at 32)
         self.decoding.sort(key=lambda s: s.slot)
         requests = {s.request for s in self.decoding} | {u.seqs[0].request for u in self.prefilling + ready}
-        return Batch(ready, admitted, list(self.decoding), self._chunks(), requests)
+        # a sequence whose last token is drawn but not taken in yet ends by its length when it is
+        decoding = [s for s in self.decoding if not s.pending or len(s.tokens) + s.pending < s.max_new]
+        return Batch(ready, admitted, decoding, self._chunks(), requests)
 
     def update(self, batch: Batch, prefilled: list[Prefill]) -> None:
-        """After the step ran `batch`: the completed prefills stop prefilling, its sequences (those
-        decoding and those of the prefills) decode next step unless finished, and finished
-        sequences give their slots back."""
+        """After the step ran `batch`: the completed prefills stop prefilling, their sequences
+        decode from the next step, and the sequences that finished give their slots back."""
         for unit in prefilled:
             self.prefilling.remove(unit)
             if unit.score_from is not None and self.prefix.enabled:
@@ -190,7 +196,10 @@ class Scheduler:
                           for i, (lp, top) in enumerate(unit.scores)}
                 for s in unit.seqs:
                     s.context_scores = scores
-        seqs = batch.decoding + [s for unit in prefilled for s in unit.seqs]
+        self.retire(self.decoding + [s for unit in prefilled for s in unit.seqs])
+
+    def retire(self, seqs: list[Sequence]) -> None:
+        """`seqs` (every decoding sequence) go on decoding unless finished; the finished give their slots back."""
         self.decoding = [s for s in seqs if s.finish_reason is None]
         for s in seqs:
             if s.finish_reason is not None:
@@ -373,8 +382,9 @@ class Scheduler:
 
 
 def _kv_tokens(seq: Sequence) -> list[int]:
-    """The tokens whose keys and values a sequence past its prefill holds: its context, and each
-    token it generated but the last, which no forward has fed yet."""
+    """The tokens whose keys and values a sequence past its prefill holds: its context, and the
+    tokens it generated that a forward has fed (all but the last, or all where a later draw is still
+    on its way to the host: the step that drew it fed the last)."""
     return (seq.prompt + seq.tokens)[:seq.position] if seq.tokens else list(seq.prompt)
 
 

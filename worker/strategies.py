@@ -7,14 +7,16 @@ have run. The engine's step (engine.py) hands each strategy its own rows, in thi
   (contrastive.py), which gave it no logits of its own.
 
 A strategy decides which of a prefill's sequences draw from its last logits when they start
-(`start`), and chooses its rows' tokens (`draw`): drawn tokens are taken in at once (output.py),
-a beam's are kept by its search until the search ends.
+(`start`), and chooses its rows' tokens (`draw`). Sampling's draws go to the engine, which takes them
+in (output.py) at once, or a step later where it runs a step ahead (engine.py); contrastive search
+takes its tokens in at once, and beam search keeps its beams' until the search ends.
 """
 from __future__ import annotations
 
 import torch
 
 from worker.beams import BeamGroup
+from worker.runner import Drawn
 from worker.scheduler import Prefill, Request, Sequence
 
 
@@ -33,8 +35,9 @@ class Strategy:
         """Of a completed prefill's sequences that start, those that draw from its last logits now."""
         return seqs
 
-    def draw(self, rows: list[Sequence], logits: torch.Tensor | None) -> None:
-        """Choose the tokens of `rows` (from `logits`, theirs, where the strategy reads logits)."""
+    def draw(self, rows: list[Sequence], logits: torch.Tensor | None) -> Drawn | None:
+        """Choose the tokens of `rows` (from `logits`, theirs, where the strategy reads logits):
+        the drawn tokens for the engine to take in, or None where the strategy took them in."""
         raise NotImplementedError
 
 
@@ -43,8 +46,8 @@ class Sampling(Strategy):
     def takes(request: Request) -> bool:
         return not request.beam and not request.contrastive
 
-    def draw(self, rows: list[Sequence], logits: torch.Tensor) -> None:
-        self.output.accept(rows, self.runner.sample(rows, [logits]))
+    def draw(self, rows: list[Sequence], logits: torch.Tensor) -> Drawn:
+        return self.runner.sample(rows, [logits])
 
 
 class BeamSearch(Strategy):

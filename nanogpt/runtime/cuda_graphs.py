@@ -78,12 +78,14 @@ class GraphedDecode:
             for span in span_buckets(self.max_span):
                 self._record(batch, span)
 
-    def __call__(self, rows: torch.Tensor, span: int) -> torch.Tensor:
-        """Logits (B, V) of the rows (3, B; on the host: one copy to the graph's rows), attending
-        to keys 0 .. span-1; a copy, since the next replay overwrites the buffer."""
-        key = (rows.shape[1], span_bucket(span, self.max_span))
+    def __call__(self, tokens: torch.Tensor, where: torch.Tensor, span: int) -> torch.Tensor:
+        """Logits (B, V) of the rows: tokens (B,) at their slots and positions (where: (2, B)), all on
+        the device, copied into the graph's rows; attending to keys 0 .. span-1. A copy, since the
+        next replay overwrites the buffer."""
+        key = (len(tokens), span_bucket(span, self.max_span))
         entry = self.graphs.get(key) or self._record(*key)  # a batch the runner did not record
-        entry.rows.copy_(rows)
+        entry.rows[0].copy_(tokens)
+        entry.rows[1:].copy_(where)
         entry.graph.replay()
         self.replays[key] += 1
         return self.logits[:key[0]].clone()

@@ -1,0 +1,193 @@
+"""The engine running a step ahead (worker/engine.py `overlap`, a GPU's default) against the engine
+taking each step's tokens in before the next: the same tokens, logprobs, texts, finishes and
+events, whatever ends a sequence a step late, cancels, or needs its tokens on the host. Run here on
+the CPU, where the same code runs as on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from test_engine import PROMPTS, Sink, job, model, tok  # noqa: F401 (fixtures)
+from test_structured import grammar_of
+from worker.engine import Engine
+from worker.errors import RequestCancelled
+from worker.protocol import CompletionJob
+
+
+def engines(model, tok, **kw):
+    """(engine running a step ahead, its sink), (engine a step at a time, its sink)."""
+    out = []
+    for overlap in (True, False):
+        sink = Sink()
+        out.append((Engine(model, tok, event_sink=sink, overlap=overlap, **{"max_batch": 8, **kw}), sink))
+    return out
+
+
+def run(engine, jobs, resume=None):
+    handles = [engine.submit(CompletionJob(**j.model_dump()), (resume or {}).get(j.id)) for j in jobs]
+    while not all(h.done for h in handles):
+        engine.step()
+    return [h.result() for h in handles]
+
+
+def generated(sink, j, index=0) -> list[int]:
+    """The token ids choice `index` of job `j` streamed."""
+    return [t for _, d in sink.of(j.id, "delta") if d["index"] == index for t in d["token_ids"]]
+
+
+def assert_same(ahead, sync):
+    """Completions equal: texts, finishes, tokens and usage exactly, logprobs to rounding (a step ahead
+    runs rows of ended sequences once more, so its batches' shapes differ). Not the cached tokens:
+    the engines served different requests before."""
+    for a, b in zip(ahead, sync, strict=True):
+        assert {**a["usage"], "prompt_tokens_details": None} == {**b["usage"], "prompt_tokens_details": None}
+        for x, y in zip(a["choices"], b["choices"], strict=True):
+            assert {k: v for k, v in x.items() if k != "logprobs"} == {k: v for k, v in y.items() if k != "logprobs"}
+            if y["logprobs"] is None:
+                assert x["logprobs"] is None
+                continue
+            assert x["logprobs"]["tokens"] == y["logprobs"]["tokens"]
+            assert x["logprobs"]["text_offset"] == y["logprobs"]["text_offset"]
+            first = 1 if y["logprobs"]["token_logprobs"][:1] == [None] else 0  # an echoed prompt's first token
+            assert_close(x["logprobs"]["token_logprobs"][first:], y["logprobs"]["token_logprobs"][first:], atol=1e-4, rtol=0)
+
+
+def assert_streams_add_up(sink, jobs, results):
+    """Each choice's deltas add up to its text and tokens, and it finishes once, as it ended."""
+    for j, result in zip(jobs, results):
+        for choice in result["choices"]:
+            deltas = [d for _, d in sink.of(j.id, "delta") if d["index"] == choice["index"]]
+            finishes = [d for _, d in sink.of(j.id, "finish") if d["index"] == choice["index"]]
+            assert "".join(d["text"] for d in deltas) == choice["text"]
+            if choice["logprobs"] is not None:
+                assert [t for d in deltas for t in d["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+            assert [f["finish_reason"] for f in finishes] == [choice["finish_reason"]]
+
+
+def test_a_step_ahead_takes_each_draw_in_during_the_next_step(model, tok):
+    (ahead, ahead_sink), (sync, sync_sink) = engines(model, tok)
+    for engine, sink, deltas_after in ((ahead, ahead_sink, [0, 1, 2]), (sync, sync_sink, [1, 2, 3])):
+        j = job(tok, max_tokens=6)
+        engine.submit(j)
+        seen = []
+        for _ in range(3):  # the prefill and its first draw, then two decode steps
+            engine.step()
+            seen.append(len(sink.of(j.id, "delta")))
+        assert seen == deltas_after
+        while engine.scheduler.has_work():
+            engine.step()
+        assert sum(len(d["token_ids"]) for _, d in sink.of(j.id, "delta")) == 6
+        assert engine.stats()["kv_slots_used"] == 0
+
+
+def test_a_step_ahead_gives_what_a_step_at_a_time_gives(model, tok):
+    """Greedy and seeded sampling, n, logprobs, echo, penalties, logit_bias, stop strings and stop
+    tokens found a step late, min_tokens, max_tokens: 3 slots, so sequences wait for the slots of
+    those that end, and prompts are fed in chunks beside decoding rows."""
+    (ahead, ahead_sink), (sync, sync_sink) = engines(model, tok, max_batch=3, prefill_chunk=4)
+    free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=12, logprobs=0))["choices"][0]
+    pieces, ids = free["logprobs"]["tokens"], generated(sync_sink, greedy)
+    stop = pieces[3][-2:] + pieces[4][:2]  # ends the choice inside its 5th token
+    stop_token = ids[6]
+    jobs = [job(tok, [PROMPTS[1]], max_tokens=12, stop=[stop], logprobs=2),
+            job(tok, [PROMPTS[1]], max_tokens=12, stop_token_ids=[stop_token]),
+            job(tok, [PROMPTS[1]], max_tokens=12, stop_token_ids=[stop_token], min_tokens=9),
+            job(tok, [PROMPTS[1]], max_tokens=12, stop=[stop], include_stop_str_in_output=True),
+            job(tok, PROMPTS[:2], temperature=0.9, top_p=0.9, seed=11, n=2, max_tokens=9, logprobs=3,
+                presence_penalty=0.5, frequency_penalty=0.3),
+            job(tok, [PROMPTS[3]], echo=True, logprobs=1, max_tokens=5, logit_bias={ids[2]: -100}),
+            job(tok, [PROMPTS[2]], temperature=1.2, top_k=20, min_p=0.02, seed=3, max_tokens=1),
+            job(tok, [PROMPTS[0]], max_tokens=15, repetition_penalty=1.3, logprobs=1),
+            job(tok, [PROMPTS[1], PROMPTS[3]], max_tokens=12, stop=[stop], logprobs=1)]  # one choice ends early
+    ahead_results, sync_results = run(ahead, jobs), run(sync, jobs)
+    assert_same(ahead_results, sync_results)
+    assert [r["choices"][0]["finish_reason"] for r in sync_results[:4]] == ["stop", "stop", "length", "stop"]
+    assert sync_results[2]["usage"]["completion_tokens"] == 12  # the stop token banned before min_tokens
+    assert [c["finish_reason"] for c in sync_results[-1]["choices"]] == ["stop", "length"]
+    assert_streams_add_up(ahead_sink, jobs, ahead_results)
+    assert ahead.stats()["kv_slots_used"] == 0
+
+
+def test_a_prefix_left_by_a_sequence_that_ended_a_step_late_is_reused_whole(model, tok):
+    """A sequence found to have stopped after its next step ran gives back a slot whose keys and
+    values hold its prompt and every token it kept, and a prompt continuing its text reuses them."""
+    (ahead, _), (sync, _) = engines(model, tok, max_batch=2)
+    free = sync.generate(job(tok, [PROMPTS[3]], max_tokens=10, logprobs=0))["choices"][0]
+    stop = free["logprobs"]["tokens"][6]
+    first = job(tok, [PROMPTS[3]], max_tokens=10, stop=[stop])
+    kept = ahead.generate(first)["choices"][0]["text"]
+    follow = job(tok, [tok.encode(PROMPTS[3] + kept) + tok.encode(" and")], max_tokens=6, logprobs=2)
+    reused, fresh = ahead.generate(follow), Engine(model, tok, max_batch=2, overlap=False).generate(follow)
+    assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(tok.encode(PROMPTS[3] + kept)) - 1
+    assert_same([reused], [fresh])
+
+
+def test_cancelling_a_request_whose_draw_is_on_its_way(model, tok):
+    (ahead, sink), (sync, _) = engines(model, tok)
+    long, other = job(tok, [PROMPTS[1]], max_tokens=40), job(tok, [PROMPTS[3]], max_tokens=12, logprobs=1)
+    alone = sync.generate(long)["choices"][0]["text"]
+    handles = [ahead.submit(long), ahead.submit(other)]
+    for _ in range(4):
+        ahead.step()
+    handles[0].cancel()
+    while not handles[1].done:
+        ahead.step()
+    with pytest.raises(RequestCancelled):
+        handles[0].result()
+    assert sink.of(long.id)[-1] == ("cancelled", {})
+    shown = "".join(d["text"] for _, d in sink.of(long.id, "delta"))
+    assert shown and alone.startswith(shown)
+    assert_same([handles[1].result()], [sync.generate(other)])
+    assert ahead.stats()["kv_slots_used"] == 0
+
+
+def test_requests_that_need_their_tokens_on_the_host_beside_requests_running_ahead(model, tok):
+    """Beam search, a grammar, multi-token bad words and n-gram bans arrive while sampled requests run
+    ahead; a resumed request too. Every request gives what it gives a step at a time."""
+    (ahead, ahead_sink), (sync, sync_sink) = engines(model, tok, max_batch=12)
+    sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=8))
+    ids = generated(sync_sink, greedy)
+    running = [job(tok, [PROMPTS[0]], max_tokens=30, temperature=0.8, seed=1, logprobs=1),
+               job(tok, [PROMPTS[2]], max_tokens=30)]
+    arriving = [job(tok, [PROMPTS[1]], max_tokens=8, bad_words=[ids[2:4]]),
+                job(tok, [PROMPTS[1]], max_tokens=8, no_repeat_ngram_size=2),
+                job(tok, [PROMPTS[3]], max_tokens=6, use_beam_search=True, n=2, best_of=3),
+                job(tok, max_tokens=40, grammar=grammar_of(structured_outputs={"choice": ["yes", "no", "maybe so"]})),
+                job(tok, [PROMPTS[0]], max_tokens=10, temperature=1.0, seed=9, n=2)]
+    original = arriving[-1]
+    sync.generate(original)
+    emitted = {index: generated(sync_sink, original, index)[:3] for index in (0, 1)}
+    resumed = CompletionJob(**{**original.model_dump(), "id": "resumed"})
+    arriving[-1] = resumed
+    results = {}
+    for engine in (ahead, sync):
+        handles = [engine.submit(CompletionJob(**j.model_dump())) for j in running]
+        for _ in range(3):
+            engine.step()
+        handles += [engine.submit(CompletionJob(**j.model_dump()), emitted if j is resumed else None) for j in arriving]
+        while not all(h.done for h in handles):
+            engine.step()
+        results[engine.overlap] = [h.result() for h in handles]
+    assert_same(results[True], results[False])
+    grammar_text = results[False][5]["choices"][0]["text"]
+    assert grammar_text in ("yes", "no", "maybe so")
+    assert_streams_add_up(ahead_sink, running, results[True][:2])
+    assert ahead.stats()["kv_slots_used"] == 0
+
+
+def test_the_device_keeps_each_slot_s_last_draw(model, tok):
+    """The token a step ahead feeds comes from the device's record of each slot's draw, which is
+    the token the host then takes in."""
+    engine = Engine(model, tok, max_batch=4, overlap=True, event_sink=(sink := Sink()))
+    j = job(tok, PROMPTS[:2], max_tokens=5, temperature=1.0, seed=4)
+    h = engine.submit(j)
+    engine.step()  # both prefills and their first draws, not taken in
+    seqs = engine.scheduler.decoding
+    assert [s.pending for s in seqs] == [1, 1] and all(not s.tokens for s in seqs)
+    on_device = engine.runner.last[torch.tensor([s.slot for s in seqs])].tolist()
+    engine.step()
+    assert [s.tokens[0] for s in seqs] == on_device
+    while not h.done:
+        engine.step()
+    assert [generated(sink, j, index)[0] for index in (0, 1)] == on_device
