@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "setting, whose default is auto: the first GPU, else the CPU)")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="rq worker threads per engine = jobs one engine runs at once "
-                             "(default: the model's max_batch)")
+                             "(default: the engine's KV-cache slots, its model's max_batch)")
     parser.add_argument("--batch-concurrency", type=int, default=None,
                         help="of those threads, how many also run batch jobs when no interactive job "
                              "waits (default: all but a quarter, at least 1); the rest stay free for "
@@ -150,7 +150,7 @@ def build_engine(spec, device: str, sink, compile: bool | None = False, backgrou
                            prefix_caching=spec.prefix_caching)
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
-                                    "kernels": planner.describe(model), "max_batch": spec.max_batch,
+                                    "kernels": planner.describe(model), "max_batch": engine.runner.slots,
                                     "compiled": engine.runner.compiled, "warming_up": engine.warming,
                                     # keys and values: the model's dtype, float32 or bfloat16 (precision.cache_dtype)
                                     "kv_cache": str(engine.runner.cache.k[0].dtype).removeprefix("torch."),
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.warm_up:
                 continue
             freeze_heap()
-            concurrency = args.concurrency or spec.max_batch
+            concurrency = args.concurrency or engine.runner.slots
             batch_concurrency = batch_threads(concurrency, args.batch_concurrency)
             pool.add(Binding(spec.id, engine, writer), device, concurrency, batch_concurrency)
             log.info("serving", extra={"model": spec.id, "device": device,

@@ -94,7 +94,7 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     device: str = "auto"
     dtype: str = "float32"
-    max_batch: int = 32
+    max_batch: int | None = None  # None: by the device (nanogpt/runtime/kv_cache.default_slots)
     prefix_caching: bool = True
     owned_by: str = "nanoserve"
     created: int = 0
@@ -219,7 +219,7 @@ def _parse_model(model_id: str, table, path: Path, created: int, fail) -> ModelS
         checkpoint = os.path.normpath(path.parent / os.path.expanduser(checkpoint))
     return ModelSpec(
         id=model_id, checkpoint=checkpoint, aliases=tuple(aliases), device=device, dtype=dtype,
-        max_batch=typed("max_batch", int, 32, *positive),
+        max_batch=typed("max_batch", int, None, *positive),
         prefix_caching=typed("prefix_caching", bool, True, expected="true or false"),
         owned_by=typed("owned_by", str, "nanoserve"),
         created=typed("created", int, created, lambda v: v >= 0, "a unix time"),

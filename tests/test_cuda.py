@@ -242,6 +242,18 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
     assert all(len(h.result()["choices"][0]["text"]) for h in handles)
 
 
+def test_without_max_batch_the_kv_cache_takes_its_share_of_the_free_memory(model, tok):
+    from nanogpt.runtime import kv_cache
+    from worker.engine import Engine
+
+    free, _ = torch.cuda.mem_get_info()
+    engine = Engine(model, tok, max_batch=None)
+    per_slot = KVCache.bytes_per_token(model.config, engine.runner.cache.k[0].dtype) * engine.max_len
+    assert engine.runner.slots == min(kv_cache.GPU_SLOTS, int(free * kv_cache.GPU_MEMORY_SHARE) // per_slot)
+    assert engine.runner.cache.nbytes() <= free * kv_cache.GPU_MEMORY_SHARE + 2 * per_slot  # the spare slot
+    assert engine.generate(job(tok, max_tokens=4))["usage"]["completion_tokens"] == 4
+
+
 # ---- two replicas, one per GPU ----
 
 def tokens_by_device(metrics_url: str) -> dict[str, float]:

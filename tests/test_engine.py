@@ -21,7 +21,7 @@ from nanogpt.kernels.quantize import quantize_int8
 from worker.engine import Engine
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
-from worker.decode_routes import MIXED_ATTENTION, DecodeRoutes, Graph, Route
+from worker.decode_routes import MIXED_ATTENTION, DecodeRoutes, Graph, Route, bucket
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
 _ids = itertools.count()
@@ -832,3 +832,12 @@ def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, to
     beside = [[2, BESIDE_CHUNK]] * 3 + [[2, 100 - 3 * BESIDE_CHUNK]]
     assert fed[:5] == beside + [[2, 64]]  # the late prompt: whole chunks
     assert long.result()["usage"]["prompt_tokens"] == 100 and running.result()["usage"]["completion_tokens"] == 40
+
+
+def test_batch_buckets_reach_every_slot():
+    """An engine's graphs cover every batch its slots allow: the buckets, then multiples of the last."""
+    routes = SimpleNamespace(slots=200)
+    buckets = DecodeRoutes.buckets(routes)
+    assert buckets == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256]
+    assert all(bucket(rows) in buckets for rows in range(1, 201))
+    assert DecodeRoutes.buckets(SimpleNamespace(slots=8)) == [1, 2, 4, 8]

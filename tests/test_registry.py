@@ -72,7 +72,8 @@ def test_default_models_toml_parses(monkeypatch):
     assert registry.default.id == "shakespeare-char"
     shakespeare = registry.get("shakespeare-char")
     assert shakespeare.checkpoint == str(REPO / "checkpoints" / "shakespeare-char" / "ckpt.pt")
-    assert (shakespeare.device, shakespeare.dtype, shakespeare.max_batch) == ("auto", "float32", 32)
+    # no max_batch: the engine sizes its batch by its device (nanogpt/runtime/kv_cache.default_slots)
+    assert (shakespeare.device, shakespeare.dtype, shakespeare.max_batch) == ("auto", "float32", None)
     gpt2 = registry.get("gpt-2")
     assert gpt2.id == "gpt2" and gpt2.checkpoint == "hf:gpt2"
     # cached or not, GPT-2 small has this shape

@@ -191,8 +191,9 @@ class DecodeRoutes:
         return self._step(tokens, slots, positions, cache, keys, out)
 
     def buckets(self) -> list[int]:
-        """The batch buckets up to this engine's slots."""
-        return [b for b in BATCH_BUCKETS if b <= bucket(self.slots)]
+        """The batch buckets up to this engine's slots (past the last of BATCH_BUCKETS, its multiples)."""
+        top, last = bucket(self.slots), BATCH_BUCKETS[-1]
+        return [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * last, top + 1, last))
 
     def _plan(self) -> list[tuple[Route, int | None]]:
         """The graphs to compile, each a route run on padding rows with its outputs (None: BUCKET's,

@@ -90,13 +90,14 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_batch: int, max_len: int | None = None, event_sink=None,
+    def __init__(self, model, tokenizer, *, max_batch: int | None, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
                  cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
-        max_batch: most sequences at once (KV-cache slots), fewer if `kv_memory_bytes` cannot hold
-        that many slots of `max_len` positions (default: the model's context).
+        max_batch: most sequences at once (KV-cache slots; None: 32 on a CPU, on a GPU as many as
+        its free memory holds, nanogpt/runtime/kv_cache.default_slots), fewer if `kv_memory_bytes`
+        cannot hold that many slots of `max_len` positions (default: the model's context).
         prepack: on a CPU float32 or bfloat16 model, give each Linear the fastest matmul kernel this
         machine has for it (nanogpt/kernels/planner.py, in place on the model; a prepacked kernel holds as
         much memory again as those weights).

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from nanogpt.kernels.planner import pack_linears
-from nanogpt.runtime.kv_cache import KVCache
+from nanogpt.runtime.kv_cache import KVCache, default_slots
 from nanogpt.runtime.precision import model_cache_dtype
 from nanogpt.runtime.transfer import ToHost, to_device
 from worker import contrastive
@@ -68,15 +68,15 @@ class Drawn:
 
 
 class Runner:
-    def __init__(self, model, vocab_size: int, *, max_batch: int, max_len: int, kv_memory_bytes: int | None = None,
+    def __init__(self, model, vocab_size: int, *, max_batch: int | None, max_len: int, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
                  cuda_graphs: bool = True, grammars=None):
-        """The KV cache holds `max_batch` slots of `max_len` positions, fewer if `kv_memory_bytes`
-        cannot hold that many (`slots`). See Engine for `compile`, `compile_in_background`, `prepack`
-        and `cuda_graphs`."""
+        """The KV cache holds `max_batch` slots of `max_len` positions (None: by the device,
+        kv_cache.default_slots), fewer if `kv_memory_bytes` cannot hold that many (`slots`). See
+        Engine for `compile`, `compile_in_background`, `prepack` and `cuda_graphs`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
         config, dtype = model.config, model_cache_dtype(model)
-        slots = max_batch
+        slots = default_slots(config, dtype, max_len, self.device) if max_batch is None else max_batch
         if kv_memory_bytes is not None:
             slots = min(slots, kv_memory_bytes // (KVCache.bytes_per_token(config, dtype) * max_len))
         if slots < 1:

@@ -15,6 +15,22 @@ from torch.nn import functional as F
 from nanogpt.kernels import decode_attention
 
 RUN_TOKENS = 8  # a prompt chunk's row of at least this many tokens is written to the cache as a slice
+# Slots of an engine given no max_batch: on a CPU, whose steps grow with their rows, CPU_SLOTS; on a
+# GPU as many as GPU_MEMORY_SHARE of the memory free once the weights are loaded holds (vLLM's
+# gpu_memory_utilization), at most GPU_SLOTS. The rest of that memory is the steps' activations',
+# the sampler's tables' and the CUDA graphs' pool's.
+CPU_SLOTS = 32
+GPU_SLOTS = 256
+GPU_MEMORY_SHARE = 0.8
+
+
+def default_slots(config, dtype, max_len: int, device) -> int:
+    """The KV-cache slots of `max_len` positions an engine of this model takes on `device` by default."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_SLOTS
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(GPU_SLOTS, int(free * GPU_MEMORY_SHARE) // (KVCache.bytes_per_token(config, dtype) * max_len)))
 
 
 class KVCache:
