@@ -336,3 +336,30 @@ def test_the_own_first_max_kernel_gives_the_indices_torchs_max_gives():
             assert torch.equal(first_max(m), m.max(-1).indices), width  # the sampler's, through the kernel
     assert own.first_max(torch.empty(0, 9)).shape == (0,)
     assert extension.loaded() is own
+
+
+def test_what_a_slot_s_last_request_left_does_not_reach_the_next():
+    """A slot's banned tokens, counts, seen tokens and stop tokens are written only for requests that
+    use them; the next request of the slot, beside rows that use each, samples as on a fresh slot."""
+    torch.manual_seed(2)
+    V = 50
+    logits = torch.randn(3, V)
+    best = logits[0].argmax().item()
+    old = SamplingParams(temperature=0, allowed_token_ids=((best + 1) % V,), repetition_penalty=1.5,
+                         presence_penalty=2.0, frequency_penalty=1.0, min_tokens=3, stop_ids=(best,))
+    others = [SamplingParams(temperature=0, bad_words=((best,),)),  # banned tokens applied to every row
+              SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, min_tokens=2, stop_ids=(1,))]
+    used = Sampler(3, V)
+    used.assign(0, old, choice=0, prompt=[best])
+    for slot, params in enumerate(others, 1):
+        used.assign(slot, params, choice=0, prompt=[2])
+    for _ in range(2):
+        used.sample(logits.clone(), [0, 1, 2])
+    fresh = Sampler(3, V)
+    for sampler in (used, fresh):
+        sampler.assign(0, SamplingParams(temperature=0), choice=0, prompt=[best])
+        for slot, params in enumerate(others, 1):
+            sampler.assign(slot, params, choice=0, prompt=[2])
+    got, want = used.sample(logits.clone(), [0, 1, 2]), fresh.sample(logits.clone(), [0, 1, 2])
+    assert got[0].item() == best and torch.equal(got, want)
+    assert torch.equal(used.adjusted_logits(logits.clone(), [0, 1, 2]), fresh.adjusted_logits(logits.clone(), [0, 1, 2]))

@@ -218,10 +218,15 @@ class SamplingParams:
 
 
 class Sampler:
-    """Sampling state of every KV-cache slot: parameters (tensors (max_slots,)), per-token counts of
-    generated tokens for penalties, the tokens seen (prompt and output, for
-    repetition_penalty), the banned and stop tokens (max_slots, V); on the host the choice index and
-    draw counter that seed the slot's draws, and the n-gram bans of slots that ask for them."""
+    """Sampling state of every KV-cache slot: parameters (tensors (max_slots,), columns of one
+    table), per-token counts of generated tokens for penalties, the tokens seen (prompt and output,
+    for repetition_penalty), the banned and stop tokens (max_slots, V); on the host the choice index
+    and draw counter that seed the slot's draws, and the n-gram bans of slots that ask for them.
+
+    A slot's (V,) rows are written only for a request that reads them: each processor leaves the
+    rows that do not use it unchanged whatever their table holds (a penalty of 0 or 1, min_tokens 0),
+    except the banned tokens, applied to every row of a step where one row has some, which are
+    cleared where an earlier request left some (`_banning`)."""
 
     def __init__(self, max_slots: int, vocab_size: int, device="cpu", grammars: Grammars | None = None):
         self.vocab_size = vocab_size
@@ -229,15 +234,11 @@ class Sampler:
         self.matchers: list = [None] * max_slots  # each slot's structured-output matcher (worker/grammar.py)
         self.params: list[SamplingParams | None] = [None] * max_slots
         f32 = dict(device=device, dtype=torch.float32)
-        i64 = dict(device=device, dtype=torch.long)
         flags = dict(device=device, dtype=torch.bool)
-        self.temperature = torch.ones(max_slots, **f32)
-        self.top_p = torch.ones(max_slots, **f32)
-        self.top_k = torch.zeros(max_slots, **i64)
-        self.min_p = torch.zeros(max_slots, **f32)
-        self.presence = torch.zeros(max_slots, **f32)
-        self.frequency = torch.zeros(max_slots, **f32)
-        self.repetition = torch.ones(max_slots, **f32)
+        # temperature, top_p, top_k, min_p, presence, frequency, repetition: one write a request
+        self.settings = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]], **f32).repeat(max_slots, 1)
+        (self.temperature, self.top_p, self.top_k, self.min_p, self.presence, self.frequency,
+         self.repetition) = self.settings.unbind(1)  # views: top_k holds whole numbers, exact in float32
         self.choice = [0] * max_slots
         self.step = [0] * max_slots  # tokens drawn so far = index of the next draw
         self.counts = torch.zeros(max_slots, vocab_size, **f32)
@@ -246,31 +247,36 @@ class Sampler:
         self.stops = torch.zeros(max_slots, vocab_size, **flags)
         self.ngrams: list[NGramBans | None] = [None] * max_slots
         self.prompt_len = [0] * max_slots  # tokens of the prompt in ngrams[slot]
+        self._banning: set[int] = set()  # slots whose row of `banned` is not all False
 
     def assign(self, slot: int, params: SamplingParams, choice: int, history: list[int] = (), prompt: list[int] = ()):
         """Give `slot` to choice `choice` of a request with this `prompt`; `history` are tokens it
         already generated (a resumed job), which count for penalties and advance the draw counter."""
         self.params[slot] = params
-        self.temperature[slot] = max(params.temperature, 1e-6)  # unused when greedy
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = params.top_k
-        self.min_p[slot] = params.min_p
-        self.presence[slot] = params.presence_penalty
-        self.frequency[slot] = params.frequency_penalty
-        self.repetition[slot] = params.repetition_penalty
+        self.settings[slot] = to_device([max(params.temperature, 1e-6), params.top_p, params.top_k, params.min_p,
+                                         params.presence_penalty, params.frequency_penalty,
+                                         params.repetition_penalty], self.settings.device, torch.float32)
         self.choice[slot] = choice
         self.step[slot] = len(history)
-        self.counts[slot].zero_()
-        if history:
-            ids = to_device(list(history), self.counts.device)
-            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
         device = self.seen.device
-        self.seen[slot] = token_mask([*prompt, *history], self.vocab_size, device)
-        banned = token_mask(params.banned_ids or (), self.vocab_size, device)
-        if params.allowed_token_ids is not None:
-            banned |= ~token_mask(params.allowed_token_ids, self.vocab_size, device)
-        self.banned[slot] = banned
-        self.stops[slot] = token_mask(params.stop_ids, self.vocab_size, device)
+        if params.penalized:
+            self.counts[slot].zero_()
+            if history:
+                ids = to_device(list(history), device)
+                self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        if params.repetition_penalty != 1:
+            self.seen[slot] = token_mask([*prompt, *history], self.vocab_size, device)
+        if params.masked:
+            banned = token_mask(params.banned_ids or (), self.vocab_size, device)
+            if params.allowed_token_ids is not None:
+                banned |= ~token_mask(params.allowed_token_ids, self.vocab_size, device)
+            self.banned[slot] = banned
+            self._banning.add(slot)
+        elif slot in self._banning:
+            self.banned[slot] = False
+            self._banning.discard(slot)
+        if params.min_tokens:
+            self.stops[slot] = token_mask(params.stop_ids, self.vocab_size, device)
         size = params.no_repeat_ngram_size
         self.ngrams[slot] = NGramBans(size, [*prompt, *history]) if size else None
         self.prompt_len[slot] = len(prompt)
