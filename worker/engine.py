@@ -289,7 +289,12 @@ class Engine:
         started = time.perf_counter()
         if self._ahead is not None and not self._overlaps():  # a request needs its tokens on the host to schedule
             ahead, self._ahead = self._ahead, None
-            self._take_in(ahead, ahead=True)
+            try:
+                self._take_in(ahead, ahead=True)
+            except Exception:
+                log.exception("engine step failed")
+                for req in {s.request for s in ahead.rows if self.scheduler.requests.get(s.request.job.id) is s.request}:
+                    self.scheduler.drop(req, EngineFault(), events)
         batch = self.scheduler.schedule(events)
         try:
             with torch.no_grad():
