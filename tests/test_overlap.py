@@ -191,3 +191,54 @@ def test_the_device_keeps_each_slot_s_last_draw(model, tok):
     while not h.done:
         engine.step()
     assert [generated(sink, j, index)[0] for index in (0, 1)] == on_device
+
+
+# ---- through the whole stack: a worker running ahead (`processor.py --overlap`) ----
+
+@pytest.mark.slow
+def test_a_worker_running_ahead_through_the_openai_client(hf_checkpoint, tmp_path, model, tok):
+    """`processor.py --overlap` on the CPU behind gunicorn and Redis: the `openai` client's sync and
+    streamed completions (stop strings found a step late, n, logprobs, a seed) equal the engine's a
+    step at a time, and a stream the client leaves is cancelled while its draws are on their way."""
+    import openai
+
+    from tests.stack import start_gunicorn, start_processor, write_models_toml
+    from web.dev.local_redis import start_redis
+
+    models = tmp_path / "models.toml"
+    write_models_toml(models, {"tiny": hf_checkpoint}, device="cpu", max_batch=8)
+    sync = Engine(model, tok, max_batch=8, overlap=False)
+    probe = sync.generate(job(tok, [PROMPTS[1]], max_tokens=12, logprobs=0))["choices"][0]["logprobs"]["tokens"]
+    stop = probe[3][-2:] + probe[4][:2]
+    requests = [dict(prompt=PROMPTS[1], max_tokens=12, stop=[stop], logprobs=1, temperature=0),
+                dict(prompt=[PROMPTS[0], PROMPTS[3]], max_tokens=10, n=2, temperature=0.9, seed=5),
+                dict(prompt=PROMPTS[2], max_tokens=16, presence_penalty=0.4, logprobs=2, temperature=0)]
+    server = start_redis()
+    try:
+        with start_processor(server.url, models, models=["tiny"], concurrency=8, compile=False, log_dir=tmp_path,
+                             extra_args=["--overlap"]) as worker, \
+                start_gunicorn(server.url, models, env={"NANOSERVE_AUTH": "disabled"}, workers=1, threads=8,
+                               log_dir=tmp_path) as web:
+            client = openai.OpenAI(base_url=web.url + "/v1", api_key="unused", max_retries=0)
+            for body in requests:
+                prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+                fields = {k: v for k, v in body.items() if k != "prompt"}
+                want = sync.generate(job(tok, prompts, **fields))["choices"]
+                whole = client.completions.create(model="tiny", **body).choices
+                texts: dict[int, str] = {}
+                for chunk in client.completions.create(model="tiny", stream=True, **body):
+                    texts[chunk.choices[0].index] = texts.get(chunk.choices[0].index, "") + chunk.choices[0].text
+                for w, got in zip(want, sorted(whole, key=lambda c: c.index), strict=True):
+                    assert (got.text, got.finish_reason) == (w["text"], w["finish_reason"])
+                    assert texts[got.index] == w["text"]
+                    if w["logprobs"] is not None:
+                        assert got.logprobs.tokens == w["logprobs"]["tokens"]
+                        assert_close(got.logprobs.token_logprobs, w["logprobs"]["token_logprobs"], atol=1e-4, rtol=0)
+            stream = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=100, stream=True)
+            next(iter(stream))
+            stream.close()  # the web tier cancels the job; the worker takes its cancel between steps
+            assert client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3).usage.completion_tokens == 3
+            engine_ready = [line for line in worker.logs().splitlines() if '"engine ready"' in line]
+    finally:
+        server.stop()
+    assert len(engine_ready) == 1 and '"overlap": true' in engine_ready[0]
