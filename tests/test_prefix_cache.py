@@ -166,3 +166,24 @@ def test_every_family_reuses_a_prefix_exactly(family):
         assert cached(got) >= 20
         want, _ = family_engine(family.ours, tok, max_batch=2, prefill_chunk=5, prefix_caching=False)
         assert_same(got, want.generate(reuse))
+
+
+def test_a_prompt_finds_its_prefix_among_the_records_sharing_its_first_token():
+    """Records are looked up by their first token; a slot taken and released again is found by what
+    it holds now, never by what it held."""
+    from worker.prefix_cache import PrefixCache
+
+    cache = PrefixCache()
+    for slot in range(200):
+        cache.release(slot, [slot % 7, slot, slot + 1, 5])  # slot s holds [s % 7, s, s + 1, 5]
+    assert cache.find([9, 10, 11, 5, 9], None, False) is None  # no record starts with 9
+    match = cache.find([3, 101, 102, 5, 9], None, False)
+    assert (match.slot, match.reused) == (101, 4)
+    cache.take(101)
+    assert cache.find([3, 101, 102, 5, 9], None, False).reused == 1  # another record starting with 3
+    cache.release(101, [8, 1, 2])
+    assert cache.find([3, 101, 102, 5, 9], None, False).slot != 101
+    match = cache.find([8, 1, 2, 4], None, False)
+    assert (match.slot, match.reused) == (101, 3)
+    cache.release(101, [])  # released holding nothing
+    assert cache.find([8, 1, 2, 4], None, False) is None

@@ -52,36 +52,43 @@ class PrefixCache:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.records: dict[int, Record] = {}  # free slot -> what it holds
+        # first token -> the slots whose record starts with it: a prompt compares only those (a GPU
+        # engine has hundreds of free slots, and every admission looks)
+        self._by_first: dict[int, set[int]] = {}
         self._clock = itertools.count(1)
         self.queried_tokens = 0  # prompt tokens of the prefills that looked for a prefix
         self.hit_tokens = 0  # ... and those found
 
     def release(self, slot: int, tokens: list[int], scores: dict[int, Score] | None = None) -> None:
         """A sequence left `slot` holding the keys and values of `tokens` (nothing: `tokens` empty)."""
+        self.take(slot)
         if self.enabled and tokens:
             self.records[slot] = Record(np.asarray(tokens, dtype=np.int64), dict(scores or {}), next(self._clock))
-        else:
-            self.records.pop(slot, None)
+            self._by_first.setdefault(tokens[0], set()).add(slot)
 
     def take(self, slot: int) -> None:
         """`slot` goes to a new sequence: what it held is no longer the cache's."""
-        self.records.pop(slot, None)
+        record = self.records.pop(slot, None)
+        if record is not None:
+            first = int(record.tokens[0])
+            self._by_first[first].discard(slot)
+            if not self._by_first[first]:
+                del self._by_first[first]
 
     def evictable(self, free: list[int]) -> int:
         """The free slot to give a prompt that reuses nothing: one never used, else the one
         released longest ago."""
         return min(free, key=lambda s: (s in self.records, self.records[s].released if s in self.records else s))
 
-    def find(self, free: list[int], context: list[int], score_from: int | None, ranks: bool) -> Match | None:
-        """The free slot holding the longest prefix of `context` this prefill can reuse, or None."""
+    def find(self, context: list[int], score_from: int | None, ranks: bool) -> Match | None:
+        """The free slot holding the longest prefix of `context` this prefill can reuse, or None
+        (every slot with a record is free: `take` drops a slot's record)."""
         if not self.enabled:
             return None
         self.queried_tokens += len(context)
         best, wanted = None, np.asarray(context, dtype=np.int64)
-        for slot in free:
-            record = self.records.get(slot)
-            if record is None:
-                continue
+        for slot in sorted(self._by_first.get(context[0], ())):
+            record = self.records[slot]
             common = _common(record.tokens, wanted)
             reused = min(common, len(context) - 1)
             if score_from is not None:

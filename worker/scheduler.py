@@ -350,7 +350,7 @@ class Scheduler:
         req = unit.seqs[0].request
         if req.contrastive or unit.fed:
             return
-        match = self.prefix.find(self.free_slots, unit.context, unit.score_from, req.job.prompt_logprobs is not None)
+        match = self.prefix.find(unit.context, unit.score_from, req.job.prompt_logprobs is not None)
         if match is None:
             return
         self.free_slots.remove(match.slot)
