@@ -16,8 +16,8 @@ def to_device(values, device, dtype=torch.long) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return values.to(device, dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype, device=device)
-    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return host.pin_memory().to(device, non_blocking=True)
+    host = values.to(dtype).pin_memory() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 class ToHost:
