@@ -198,10 +198,22 @@ def leftovers(token: str, keep_groups: set[int] = frozenset()) -> list[int]:
     return found
 
 
-def end_leftovers(token: str, keep_groups: set[int] = frozenset()) -> int:
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+    except OSError:
+        return "?"
+
+
+def end_leftovers(token: str, keep_groups: set[int] = frozenset(), grace: float = 2.0) -> list[str]:
     """End what a phase left running (a stack's services outlive a phase killed before it stopped
-    them, and would hold the GPU's memory through the next phases); how many there were."""
-    pids = leftovers(token, keep_groups)
+    them, and would hold the GPU's memory through the next phases); their command lines. Those that
+    exit on their own within `grace` seconds were not left (multiprocessing's resource tracker
+    outlives its parent by a moment)."""
+    deadline = time.monotonic() + grace
+    while (pids := leftovers(token, keep_groups)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ended = [_command_line(pid) for pid in pids]
     for signum in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -211,7 +223,7 @@ def end_leftovers(token: str, keep_groups: set[int] = frozenset()) -> int:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
             time.sleep(0.1)
-    return len(pids)
+    return ended
 
 
 # ---- the code measured -------------------------------------------------------------------------
@@ -386,7 +398,7 @@ class Check:
         keep = {p.pid for p, _, _ in self.background.values()}
         ended = end_leftovers(self.token, keep)
         if ended:
-            entry["processes_left_ended"] = ended
+            entry["processes_left_ended"] = ended  # their command lines: where to look
         if read is not None:
             try:
                 result = read()

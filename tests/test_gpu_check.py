@@ -54,7 +54,7 @@ def test_what_a_phase_leaves_running_is_ended(tmp_path):
     service = int(pidfile.read_text())
     assert running(service) and gpu_check.leftovers(token) == [service]
     assert gpu_check.leftovers(token, keep_groups={os.getpgid(service)}) == []  # a background phase is kept
-    assert gpu_check.end_leftovers(token) == 1
+    assert gpu_check.end_leftovers(token, grace=0.5) == ["sleep 60"]
     assert ends(service) and gpu_check.leftovers(token) == []
 
 
