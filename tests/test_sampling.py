@@ -363,3 +363,22 @@ def test_what_a_slot_s_last_request_left_does_not_reach_the_next():
     got, want = used.sample(logits.clone(), [0, 1, 2]), fresh.sample(logits.clone(), [0, 1, 2])
     assert got[0].item() == best and torch.equal(got, want)
     assert torch.equal(used.adjusted_logits(logits.clone(), [0, 1, 2]), fresh.adjusted_logits(logits.clone(), [0, 1, 2]))
+
+
+def test_draw_keys_of_a_batch_are_splitmix64_of_seed_choice_and_step():
+    """The batch's keys, against splitmix64 written out in Python's integers."""
+    import random
+
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    r = random.Random(0)
+    rows = [(r.randrange(-2**63, 2**64), r.randrange(100), r.randrange(5000)) for _ in range(500)] + [(-1, 7, 100)]
+    want = [mix((mix((mix(s & mask) + c) & mask) + t) & mask) >> 1 for s, c, t in rows]
+    assert sampling.draw_keys(*map(list, zip(*rows))) == want
+    assert draw_key(*rows[0]) == want[0]

@@ -31,17 +31,25 @@ from worker.logits_processors import (NGramBans, apply_bans, apply_min_p, apply_
 _MASK64 = (1 << 64) - 1
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finalizer (Steele et al.): a bijective scramble of 64 bits."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (Steele et al.): a bijective scramble of 64 bits (uint64, wrapping)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def draw_keys(seeds: list[int], choices: list[int], steps: list[int]) -> list[int]:
+    """The generator seed of each draw, a pure function of its (request seed, choice index, step),
+    for a batch of rows at once."""
+    seeds = np.array([seed & _MASK64 for seed in seeds], dtype=np.uint64)
+    mixed = _mix64(_mix64(_mix64(seeds) + np.array(choices, dtype=np.uint64)) + np.array(steps, dtype=np.uint64))
+    return (mixed >> np.uint64(1)).tolist()  # < 2**63
 
 
 def draw_key(seed: int, choice: int, step: int) -> int:
-    """The generator seed of one draw, a pure function of (request seed, choice index, step)."""
-    return _mix64((_mix64((_mix64(seed & _MASK64) + choice) & _MASK64) + step) & _MASK64) >> 1  # < 2**63
+    """One draw's `draw_keys`."""
+    return draw_keys([seed], [choice], [step])[0]
 
 
 def gumbel_noise(keys: list[int], vocab_size: int, device, hashed: bool | None = None) -> torch.Tensor:
@@ -334,7 +342,8 @@ class Sampler:
         if random:
             rows = to_device(random, logits.device)
             s = idx[rows]
-            keys = [draw_key(params[b].seed, self.choice[slots[b]], self.step[slots[b]]) for b in random]
+            keys = draw_keys([params[b].seed for b in random], [self.choice[slots[b]] for b in random],
+                             [self.step[slots[b]] for b in random])
             noise = gumbel_noise(keys, x.shape[-1], x.device)
             min_p = self.min_p[s] if any(params[b].min_p > 0 for b in random) else None
             tokens[rows] = draw(x[rows], self.temperature[s], self.top_k[s], self.top_p[s], noise,
