@@ -836,8 +836,7 @@ def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, to
 
 def test_batch_buckets_reach_every_slot():
     """An engine's graphs cover every batch its slots allow: the buckets, then multiples of the last."""
-    routes = SimpleNamespace(slots=200)
-    buckets = DecodeRoutes.buckets(routes)
-    assert buckets == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256]
-    assert all(bucket(rows) in buckets for rows in range(1, 201))
-    assert DecodeRoutes.buckets(SimpleNamespace(slots=8)) == [1, 2, 4, 8]
+    for slots in (3, 8, 64, 65, 200, 256):
+        buckets = DecodeRoutes.buckets(SimpleNamespace(slots=slots))
+        assert buckets == sorted(set(buckets)) and buckets[-1] == bucket(slots)
+        assert all(bucket(rows) in buckets for rows in range(1, slots + 1))

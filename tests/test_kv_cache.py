@@ -45,11 +45,11 @@ def test_decodes_write_by_index_put():
     assert torch.equal(cache, written_token_by_token(torch.zeros_like(cache), slots, start_pos, lengths, new))
 
 
-def test_an_engine_without_max_batch_takes_32_slots_on_a_cpu(hf_checkpoint):
+def test_an_engine_without_max_batch_takes_the_cpu_default_of_slots(hf_checkpoint):
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
     from worker.engine import Engine
 
     engine = Engine(load_model(str(hf_checkpoint)), load_tokenizer(hf_checkpoint), max_batch=None)
-    assert engine.runner.slots == kv_cache.CPU_SLOTS == 32
-    assert engine.runner.cache.max_slots >= 32
+    assert engine.runner.slots == kv_cache.CPU_SLOTS
+    assert engine.runner.cache.max_slots >= kv_cache.CPU_SLOTS

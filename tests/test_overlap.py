@@ -242,3 +242,37 @@ def test_a_worker_running_ahead_through_the_openai_client(hf_checkpoint, tmp_pat
     finally:
         server.stop()
     assert len(engine_ready) == 1 and '"overlap": true' in engine_ready[0]
+
+
+def test_a_fault_taking_in_the_step_before_fails_its_requests_not_the_engine(model, tok, monkeypatch):
+    """A beam search arriving makes the engine take the step before's tokens in before it schedules;
+    a fault there fails the requests those tokens belong to, as a faulted step does, and the engine
+    serves the beam search and what comes next."""
+    from worker.errors import EngineFault
+
+    (ahead, sink), (sync, _) = engines(model, tok)
+    running = ahead.submit(job(tok, [PROMPTS[0]], max_tokens=30))
+    ahead.step()
+    ahead.step()
+    real, calls = ahead.output.accept, []
+
+    def accept(rows, draws):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise RuntimeError("host lost")
+        return real(rows, draws)
+
+    beams = job(tok, [PROMPTS[3]], max_tokens=6, use_beam_search=True, n=2, best_of=3)
+    handle = ahead.submit(beams)
+    ahead.step()  # the beam search is registered; the sampled request's draw is still on its way
+    assert ahead._ahead is not None
+    monkeypatch.setattr(ahead.output, "accept", accept)
+    while not handle.done:
+        ahead.step()
+    with pytest.raises(EngineFault):
+        running.result()
+    assert {t for t, _ in sink.of(running.job_id)} == {"delta"}  # no error event: a retry resumes it
+    assert calls[0] == 1  # the fault came taking in the sampled request's draw
+    assert_same([handle.result()], [sync.generate(beams)])
+    assert_same([ahead.generate(job(tok, max_tokens=5))], [sync.generate(job(tok, max_tokens=5))])
+    assert ahead.stats()["kv_slots_used"] == 0

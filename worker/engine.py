@@ -292,9 +292,8 @@ class Engine:
             try:
                 self._take_in(ahead, ahead=True)
             except Exception:
-                log.exception("engine step failed")
-                for req in {s.request for s in ahead.rows if self.scheduler.requests.get(s.request.job.id) is s.request}:
-                    self.scheduler.drop(req, EngineFault(), events)
+                self._fault({s.request for s in ahead.rows if self.scheduler.requests.get(s.request.job.id) is s.request},
+                            events)
         batch = self.scheduler.schedule(events)
         try:
             with torch.no_grad():
@@ -302,13 +301,8 @@ class Engine:
                 self._sample(batch, rows, logits)
             self.scheduler.update(batch, prefilled)
         except Exception:
-            # A fault (not a bad request: those were refused at submit). The batch's jobs cannot
-            # be trusted to continue, but the engine goes on with the next ones.
-            log.exception("engine step failed")
-            err = EngineFault()
             self._ahead = None  # its requests are among the batch's
-            for req in batch.requests:
-                self.scheduler.drop(req, err, events)
+            self._fault(batch.requests, events)
         for req, completion in self.output.collect(self.scheduler.requests.values(), events):
             self.scheduler.complete(req, completion)
         self._steps += 1
@@ -357,6 +351,14 @@ class Engine:
             self._ahead = drawn
         elif drawn is not None:
             self._take_in(drawn)
+
+    def _fault(self, requests, events: list[Event]) -> None:
+        """A fault (not a bad request: those were refused at submit). These jobs cannot be trusted to
+        continue, but the engine goes on with the next ones."""
+        log.exception("engine step failed")
+        err = EngineFault()
+        for req in requests:
+            self.scheduler.drop(req, err, events)
 
     def _overlaps(self) -> bool:
         """Whether this step may run before the step before's tokens are taken in."""

@@ -258,9 +258,11 @@ class Runner:
         full = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, rows): every row of the head
         scored = any(s.request.needs_scores for s in rows)  # else the raw logits are read no more
         slots = [s.slot for s in rows]
+        idx = to_device(slots, self.device)
         # drawn among the tokenizer's ids only (nanoGPT and GPT-J pad the head past them)
-        tokens = self.sampler.sample(full[:, :self.vocab_size], slots, [s.tokens for s in rows], in_place=not scored)
-        self.last[to_device(slots, self.device)] = tokens
+        tokens = self.sampler.sample(full[:, :self.vocab_size], slots, [s.tokens for s in rows], in_place=not scored,
+                                     idx=idx)
+        self.last[idx] = tokens
         return self._drawn(rows, full, tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:

@@ -302,14 +302,15 @@ class Sampler:
             self.prompt_len[slot] = self.prompt_len[parent]
 
     def adjusted_logits(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None,
-                        in_place: bool = False):
+                        in_place: bool = False, idx: torch.Tensor | None = None):
         """Raw (B, V) logits (or log-probabilities: beam search) through the logits processors, in
         vLLM's order: the structured-output grammar's mask, banned tokens, bad words and n-gram
         bans, stop tokens before min_tokens, logit_bias, repetition penalty, presence/frequency
         penalties. Each is skipped when no row uses it. `outputs[b]`: the tokens row b generated so far, for bans that depend on them.
-        `in_place`: the caller reads the raw logits no more, so they may be overwritten."""
+        `in_place`: the caller reads the raw logits no more, so they may be overwritten. `idx`: the
+        slots on the device, where the caller has them."""
         params, raw = [self.params[s] for s in slots], logits
-        idx = to_device(slots, logits.device)
+        idx = to_device(slots, logits.device) if idx is None else idx
         matchers = [self.matchers[s] for s in slots]
         if any(m is not None for m in matchers):
             logits = self.grammars.mask(logits if in_place else logits.clone(), matchers)
@@ -329,13 +330,13 @@ class Sampler:
         return logits
 
     def sample(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]] | None = None,
-               in_place: bool = False) -> torch.Tensor:
+               in_place: bool = False, idx: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of raw (B, V) float32 logits, row b belonging to slot slots[b]
         (distinct). Advances each slot's draw counter and token counts. Returns (B,) long, on device.
-        `in_place`: as adjusted_logits takes it."""
+        `in_place` and `idx`: as adjusted_logits takes them."""
         params = [self.params[s] for s in slots]
-        idx = to_device(slots, logits.device)
-        x = self.adjusted_logits(logits, slots, outputs, in_place)
+        idx = to_device(slots, logits.device) if idx is None else idx
+        x = self.adjusted_logits(logits, slots, outputs, in_place, idx)
         random = [b for b, p in enumerate(params) if not p.greedy]
         # greedy rows: the first maximum, like transformers
         tokens = first_max(x) if len(random) < len(params) else torch.empty_like(idx)
@@ -348,13 +349,13 @@ class Sampler:
             min_p = self.min_p[s] if any(params[b].min_p > 0 for b in random) else None
             tokens[rows] = draw(x[rows], self.temperature[s], self.top_k[s], self.top_p[s], noise,
                                 [params[b].truncated for b in random], min_p)
-        self.advance(slots, tokens)
+        self.advance(slots, tokens, idx)
         return tokens
 
-    def advance(self, slots: list[int], tokens: torch.Tensor) -> None:
+    def advance(self, slots: list[int], tokens: torch.Tensor, idx: torch.Tensor | None = None) -> None:
         """Count the tokens the rows took (drawn here, or chosen by beam search)."""
         params = [self.params[s] for s in slots]
-        idx = to_device(slots, tokens.device)
+        idx = to_device(slots, tokens.device) if idx is None else idx
         for slot in slots:
             self.step[slot] += 1
         constrained = [(b, self.matchers[s]) for b, s in enumerate(slots) if self.matchers[s] is not None]
