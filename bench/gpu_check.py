@@ -47,6 +47,7 @@ failures with their log tails) and `gpu_check.log` (every phase's output).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -495,7 +496,8 @@ def phases(check: Check) -> None:
     if check.runnable("cuda-tests"):
         xml = work / "cuda-tests.xml"
         check.phase("cuda-tests", check.python("-m", "pytest", args.pytest_path, "-q", "-rfE", "-p", "no:cacheprovider",
-                                               "--durations=10", f"--junitxml={xml}"),
+                                               "--durations=10", f"--junitxml={xml}",
+                                               *(["-k", args.pytest_k] if args.pytest_k else [])),
                     read=lambda: junit_counts(xml) if xml.exists() else None)
 
     def measure(name: str, shape: str, command) -> None:
@@ -1023,13 +1025,18 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--work", default=str(WORK), help="phases' logs and intermediate files")
     parser.add_argument("--cache", default=None, help="the random-weight checkpoints (default: under --work)")
     parser.add_argument("--pytest-path", default=PYTEST_PATH, help="the tests of the cuda-tests phase")
+    parser.add_argument("--pytest-k", default="", help="of those, the ones pytest's -k expression selects")
+    parser.add_argument("--engine-systems", default="", help="engine-small's systems (default: the plan's)")
     args = parser.parse_args(argv)
     args.argv = argv
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     unknown = set(args.phases) - set(MEASURED)
     if unknown:
         parser.error(f"unknown phases {sorted(unknown)}; known: {', '.join(MEASURED)}")
-    return run_check(args, QUICK if args.quick else Plan())
+    plan = QUICK if args.quick else Plan()
+    if args.engine_systems:
+        plan = dataclasses.replace(plan, engine_systems=tuple(args.engine_systems.split(",")))
+    return run_check(args, plan)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ transformers' on the same GPU (float32 to 1e-4, bfloat16 within its rounding of 
 logits), the full forward and ragged-batch decoding through the KV cache, for GPT-2 and GPT-NeoX;
 the engine's greedy tokens and logprobs equal to transformers' generate; seeded sampling that does
 not depend on its batch; the decode step replayed from CUDA graphs, eager and compiled; the bfloat16
-engine; running a step ahead, and decode steps that never wait for the GPU; two replicas with `processor.py --device all`;
-and `bench.engine_bench --device cuda`.
+engine; running a step ahead, and decode steps that never wait for the GPU; the decode attention's
+Triton kernel against PyTorch's ops, launched and replayed from a CUDA graph; two replicas with
+`processor.py --device all`; and `bench.engine_bench --device cuda`.
 
 Every test is marked `cuda` and skipped, with the reason, where torch sees no GPU
 (tests/conftest.py). On a GPU machine: `pytest -m cuda`.
@@ -23,7 +24,8 @@ from torch.testing import assert_close
 import test_engine
 from models.tokenizer import load_tokenizer
 from nanogpt.checkpoint import load_model
-from nanogpt.runtime.kv_cache import KVCache
+from nanogpt.kernels import decode_attention
+from nanogpt.runtime.kv_cache import DecodeWindow, KVCache
 from test_engine import PROMPTS, hf_greedy, job, make_engine, run_all, tok  # noqa: F401  (tok: the fixture)
 from test_families import CONTEXT, Family
 from test_model import SHAPES, cached_call, make_pair, random_seq
@@ -240,6 +242,43 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
     while not all(h.done for h in handles):
         engine.step()
     assert all(len(h.result()["choices"][0]["text"]) for h in handles)
+
+
+@DTYPES
+def test_the_decode_attention_kernel_attends_as_pytorchs_ops_do(dtype):
+    """The decode step's attention by the Triton kernel (nanogpt/kernels/triton_decode.py) against
+    DecodeWindow's PyTorch ops: rows in any slot order, two padding rows sharing a slot, a local
+    window, GPT-2's, Pythia's and GPT-J's head sizes; then from a CUDA graph recorded at other
+    positions, as the engine replays it."""
+    torch.manual_seed(0)
+    tolerance = FLOAT32 if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for heads, hs in ((12, 64), (25, 64), (4, 80), (2, 256)):
+        assert decode_attention.serves(CUDA, dtype, hs)
+        cache_k, cache_v = (torch.randn(40, heads, 300, hs, device=CUDA).to(dtype) for _ in range(2))
+        for rows in (1, 33):
+            slots = torch.randperm(39, device=CUDA)[:rows]
+            positions = torch.randint(0, 298, (rows,), device=CUDA)
+            if rows > 1:
+                slots[-2:], positions[-2:] = 39, 0
+            span = 299
+            q = torch.randn(rows, heads, 1, hs, device=CUDA).to(dtype)
+            for local in (None, 7):
+                want = DecodeWindow(slots, positions, torch.arange(span, device=CUDA)).attend(
+                    q, q, q, cache_k.clone(), cache_v.clone(), local=local)
+                own = DecodeWindow(slots, positions, torch.arange(span, device=CUDA), own_kernel=True)
+                got = own.attend(q, q, q, cache_k.clone(), cache_v.clone(), local=local)
+                assert_close(got.float(), want.float(), **tolerance)
+    # replayed from a graph: the positions (and so each row's keys) are read at replay
+    k, v = cache_k.clone(), cache_v.clone()
+    window = DecodeWindow(slots, positions, torch.arange(span, device=CUDA), own_kernel=True)
+    window.attend(q, q, q, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = window.attend(q, q, q, k, v)
+    positions.copy_(torch.randint(0, 298, (rows,), device=CUDA))
+    graph.replay()
+    want = DecodeWindow(slots, positions, torch.arange(span, device=CUDA)).attend(q, q, q, k.clone(), v.clone())
+    assert_close(out.float(), want.float(), **tolerance)
 
 
 def test_without_max_batch_the_kv_cache_takes_its_share_of_the_free_memory(model, tok):

@@ -1,17 +1,22 @@
-"""The decode step's attention by the project's own kernel (nanogpt/kernels/csrc/decode_attention.cpp) against
-the same attention spelled in PyTorch's ops (nanogpt/runtime/kv_cache.py DecodeWindow without it)."""
+"""The decode step's attention by the project's own kernels (the CPU's, nanogpt/kernels/csrc/decode_attention.cpp;
+the GPU's, nanogpt/kernels/triton_decode.py, in Triton's interpreter) against the same attention spelled in
+PyTorch's ops (nanogpt/runtime/kv_cache.py DecodeWindow without it)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from nanogpt.kernels import decode_attention, extension
+from nanogpt.kernels import decode_attention, extension, triton_decode
 from nanogpt.runtime.kv_cache import CacheWindow, DecodeWindow, KVCache
 
-pytestmark = pytest.mark.skipif(not extension.available(), reason="the project's kernels cannot be built here")
+built = pytest.mark.skipif(not extension.available(), reason="the project's CPU kernels cannot be built here")
 
 # 16-128 in steps of 16, GPT-J's 256 (in AVX2's 8-float vectors also 8-64 and 80)
 HEAD_SIZES = (16, 32, 64, 80, 128, 256)
@@ -31,6 +36,7 @@ def _attend(how: str, q, k, v, cache, slots, positions, span, local):
     return window.attend(q, k, v, cache_k, cache_v, local=local), (cache_k, cache_v)
 
 
+@built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [3, 12])  # 3: no whole group of four heads; 12: groups of four
 def test_the_kernel_attends_as_pytorchs_ops_do(dtype, heads):
@@ -63,6 +69,7 @@ def test_the_kernel_attends_as_pytorchs_ops_do(dtype, heads):
                 assert torch.equal(routed, got if rows >= decode_attention.ROWS else want)
 
 
+@built
 def test_the_kernel_refuses_what_it_cannot_attend():
     q, cache = torch.randn(2, 2, 32), torch.randn(4, 2, 8, 32)
     slots, positions = torch.tensor([0, 1]), torch.tensor([3, 5])
@@ -75,12 +82,15 @@ def test_the_kernel_refuses_what_it_cannot_attend():
                        ((q, torch.randn(2, 4, 8, 32).transpose(0, 1), cache, slots, positions, 6, 0.5), "contiguous")):
         with pytest.raises(RuntimeError, match=match):
             op(*bad)
-    # head sizes it is not built for, float16, a GPU: the decode step spells attention out instead
+    # head sizes it is not built for, float16: the decode step spells attention out instead
     for device, dtype, head_size in (("cpu", torch.float32, 20), ("cpu", torch.float32, 1024),
-                                     ("cpu", torch.float16, 64), ("cuda", torch.float32, 64)):
+                                     ("cpu", torch.float16, 64), ("cuda", torch.float16, 64)):
         assert not decode_attention.serves(device, dtype, head_size)
+    # a GPU's kernel is Triton's, at any head size
+    assert decode_attention.serves("cuda", torch.bfloat16, 80) == triton_decode.available()
 
 
+@built
 def test_a_cache_says_whether_its_decode_step_attends_by_the_kernel():
     from nanogpt.model import GPTConfig
 
@@ -90,6 +100,7 @@ def test_a_cache_says_whether_its_decode_step_attends_by_the_kernel():
     assert not KVCache(GPTConfig(block_size=16, vocab_size=10, n_layer=1, n_head=2, n_embd=40), 2, 16).own_attention
 
 
+@built
 @pytest.mark.parametrize("local", [None, 3])
 @pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2]], ids=["in-place", "any-order"])
 def test_an_eager_decode_batch_attends_by_the_kernel_as_sdpa_does(slots, local):
@@ -112,3 +123,16 @@ def test_an_eager_decode_batch_attends_by_the_kernel_as_sdpa_does(slots, local):
     # a window with padding (a row of length 0) or more than one token a row keeps SDPA
     assert CacheWindow(slots, start_pos, torch.tensor([1, 0, 1]), 1, max_len, own_kernel=True).decode_rows is None
     assert CacheWindow(slots, start_pos, lengths * 2, 2, max_len, own_kernel=True).decode_rows is None
+
+
+@pytest.mark.skipif(not triton_decode.available(), reason="Triton is not installed (the dev extras install it)")
+def test_the_gpu_kernel_attends_as_pytorchs_ops_and_transformers_do():
+    """tests/triton_interpreted.py in Triton's interpreter, in a process of its own (Triton reads
+    TRITON_INTERPRET once, at import): the kernel against PyTorch's ops, and GPT-Neo's and GPT-J's
+    decode steps through it against transformers."""
+    script = Path(__file__).with_name("triton_interpreted.py")
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "kernel cases 32; decode-step rows 24" in done.stdout

@@ -96,7 +96,7 @@ class DecodeRoutes:
         self.model, self.cache, self.slots, self.device = model, cache, slots, model.device
         self.pads = self.padded(compile, graphed)
         self.compiled, self.graphs = compile, None
-        self.mixed = compile and cache.own_attention  # SMALL and KERNEL
+        self.mixed = compile and cache.own_attention and self.device.type == "cpu"  # SMALL and KERNEL
         # the compiled graphs routes take (as `planned` names them); replaced, never changed in place, as
         # the engine's thread reads it while the compile's adds to it
         self.live: frozenset[Route] = frozenset()

@@ -1,10 +1,11 @@
-"""One decode step's attention over the slot cache on a CPU, by the project's own kernel
-(csrc/decode_attention.cpp): each row's keys and values read once, in place, in its slot. The
-compiled decode step (nanogpt/runtime/kv_cache.py DecodeWindow) calls it as one op,
-`nanoserve::decode_attention`, for batches of ROWS rows or more where the cache was made for it
-(KVCache.own_attention: a CPU, a float32 or bfloat16 cache, a head size the kernel is built for);
-elsewhere the step spells attention out in PyTorch's ops, which inductor fuses into a kernel that
-reads the cache well below the memory's rate (docs/notes/decode-attention.md#why).
+"""One decode step's attention over the slot cache by the project's own kernels: each row's keys and
+values read once, in place, in its slot. On a CPU the C++ kernel (csrc/decode_attention.cpp), on a
+GPU the Triton one (triton_decode.py). The decode step (nanogpt/runtime/kv_cache.py DecodeWindow)
+calls it as one op, `nanoserve::decode_attention`, where the cache was made for it
+(KVCache.own_attention: a float32 or bfloat16 cache; on a CPU a head size the kernel is built for, on
+a GPU Triton installed); a CPU from ROWS rows (`pays`), a GPU at any. Elsewhere the step spells
+attention out in PyTorch's ops, which gathers the rows' cache on a GPU and, compiled on a CPU, reads
+it well below the memory's rate (docs/notes/decode-attention.md#why).
 
 Also here: whether a decode step's attention pays in bfloat16 on this CPU (`bf16_attention_pays`),
 which the KV cache's dtype follows (nanogpt/runtime/precision.py cache_dtype).
@@ -19,11 +20,11 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from nanogpt.kernels import extension
+from nanogpt.kernels import extension, triton_decode
 from nanogpt.kernels.machine import MARGIN, OtherProcesses
 
-# The rows from which the kernel attends: below them inductor's fused kernel, which also writes the
-# new keys and values, costs less than the op's dispatch and a write of its own
+# The rows from which the CPU kernel attends: below them inductor's fused kernel, which also writes
+# the new keys and values, costs less than the op's dispatch and a write of its own
 # (docs/notes/decode-attention.md#rows).
 ROWS = 8
 
@@ -34,12 +35,22 @@ _LIBRARY.define("decode_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tens
                 "SymInt span, float scale, int local) -> Tensor")
 _LIBRARY.impl("decode_attention", lambda q, cache_k, cache_v, slots, positions, span, scale, local:
               q.new_empty(q.shape), "Meta")
+_LIBRARY.impl("decode_attention", triton_decode.attend, "CUDA")
 
 
 def serves(device, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether a cache of `dtype` on `device` with heads of `head_size` is attended by the kernel."""
-    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and extension.available() and extension.extension().decode_attention_serves(head_size))
+    """Whether a cache of `dtype` on `device` with heads of `head_size` is attended by a kernel."""
+    kind = torch.device(device).type
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if kind == "cuda":
+        return triton_decode.available()
+    return kind == "cpu" and extension.available() and extension.extension().decode_attention_serves(head_size)
+
+
+def pays(rows: int, device: torch.device) -> bool:
+    """Whether a decode step of `rows` rows on `device` (its cache served) attends by the kernel."""
+    return rows >= ROWS or device.type != "cpu"
 
 
 def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,

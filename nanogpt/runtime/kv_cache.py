@@ -255,10 +255,10 @@ class DecodeWindow(Window):
     as rows (worker/decode_routes.py, KERNEL) see each other causally; padding rows may share a spare
     slot and position.
 
-    With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends batches of
-    decode_attention.ROWS rows or more (nanogpt/kernels/decode_attention.py); else attention is spelled
-    as reductions over the gathered cache rows: inductor fuses the gather into them, so the slots'
-    keys and values are read once, in place, in any slot order.
+    With `own_kernel` (a cache KVCache.own_attention) the project's kernel attends where it pays
+    (nanogpt/kernels/decode_attention.py: on a CPU from ROWS rows, on a GPU always); else attention is
+    spelled as reductions over the gathered cache rows: compiled, inductor fuses the gather into
+    them, so the slots' keys and values are read once, in place, in any slot order.
     """
 
     def __init__(self, slots, positions, keys, own_kernel: bool = False):
@@ -274,7 +274,7 @@ class DecodeWindow(Window):
         cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         span = self.keys.shape[0]
         scale = 1.0 / math.sqrt(hs) if scale is None else scale
-        if self.own_kernel and B >= decode_attention.ROWS:
+        if self.own_kernel and decode_attention.pays(B, q.device):
             out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, self.slots, self.positions, span, scale, local)
             return out[:, :, None].to(dtype)  # (B, nh, 1, hs)
         keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
