@@ -29,6 +29,7 @@ from web.api.queue import job_queue
 from web.app import create_app
 from web.dev.local_redis import free_port
 from worker import protocol
+from worker.events import append_event
 
 CONTEXT = 64
 
@@ -549,6 +550,23 @@ def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, mon
         monkeypatch.setattr(jq, "fetch", fetch_then_lose_the_race)
         assert jq.cancel(job_id) is True
     assert rq_json.fetch(job_id, r).get_status() == JobStatus.CANCELED and r.exists(protocol.cancel_key(job_id))
+
+
+def test_a_job_whose_stream_ended_gives_its_place_in_the_keys_quota_back(redis_url, models_file, r):
+    """A key's quota of jobs counts what its jobs hold of an engine. The worker writes a job's terminal
+    event before rq records the job finished, which lags under load: a job whose stream ended frees
+    its place even while rq still calls it started; one whose stream goes on does not."""
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "key_max_jobs": 2})
+    client = app.test_client()
+    rq_json.worker(["completions:tiny"], r).register_birth()
+    first, second = (client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"] for _ in range(2))
+    assert error_of(client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}), 429)["code"] == "quota_exceeded"
+    for job_id in (first, second):  # both taken by a worker, as rq records it
+        r.hset(f"rq:job:{job_id}", "status", JobStatus.STARTED.value)
+        append_event(r, job_id, "delta", {"index": 0, "text": "a", "token_ids": [64], "logprobs": None})
+    assert error_of(client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}), 429)["code"] == "quota_exceeded"
+    append_event(r, first, "done", {"completion": {}})
+    assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).status_code == 202
 
 
 def test_unknown_job_is_404(client):

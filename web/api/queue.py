@@ -112,13 +112,19 @@ class JobQueue:
         return [job for job in jobs if job is not None and _readable(job)]
 
     def ended(self, job_ids: list[str]) -> list[str]:
-        """Those of these jobs that rq will not run again (ended, or forgotten), in one round trip."""
+        """Those of these jobs that hold nothing of an engine's any more, in one round trip: those
+        rq will not run again (ended, or forgotten), and those whose stream holds their terminal
+        event. The worker writes that event before its rq thread returns and rq records the job
+        finished; under load rq's record lags by seconds, and a key's quota of jobs would count the
+        lag (a tenant with 64 requests open at a time was refused at 256 in the GPU check)."""
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hget(Job.key_for(job_id), "status")
-            statuses = pipe.execute()
+                pipe.xrevrange(protocol.stream_key(job_id), count=1)
+            replies = pipe.execute()
         over = {s.value.encode() for s in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED, JobStatus.STOPPED)}
-        return [job_id for job_id, status in zip(job_ids, statuses) if status is None or status in over]
+        return [job_id for job_id, status, last in zip(job_ids, replies[::2], replies[1::2])
+                if status is None or status in over or (last and _terminal(last[0][1]))]
 
     def fetch(self, job_id: str) -> Job | None:
         try:
@@ -144,6 +150,11 @@ class JobQueue:
         except InvalidJobOperation:  # cancelled since the fetch, by another thread or process: done
             pass
         return True
+
+
+def _terminal(fields: dict) -> bool:
+    """Whether a stream entry (as redis-py gives it, bytes) is a job's terminal event."""
+    return fields.get(b"type", b"").decode() in protocol.TERMINAL_EVENTS
 
 
 def _readable(job: Job) -> bool:
