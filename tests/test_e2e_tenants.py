@@ -22,6 +22,7 @@ from web.access.quotas import Quota
 from web.api.stream_hub import StreamHub
 from web.app import create_app
 from web.dev.local_redis import start_redis
+from worker.protocol import APIError
 
 EOS = 50256
 LIMITS = {"NANOSERVE_AUTH": "required", "NANOSERVE_KEEPALIVE": "1",
@@ -360,6 +361,27 @@ def test_a_quota_never_overshoots_under_concurrent_takes(stack):
     for i in range(5):
         quota.take(client, f"{owner}:lapsed", f"n{i}", time.time() + 60)
     assert client.zcard(quota.key(f"{owner}:lapsed")) == 5
+    client.close()
+
+
+def test_a_take_at_the_cap_sees_what_another_request_gave_back(stack):
+    """Two requests of one key at its cap: the other one drops the places of the jobs that ended
+    between this one's refused take and its look at what ended. This one then finds nothing ended,
+    and is still taken, as there is room (the GPU check's 64 clients of one key were refused at 256)."""
+    client = redis.Redis.from_url(stack.info["redis_url"], decode_responses=True)
+    quota, owner = Quota("test", 2, "things"), f"test:{secrets.token_hex(4)}"
+    for member in ("ended", "running"):
+        quota.take(client, owner, member, time.time() + 60)
+
+    def another_request_drops_what_ended(members):
+        quota.give_back(client, owner, "ended")
+        return []
+
+    quota.take(client, owner, "new", time.time() + 60, ended=another_request_drops_what_ended)
+    assert set(client.zrange(quota.key(owner), 0, -1)) == {"running", "new"}
+    with pytest.raises(APIError) as refused:  # at the cap with nothing ended: refused
+        quota.take(client, owner, "more", time.time() + 60, ended=lambda members: [])
+    assert refused.value.status == 429
     client.close()
 
 

@@ -78,7 +78,9 @@ class Quota:
             over = list(ended(r.zrange(self.key(owner), 0, -1)))
             if over:
                 self.give_back(r, owner, *over)
-                taken, wait = self._take(r, owner, member, lapses_at, size)
+            # taken again even when nothing read here was over: another request of this owner at the
+            # cap may have given back what ended between the first take and the read
+            taken, wait = self._take(r, owner, member, lapses_at, size)
         if not taken:
             raise self.exceeded(wait, size)
 
