@@ -1003,8 +1003,54 @@ def wheels_main(argv: list[str]) -> None:
           f"{record.get('commit', '?')}, tree {record['tree_sha256']}")
 
 
+def plot_main(argv: list[str]) -> None:
+    """`python -m bench.gpu_check plot OUT.png CHECK.json...`: the GPT-2-small engine and stack rows
+    of one or more checks' results (gpu_check.json), each line named by its code version."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check plot")
+    parser.add_argument("out")
+    parser.add_argument("checks", nargs="+")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench import save_figure
+
+    fig, (engine_ax, stack_ax) = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    gpu, ticks = None, set()
+    for path in args.checks:
+        check = json.loads(Path(path).read_text())
+        code = check["code"].get("recorded", check["code"]).get("commit", "?")
+        gpu = gpu or check.get("environment", {}).get("gpu_name")
+        phases = check["phases"]
+        engine = ((phases.get("engine-small") or {}).get("result") or {}).get("summary", {}).get("by_system", {})
+        for system, by_c in engine.items():
+            if system == "transformers":
+                continue
+            cs = sorted(by_c, key=int)
+            engine_ax.plot([int(c) for c in cs], [by_c[c]["tokens_per_s"] for c in cs], marker="o", label=f"{system}, {code}")
+            ticks.update(int(c) for c in cs)
+        stack = ((phases.get("stack") or {}).get("result") or {}).get("dtypes", {})
+        for dtype, entry in stack.items():
+            by_c = entry.get("tokens_per_s", {})
+            cs = sorted(by_c, key=int)
+            stack_ax.plot([int(c) for c in cs], [by_c[c] for c in cs], marker="o", label=f"{dtype}, {code}")
+            ticks.update(int(c) for c in cs)
+    for ax, title in ((engine_ax, "engine alone"), (stack_ax, "whole stack (HTTP + Redis + worker)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%d"))
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(f"GPT-2 small, {gpu or 'GPU'}: {title}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    engine_ax.set_ylabel("completion tokens/s")
+    save_figure(fig, args.out, dpi=120)
+
+
 SUBCOMMANDS = {"environment": environment_main, "checkpoints": checkpoints_main, "stack": stack_main,
-               "profile": profile_main, "wheels": wheels_main}
+               "profile": profile_main, "wheels": wheels_main, "plot": plot_main}
 
 
 def main(argv: list[str] | None = None) -> dict | None:

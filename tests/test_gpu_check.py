@@ -148,3 +148,9 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     log = (out / "gpu_check.log").read_text()
     assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name != "install")
     assert not any("processes_left_ended" in e for e in phases.values())  # each phase stopped what it started
+
+    # the plot of its engine and stack rows, as docs/performance.md shows the GPU's
+    from PIL import Image
+
+    gpu_check.main(["plot", str(tmp_path / "check.png"), str(out / "gpu_check.json")])
+    assert Image.open(tmp_path / "check.png").size[0] > 500

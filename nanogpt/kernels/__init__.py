@@ -1,10 +1,12 @@
-"""CPU kernels and the plan of which serves where, chosen per machine when a model is loaded.
+"""The project's kernels (the CPU's, and the GPU's decode attention) and the plan of which serves
+where, chosen per machine when a model is loaded.
 
     machine.py            the CPU's flags and caches, how busy other processes are, timing a call
     extension.py          builds and loads the C++ kernels of csrc/ on first use
     gemv.py               the project's GEMV for one or two rows, float and int8 (csrc/gemv.cpp, int8_gemv.cpp)
-    decode_attention.py   a decode step's attention over the slot cache (csrc/decode_attention.cpp), and
-                          whether it pays in bfloat16 here
+    decode_attention.py   a decode step's attention over the slot cache (csrc/decode_attention.cpp on a
+                          CPU, triton_decode.py on a GPU), and whether it pays in bfloat16 here
+    triton_decode.py      that attention as a Triton kernel, for CUDA
     matmuls.py            every kernel that computes a linear layer, and a Plan of which serves which rows
     ops.py                packed layers as ops of compiled graphs (nanoserve::linear, nanoserve::int8_linear)
     linear.py             KernelLinear: an nn.Linear with its weight packed for its plan
