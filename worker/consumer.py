@@ -24,6 +24,7 @@ runs at once. rq's own bookkeeping (registries, results, `Retry`) is kept as is;
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 # With every idle thread listening, 32 threads per engine served 8 concurrent requests 11% (float32)
 # and 20% (bfloat16) slower than 8 threads did, medians of three runs (docs/notes/idle-listeners.md).
 LISTENERS = 2
+# How often a worker's beats write its whole record and queue memberships again, at most (seconds).
+REREGISTER_S = 1.0
 
 
 @dataclass
@@ -257,6 +260,7 @@ class EngineWorker(SimpleWorker):
         self._waiting = False  # for a turn to listen: rq's dequeue loop is not beating our key
         self._running: Job | None = None
         self._running_lock = threading.Lock()
+        self._registered = -math.inf  # when a beat last wrote the worker's record and memberships
         super().__init__(*args, **kwargs)
 
     def _install_signal_handlers(self) -> None:
@@ -286,10 +290,12 @@ class EngineWorker(SimpleWorker):
         # so a short TTL lets a dead process drop out of the queue's live workers (web's /ready).
         connection = pipeline if pipeline is not None else self.connection.pipeline()
         super().heartbeat(self.heartbeat_ttl, pipeline=connection)
-        if self.birth_date is not None:
+        if self.birth_date is not None and time.monotonic() - self._registered >= REREGISTER_S:
             # A worker cut off from Redis past that TTL was dropped from the queues' worker sets by
             # other workers' maintenance, and rq's beat alone would leave it there, unseen (web would
-            # answer 503 "no worker"): every beat writes its record and memberships again.
+            # answer 503 "no worker"): beats write its record and memberships again, at most every
+            # REREGISTER_S (rq beats several times per job, each record a dozen fields built in Python).
+            self._registered = time.monotonic()
             connection.hset(self.key, mapping=self.serialize())
             worker_registration.register(self, connection)
         if pipeline is None:

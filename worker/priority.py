@@ -45,6 +45,11 @@ class _Intermediate(IntermediateQueue):
 
 
 class PriorityQueue(Queue):
+    def enqueue_dependents(self, job, pipeline=None, exclude_job_id=None) -> None:
+        # No job of ours depends on another (web enqueues none with depends_on): rq would read each
+        # finished job's dependents set, a round trip of the worker's per-job bookkeeping for nothing.
+        pass
+
     def acquire_maintenance_lock(self) -> bool:
         return bool(self.connection.set(self.registry_cleaning_key, 1, nx=True, ex=MAINTENANCE_LOCK_S))
 
