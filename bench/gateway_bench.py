@@ -64,7 +64,8 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn (2
-    workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`)."""
+    workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`; its `.info` names Redis's URL and the
+    worker's pid)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
     from web.dev.local_redis import start_redis
@@ -74,9 +75,10 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     try:
         # measured at full speed: after the worker's background compile (a minute or two on a first start)
         with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir,
-                             compile=compile, timeout=600.0, warmed=True), \
+                             compile=compile, timeout=600.0, warmed=True) as worker, \
                 start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
                                log_dir=workdir) as web:
+            web.info.update(redis_url=server.url, worker_pid=worker.pid)
             yield web
     finally:
         server.stop()

@@ -57,6 +57,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -643,6 +644,15 @@ def markdown(results: dict) -> str:
                              f"{_ms(streamed.get('ttft_p50_s'))} ms, {streamed.get('tokens_per_chunk') or 0:.2f} "
                              f"tokens a chunk; the engine alone's time per token and request there: "
                              f"{_ms(engine_step(small, dtype, streamed['concurrency']))} ms.")
+            path = entry.get("request_path_ms")
+            if path:
+                lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR): "
+                             + ", ".join(f"{name} {ms}" for name, ms in path.items()) + ".")
+            cpu = entry.get("worker_cpu_ms")
+            if cpu:
+                lines.append(f"\n{dtype}, the worker's CPU a request, ms (all threads / the busiest / the rest): "
+                             + "; ".join(f"{c}: " + ", ".join(f"{r['all']}/{r['busiest_thread']}/{r['rest']}" for r in rs)
+                                         for c, rs in cpu.items()) + ".")
             if entry.get("error"):
                 lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
 
@@ -814,16 +824,20 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
+    from bench.gateway_bench import stack
     from bench.loadgen import completion_body, openai_sender, percentile, run
-    from bench.serving_bench import server
+    from tests.stack import write_models_toml
 
     def bodies(count: int, new_tokens: int) -> list[dict]:  # the engine benchmark's requests
         return [completion_body(i, args.prompt_tokens, new_tokens) for i in range(count)]
 
     started = time.perf_counter()
-    spec = f"nanoserve:{dtype}" + (f"+{args.mode}" if args.mode else "")
-    with server(spec, args.model, max(concurrency), args.prompt_tokens + args.new_tokens, workdir,
-                Path(args.checkpoint), device=args.device) as url:
+    models_file = write_models_toml(workdir / "models.toml", {args.model: Path(args.checkpoint)}, device=args.device,
+                                    dtype=dtype, max_batch=max(concurrency),
+                                    context_length=args.prompt_tokens + args.new_tokens)
+    modes = {"": None, "compile": True, "eager": False}
+    with stack(models_file, workdir, concurrency=max(concurrency), compile=modes[args.mode]) as web:
+        url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started
         print(f"{dtype}: ready in {entry['ready_s']:.1f} s", flush=True)
         send = openai_sender(url, args.model)
@@ -831,9 +845,13 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             run(send, bodies(c, 4), c)
         runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}
         entry["runs"] = runs
+        worker = WorkerCPU(web.info["worker_pid"])
+        entry["worker_cpu_ms"] = {}
         for r in range(args.repeats):
             for c in concurrency:
+                before = worker.sample()
                 report = run(send, bodies(c, args.new_tokens), c)
+                entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
                 report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
                 runs[str(c)].append(report)
                 print(f"{dtype} repeat {r + 1}/{args.repeats} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "
@@ -859,9 +877,89 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
                           tokens_per_chunk=report["completion_tokens"] / chunks if chunks else None)
             entry["streamed"] = report
             print(f"{dtype} streamed C={args.stream_at}: ITL p50 {_ms(report['itl_p50_s'])} ms", flush=True)
+        entry["request_path_ms"] = request_path(web.info["redis_url"], url, args, bodies(1, args.new_tokens)[0])
+        print(f"{dtype} one request's path: {entry['request_path_ms']}", flush=True)
     errors = sum(r["errors"] + r["wrong_length"] for rs in entry["runs"].values() for r in rs)
     if errors:
         raise RuntimeError(f"{errors} runs with failed or wrong-length requests")
+
+
+class WorkerCPU:
+    """The worker process's CPU time by thread (Linux /proc), to say what a request costs it: all
+    threads, its busiest thread (on a GPU the engine's), and the rest (rq's threads, the event
+    writer, heartbeats): on a GPU host the rest holds the GIL the engine's thread launches with."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def sample(self) -> dict[int, float]:
+        out = {}
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:  # schedstat: nanoseconds on a CPU; stat: clock ticks (10 ms), where schedstat is absent
+                if (task / "schedstat").exists():
+                    out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+                else:
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    out[int(task.name)] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
+            except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+                continue
+        return out
+
+    def per_request(self, before: dict[int, float], requests: int) -> dict[str, float]:
+        """ms of CPU per request since `before`."""
+        after = self.sample()
+        used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+        ms = lambda seconds: round(1000 * seconds / max(requests, 1), 2)  # noqa: E731
+        return {"all": ms(sum(used)), "busiest_thread": ms(used[0] if used else 0.0), "rest": ms(sum(used[1:]))}
+
+
+def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) -> dict[str, float]:
+    """Where one request's time goes, alone on the stack, from Redis's own record of every command
+    (MONITOR) during `requests` requests one after another, medians in ms: web (from the client's
+    send to the job in the queue), pickup (queue to the worker's attempt opened), engine (attempt to
+    the `done` event), reply (`done` to the client's answer), and rq's bookkeeping after `done`."""
+    import openai
+    import redis
+
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    monitor = redis.Redis.from_url(redis_url, socket_timeout=None)
+    seen: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        with monitor.monitor() as m:
+            for command in m.listen():
+                seen.append((float(command["time"]), command["command"][:300]))
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    sent = []
+    for _ in range(requests):
+        start = time.time()
+        answer = client.completions.create(model=args.model, **body)
+        sent.append((answer.id, start, time.time()))
+    time.sleep(0.3)
+    stop.set()
+    redis.Redis.from_url(redis_url).ping()  # one more command, so the listener sees the stop
+    thread.join(timeout=5)
+
+    def first(job_id: str, *needles: str) -> float | None:
+        return next((t for t, c in seen if job_id in c and all(n in c for n in needles)), None)
+
+    parts: dict[str, list[float]] = {"web": [], "pickup": [], "engine": [], "reply": [], "rq_after_done": []}
+    for job_id, start, end in sent:
+        queued, opened = first(job_id, "RPUSH"), first(job_id, "EVALSHA", "nanoserve:stream:")
+        done, finished = first(job_id, "XADD", "type done"), first(job_id, "HSET", "status finished")
+        if None in (queued, opened, done, finished):
+            continue
+        for name, (a, b) in {"web": (start, queued), "pickup": (queued, opened), "engine": (opened, done),
+                             "reply": (done, end), "rq_after_done": (done, finished)}.items():
+            parts[name].append(1000 * (b - a))
+    return {name: round(statistics.median(xs), 2) for name, xs in parts.items() if xs}
 
 
 def write_json(path: str | Path, data) -> None:

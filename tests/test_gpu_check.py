@@ -137,6 +137,12 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
         assert run["errors"] == 0 and run["completion_tokens"] == int(c) * new_tokens
         assert results["stack_over_engine"]["float32"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
     assert stack["streamed"]["errors"] == 0 and stack["streamed"]["itl_p50_s"] > 0
+    # where one request's time goes, and what requests cost the worker's CPU
+    path = stack["request_path_ms"]
+    assert set(path) == {"web", "pickup", "engine", "reply", "rq_after_done"} and all(ms > 0 for ms in path.values())
+    for c in ("1", "2"):
+        (cpu,) = stack["worker_cpu_ms"][c]
+        assert cpu["all"] > 0 and cpu["all"] == pytest.approx(cpu["busiest_thread"] + cpu["rest"], abs=0.02)
 
     step = phases["profile"]["result"]["by_concurrency"]["2"]
     assert step["events_per_step"] > 0 and 0 < step["busy_ms_per_step"] and step["step_ms"] > 0 and step["top"]
@@ -145,6 +151,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     summary = (out / "gpu_check.md").read_text()
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
+    assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     log = (out / "gpu_check.log").read_text()
     assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name != "install")
     assert not any("processes_left_ended" in e for e in phases.values())  # each phase stopped what it started
