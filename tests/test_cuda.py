@@ -246,40 +246,47 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
 
 @DTYPES
 def test_the_decode_attention_kernel_attends_as_pytorchs_ops_do(dtype):
-    """The decode step's attention by the Triton kernel (nanogpt/kernels/triton_decode.py) against
-    DecodeWindow's PyTorch ops: rows in any slot order, two padding rows sharing a slot and position, a local
-    window, GPT-2's, Pythia's and GPT-J's head sizes; then from a CUDA graph recorded at other
-    positions, as the engine replays it."""
+    """The decode step's attention by the Triton kernel (nanogpt/kernels/triton_decode.py), which
+    also writes the step's keys and values, against DecodeWindow's PyTorch ops: the same outputs and
+    the same cache written; rows in any slot order, two padding rows sharing a slot and position, a
+    local window, GPT-2's, GPT-2 XL's, Pythia's and GPT-J's head sizes; then from a CUDA graph
+    recorded at other positions, as the engine replays it."""
     torch.manual_seed(0)
     tolerance = FLOAT32 if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for heads, hs in ((12, 64), (25, 64), (4, 80), (2, 256)):
         assert decode_attention.serves(CUDA, dtype, hs)
-        cache_k, cache_v = (torch.randn(40, heads, 300, hs, device=CUDA).to(dtype) for _ in range(2))
+        cache = [torch.randn(40, heads, 300, hs, device=CUDA).to(dtype) for _ in range(2)]
         for rows in (1, 33):
             slots = torch.randperm(39, device=CUDA)[:rows]
             positions = torch.randint(0, 298, (rows,), device=CUDA)
             if rows > 1:
                 slots[-2:], positions[-2:] = 39, 0
             span = 299
-            q = torch.randn(rows, heads, 1, hs, device=CUDA).to(dtype)
-            q[-2:] = q[-1]  # padding rows write the same key and value (token 0's): which lands is no matter
+            q, k, v = (torch.randn(rows, heads, 1, hs, device=CUDA).to(dtype) for _ in range(3))
+            k[-2:], v[-2:] = k[-1], v[-1]  # padding rows write the same key and value (token 0's)
             for local in (None, 7):
+                want_k, want_v = (c.clone() for c in cache)
                 want = DecodeWindow(slots, positions, torch.arange(span, device=CUDA)).attend(
-                    q, q, q, cache_k.clone(), cache_v.clone(), local=local)
+                    q, k, v, want_k, want_v, local=local)
+                got_k, got_v = (c.clone() for c in cache)
                 own = DecodeWindow(slots, positions, torch.arange(span, device=CUDA), own_kernel=True)
-                got = own.attend(q, q, q, cache_k.clone(), cache_v.clone(), local=local)
+                got = own.attend(q, k, v, got_k, got_v, local=local)
                 assert_close(got.float(), want.float(), **tolerance)
+                assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     # replayed from a graph: the positions (and so each row's keys) are read at replay
-    k, v = cache_k.clone(), cache_v.clone()
+    cache_k, cache_v = (c.clone() for c in cache)
     window = DecodeWindow(slots, positions, torch.arange(span, device=CUDA), own_kernel=True)
-    window.attend(q, q, q, k, v)
+    window.attend(q, k, v, cache_k, cache_v)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = window.attend(q, q, q, k, v)
+        out = window.attend(q, k, v, cache_k, cache_v)
     positions.copy_(torch.randint(0, 298, (rows,), device=CUDA))
+    positions[-2:] = 0
+    written_k, written_v = cache_k.clone(), cache_v.clone()
+    want = DecodeWindow(slots, positions, torch.arange(span, device=CUDA)).attend(q, k, v, written_k, written_v)
     graph.replay()
-    want = DecodeWindow(slots, positions, torch.arange(span, device=CUDA)).attend(q, q, q, k.clone(), v.clone())
     assert_close(out.float(), want.float(), **tolerance)
+    assert torch.equal(cache_k, written_k) and torch.equal(cache_v, written_v)
 
 
 def test_without_max_batch_the_kv_cache_takes_its_share_of_the_free_memory(model, tok):

@@ -86,8 +86,8 @@ def test_the_kernel_refuses_what_it_cannot_attend():
     for device, dtype, head_size in (("cpu", torch.float32, 20), ("cpu", torch.float32, 1024),
                                      ("cpu", torch.float16, 64), ("cuda", torch.float16, 64)):
         assert not decode_attention.serves(device, dtype, head_size)
-    # a GPU's kernel is Triton's, at any head size
-    assert decode_attention.serves("cuda", torch.bfloat16, 80) == triton_decode.available()
+    # a GPU's kernel is Triton's, at any head size, where it works there (tests/test_cuda.py)
+    assert decode_attention.serves("cuda", torch.bfloat16, 80) == (triton_decode.available() and torch.cuda.is_available())
 
 
 @built
@@ -128,11 +128,12 @@ def test_an_eager_decode_batch_attends_by_the_kernel_as_sdpa_does(slots, local):
 @pytest.mark.skipif(not triton_decode.available(), reason="Triton is not installed (the dev extras install it)")
 def test_the_gpu_kernel_attends_as_pytorchs_ops_and_transformers_do():
     """tests/triton_interpreted.py in Triton's interpreter, in a process of its own (Triton reads
-    TRITON_INTERPRET once, at import): the kernel against PyTorch's ops, and GPT-Neo's and GPT-J's
-    decode steps through it against transformers."""
+    TRITON_INTERPRET once, at import): the kernel against PyTorch's ops (outputs and the cache it
+    writes), the self-check an engine runs before taking it, and GPT-Neo's and GPT-J's decode steps
+    through it against transformers."""
     script = Path(__file__).with_name("triton_interpreted.py")
     root = Path(__file__).parents[1]
     done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "kernel cases 32; decode-step rows 24" in done.stdout
+    assert "kernel cases 48; self-checks 6; decode-step rows 24" in done.stdout

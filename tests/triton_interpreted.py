@@ -2,11 +2,12 @@
 interpreter: run by tests/test_decode_attention.py in a process of its own with TRITON_INTERPRET=1,
 which Triton reads once, at import. Exits non-zero on the first mismatch; prints what it checked.
 
-1. The kernel against the same attention spelled in PyTorch's ops (DecodeWindow without a kernel):
-   float32 and bfloat16, rows in any slot order, padding rows sharing the spare slot, a row at its
-   slot's first position and one at the span's last, a local window, head sizes of GPT-2, Pythia
-   and GPT-J (64, 80, 256), 1 row and 24.
-2. The decode step of GPT-Neo (local layers) and GPT-J (rotary, 256-wide heads) attending through the
+1. The kernel against the same attention spelled in PyTorch's ops (DecodeWindow without a kernel),
+   outputs and the cache written: float32 and bfloat16, rows in any slot order, padding rows sharing
+   the spare slot, a row at its slot's first position and one at the span's last, local windows of
+   1 and 5, head sizes of GPT-2, Pythia and GPT-J (64, 80, 256), 1 row and 24.
+2. The self-check an engine runs before it takes the kernel (`triton_decode.works`).
+3. The decode step of GPT-Neo (local layers) and GPT-J (rotary, 256-wide heads) attending through the
    kernel against transformers' logits, as tests/test_families.py checks PyTorch's ops.
 """
 from __future__ import annotations
@@ -27,8 +28,8 @@ from nanogpt.kernels import decode_attention, triton_decode  # noqa: E402
 from nanogpt.runtime.kv_cache import DecodeWindow, KVCache  # noqa: E402
 
 
-def kernel(q, cache_k, cache_v, slots, positions, span, scale, local):
-    return triton_decode.attend(q, cache_k, cache_v, slots, positions, span, scale, local or 0)
+def kernel(q, k, v, cache_k, cache_v, slots, positions, span, scale, local):
+    return triton_decode.write_and_attend(q, k, v, cache_k, cache_v, slots, positions, span, scale, local or 0)
 
 
 def check_kernel() -> int:
@@ -38,7 +39,7 @@ def check_kernel() -> int:
     for dtype in (torch.float32, torch.bfloat16):
         tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         for heads, hs in ((3, 64), (12, 64), (2, 80), (2, 256)):
-            cache_k, cache_v = (torch.randn(max_slots, heads, max_len, hs).to(dtype) for _ in range(2))
+            cache = [torch.randn(max_slots, heads, max_len, hs).to(dtype) for _ in range(2)]
             for rows in (1, 24):
                 slots = torch.randperm(max_slots - 1)[:rows]
                 positions = torch.randint(0, max_len - 1, (rows,))
@@ -47,17 +48,39 @@ def check_kernel() -> int:
                     positions[1] = 0
                     slots[-2:], positions[-2:] = max_slots - 1, 0  # padding rows
                 span = int(positions.max()) + 1
-                q = torch.randn(rows, heads, 1, hs).to(dtype)
-                for local in (None, 5):
+                # the model's dtype may differ from the cache's (a float32 model, a bfloat16 cache)
+                q, k, v = (torch.randn(rows, heads, 1, hs) for _ in range(3))
+                k[-2:], v[-2:] = k[-1], v[-1]  # padding rows write token 0's key and value: all the same
+                for local in (None, 1, 5):
+                    want_k, want_v = (c.clone() for c in cache)
                     window = DecodeWindow(slots, positions, torch.arange(span))
-                    want = window.attend(q, q, q, cache_k.clone(), cache_v.clone(), local=local)
-                    written_k, written_v = cache_k.clone(), cache_v.clone()
-                    written_k[slots, :, positions] = q[:, :, 0]
-                    written_v[slots, :, positions] = q[:, :, 0]
-                    got = kernel(q[:, :, 0], written_k, written_v, slots, positions, span, 1 / math.sqrt(hs), local)
+                    want = window.attend(q.to(dtype), k, v, want_k, want_v, local=local)
+                    got_k, got_v = (c.clone() for c in cache)
+                    got = kernel(q[:, :, 0].to(dtype), k[:, :, 0], v[:, :, 0], got_k, got_v, slots, positions, span,
+                                 1 / math.sqrt(hs), local)
                     assert got.dtype == dtype and got.shape == (rows, heads, hs), (got.dtype, got.shape)
                     assert_close(got.float(), want[:, :, 0].float(), **tolerance)
+                    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (dtype, heads, hs, rows, local, (got_k != want_k).nonzero()[:4])  # the same cache written
                     checked += 1
+    return checked
+
+
+def check_self_check() -> int:
+    """What an engine tries before it takes the kernel: true where it attends right, false (and
+    said) where it raises or disagrees."""
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for hs in (64, 80):
+            assert triton_decode.works(torch.device("cpu"), dtype, hs)
+            checked += 1
+    right = triton_decode.write_and_attend
+    for broken in (lambda *args: right(*args) + 1, lambda *args: 1 / 0):
+        triton_decode.write_and_attend = broken
+        triton_decode.works.cache_clear()
+        assert not triton_decode.works(torch.device("cpu"), torch.float32, 64)
+        checked += 1
+    triton_decode.write_and_attend = right
+    triton_decode.works.cache_clear()
     return checked
 
 
@@ -68,7 +91,7 @@ def check_decode_steps() -> int:
     from nanogpt.checkpoint import load_model
 
     # kv_cache.py reaches the op through these names; on a CPU they would take the C++ kernel
-    decode_attention.attend = kernel
+    decode_attention.write_and_attend = kernel
     decode_attention.pays = lambda rows, device: True
     checked = 0
     # GPT-J with 256-wide heads, as GPT-J-6B's
@@ -99,4 +122,4 @@ def check_decode_steps() -> int:
 
 
 if __name__ == "__main__":
-    print(f"kernel cases {check_kernel()}; decode-step rows {check_decode_steps()}")
+    print(f"kernel cases {check_kernel()}; self-checks {check_self_check()}; decode-step rows {check_decode_steps()}")

@@ -35,17 +35,22 @@ _LIBRARY.define("decode_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tens
                 "SymInt span, float scale, int local) -> Tensor")
 _LIBRARY.impl("decode_attention", lambda q, cache_k, cache_v, slots, positions, span, scale, local:
               q.new_empty(q.shape), "Meta")
-_LIBRARY.impl("decode_attention", triton_decode.attend, "CUDA")
+# on a GPU the kernel also writes the step's keys and values (the CPU's takes them written)
+_LIBRARY.define("decode_attention_write(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, "
+                "Tensor slots, Tensor positions, SymInt span, float scale, int local) -> Tensor")
+_LIBRARY.impl("decode_attention_write", lambda q, k, v, cache_k, cache_v, slots, positions, span, scale, local:
+              q.new_empty(q.shape), "Meta")
+_LIBRARY.impl("decode_attention_write", triton_decode.write_and_attend, "CUDA")
 
 
 def serves(device, dtype: torch.dtype, head_size: int) -> bool:
     """Whether a cache of `dtype` on `device` with heads of `head_size` is attended by a kernel."""
-    kind = torch.device(device).type
+    device = torch.device(device)
     if dtype not in (torch.float32, torch.bfloat16):
         return False
-    if kind == "cuda":
-        return triton_decode.available()
-    return kind == "cpu" and extension.available() and extension.extension().decode_attention_serves(head_size)
+    if device.type == "cuda":
+        return triton_decode.available() and torch.cuda.is_available() and triton_decode.works(device, dtype, head_size)
+    return device.type == "cpu" and extension.available() and extension.extension().decode_attention_serves(head_size)
 
 
 def pays(rows: int, device: torch.device) -> bool:
@@ -58,6 +63,20 @@ def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots:
     """q (B, heads, head size), of the cache's dtype -> (B, heads, head size): row b attends to its slot's
     positions <= positions[b] (and > positions[b] - local where `local`), of the first `span`."""
     return torch.ops.nanoserve.decode_attention(q, cache_k, cache_v, slots, positions, span, scale, local or 0)
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, span, scale: float,
+                     local: int | None) -> torch.Tensor:
+    """Write the step's k, v (B, heads, head size) at each row's slot and position, then `attend`.
+    A GPU's kernel does both (rows sharing a slot then do not see each other's new positions: the
+    GPU's decode steps have none but padding rows); a CPU's writes by indexed copies first."""
+    if q.is_cuda:
+        return torch.ops.nanoserve.decode_attention_write(q, k, v, cache_k, cache_v, slots, positions, span, scale,
+                                                          local or 0)
+    cache_k[slots, :, positions] = k.to(cache_k.dtype)
+    cache_v[slots, :, positions] = v.to(cache_v.dtype)
+    return attend(q, cache_k, cache_v, slots, positions, span, scale, local)
 
 
 # The decode attention timed: a batch of sequences, GPT-2 small's heads, a hundred-odd positions,

@@ -1,13 +1,17 @@
 """One decode step's attention over the slot cache on a GPU, as a Triton kernel: each (row, head)
-reads its slot's keys and values in place, in blocks, with a running softmax (flash decoding without
-the split over positions). PyTorch's ops would first gather every row's cache rows into a new tensor
-(an indexed copy per layer for keys and one for values), then multiply, reduce and softmax through
-it: on an H200 those gathers alone were a third of a 64-row GPT-2-small step.
+writes its new key and value into its slot and reads the slot's earlier keys and values in place,
+in blocks, with a running softmax (flash decoding without the split over positions). PyTorch's ops
+would write the step's keys and values by two indexed copies a layer, gather every row's cache rows
+into a new tensor, then multiply, reduce and softmax through it: on an H200 those gathers alone were
+a third of a 64-row GPT-2-small step.
 
-`attend` is `nanoserve::decode_attention`'s CUDA implementation (nanogpt/kernels/decode_attention.py);
-Under TRITON_INTERPRET=1 (set before Triton is imported) the same kernel runs in Triton's interpreter
+`write_and_attend` is `nanoserve::decode_attention_write`'s CUDA implementation
+(nanogpt/kernels/decode_attention.py). Under TRITON_INTERPRET=1 (set before Triton is imported) the same kernel runs in Triton's interpreter
 on CPU tensors, which is how the CPU test suite checks it (tests/test_decode_attention.py).
 """
+import functools
+import logging
+
 import torch
 
 try:  # PyTorch's CUDA builds bring Triton; without it a GPU attends with PyTorch's ops
@@ -20,32 +24,69 @@ BLOCK_KEYS = 64  # positions a program reads per iteration
 NO_WINDOW = 1 << 30  # `window` of a layer that attends to every position before its own
 
 
+log = logging.getLogger(__name__)
+
+
 def available() -> bool:
     return triton is not None
 
 
+@functools.cache
+def works(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the kernel compiles and attends as PyTorch's ops do on `device` for a cache of
+    `dtype` and heads of `head_size`: tried once per process on a small case before an engine
+    takes it, so that a Triton the kernel does not suit leaves that engine on PyTorch's ops, said
+    in the log, instead of failing every decode step."""
+    from nanogpt.runtime.kv_cache import DecodeWindow
+
+    try:
+        generator = torch.Generator().manual_seed(0)
+        cache = [torch.randn(3, 2, 70, head_size, generator=generator).to(device, dtype) for _ in range(2)]
+        q, k, v = (torch.randn(3, 2, 1, head_size, generator=generator).to(device, dtype) for _ in range(3))
+        slots, positions = torch.tensor([2, 0, 1], device=device), torch.tensor([69, 3, 0], device=device)
+        written = [c.clone() for c in cache]
+        want = DecodeWindow(slots, positions, torch.arange(70, device=device)).attend(q, k, v, *written)[:, :, 0]
+        got = write_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], *cache, slots, positions, 70, head_size ** -0.5, 0)
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        if torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance) and \
+                all(torch.equal(a, b) for a, b in zip(cache, written)):
+            return True
+        log.warning("the Triton decode attention disagrees with PyTorch's ops here; decode steps use PyTorch's",
+                    extra={"device": str(device), "dtype": str(dtype), "head_size": head_size})
+    except Exception as exc:
+        log.warning("the Triton decode attention failed here; decode steps use PyTorch's ops",
+                    extra={"device": str(device), "dtype": str(dtype), "head_size": head_size, "error": repr(exc)})
+    return False
+
+
 if triton is not None:
     @triton.jit(do_not_specialize=["span", "window"])
-    def _decode_attention(q, cache_k, cache_v, out, slots, positions, span, scale, window,
-                          sq_b, sq_h, sk_s, sk_h, sk_n, so_b, so_h, head_size,
+    def _decode_attention(q, k_new, v_new, cache_k, cache_v, out, slots, positions, span, scale, window,
+                          sq_b, sq_h, snk_b, snk_h, snv_b, snv_h, sk_s, sk_h, sk_n, so_b, so_h, head_size,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program (b, h): out[b, h] = softmax(q[b, h] . K[slot, h, lo:hi]) V[slot, h, lo:hi], with
-        hi = min(positions[b] + 1, span) and lo = max(hi - window, 0). The products and the softmax
-        run in float32 whatever the cache's dtype."""
+        """Program (b, h): write row b's new key and value of head h at its slot's position p =
+        positions[b], then out[b, h] = softmax(q . K[slot, h, lo:p + 1]) V[slot, h, lo:p + 1] with
+        lo = max(p + 1 - window, 0): positions before p read from the cache, p's from the inputs
+        (no program reads what another writes in this step). Products and softmax in float32."""
         b, h = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slots + b).to(tl.int64)
-        hi = tl.minimum(tl.load(positions + b).to(tl.int32) + 1, span)
-        lo = tl.maximum(hi - window, 0)
+        pos = tl.minimum(tl.load(positions + b).to(tl.int32), span - 1)
+        lo = tl.maximum(pos + 1 - window, 0)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_size
         qv = tl.load(q + b * sq_b + h * sq_h + d, mask=d_ok, other=0.0).to(tl.float32)
         base = slot * sk_s + h * sk_h
-        m = tl.full([1], float("-inf"), tl.float32)
-        total = tl.zeros([1], tl.float32)
-        acc = tl.zeros((BLOCK_D,), tl.float32)
-        for start in range(lo, hi, BLOCK_N):
+        k_cur = tl.load(k_new + b * snk_b + h * snk_h + d, mask=d_ok, other=0.0)
+        v_cur = tl.load(v_new + b * snv_b + h * snv_h + d, mask=d_ok, other=0.0)
+        tl.store(cache_k + base + pos * sk_n + d, k_cur, mask=d_ok)
+        tl.store(cache_v + base + pos * sk_n + d, v_cur, mask=d_ok)
+        # the running softmax starts from the new position's own score
+        m = tl.zeros([1], tl.float32) + tl.sum(k_cur.to(tl.float32) * qv, axis=0) * scale
+        total = tl.full([1], 1.0, tl.float32)
+        acc = v_cur.to(tl.float32)
+        for start in range(lo, pos, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
+            n_ok = n < pos
             at = base + n[:, None] * sk_n + d[None, :]
             ok = n_ok[:, None] & d_ok[None, :]
             k = tl.load(cache_k + at, mask=ok, other=0.0).to(tl.float32)
@@ -61,20 +102,27 @@ if triton is not None:
         tl.store(out + b * so_b + h * so_h + d, (acc / total).to(out.dtype.element_ty), mask=d_ok)
 
 
-def attend(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-           positions: torch.Tensor, span: int, scale: float, local: int) -> torch.Tensor:
-    """q (B, heads, head size) -> (B, heads, head size) in q's dtype: row b attends to its slot's
-    positions <= positions[b] (and > positions[b] - local where local > 0) among the first `span`.
-    The cache is (slots, heads, positions, head size), its last dimension contiguous."""
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, span: int,
+                     scale: float, local: int) -> torch.Tensor:
+    """Write k, v (B, heads, head size) at each row's slot and position of the cache (slots, heads,
+    positions, head size; its last dimension contiguous), and attend q (B, heads, head size) of row
+    b to its slot's positions <= positions[b] (and > positions[b] - local where local > 0): (B,
+    heads, head size) in q's dtype. Rows that share a slot must not see each other's new positions
+    (padding rows, which share one at position 0 with equal keys and values, do not)."""
     B, heads, size = q.shape
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    # in the cache's dtype before the kernel, rounded as PyTorch rounds (a no-op where they agree)
+    k, v = k.to(cache_k.dtype), v.to(cache_v.dtype)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = q.new_empty(q.shape)
     if B == 0:
         return out
     assert cache_k.stride(-1) == 1 and cache_k.stride() == cache_v.stride()
     _decode_attention[(B, heads)](
-        q, cache_k, cache_v, out, slots, positions, int(span), float(scale), int(local) if local > 0 else NO_WINDOW,
-        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        q, k, v, cache_k, cache_v, out, slots, positions, int(span), float(scale),
+        int(local) if local > 0 else NO_WINDOW,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         out.stride(0), out.stride(1), size,
         BLOCK_N=BLOCK_KEYS, BLOCK_D=triton.next_power_of_2(size))
     return out

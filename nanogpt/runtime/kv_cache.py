@@ -201,11 +201,10 @@ class CacheWindow(Window):
         local: attend only to the last `local` positions."""
         dtype, q = q.dtype, q.to(cache_k.dtype)
         if self.decode_rows is not None:
-            self._write(cache_k, k)
-            self._write(cache_v, v)
             slots, positions = self.decode_rows
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-            out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, slots, positions, self.span, scale, local)
+            out = decode_attention.write_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache_k, cache_v, slots,
+                                                    positions, self.span, scale, local)
             return out[:, :, None].to(dtype)  # (B, nh, 1, hs)
         k, v = self.update(cache_k, k), self.update(cache_v, v)  # (B or the slot range, nh, span, hs)
         mask = self._additive(q.dtype, local)
@@ -270,13 +269,14 @@ class DecodeWindow(Window):
     def attend(self, q, k, v, cache_k, cache_v, scale=None, local=None) -> torch.Tensor:
         B, nh, _, hs = q.shape
         dtype, q = q.dtype, q.to(cache_k.dtype)  # attended in the cache's dtype, as CacheWindow does
-        cache_k[self.slots, :, self.positions] = k[:, :, 0].to(cache_k.dtype)  # (B, nh, hs)
-        cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         span = self.keys.shape[0]
         scale = 1.0 / math.sqrt(hs) if scale is None else scale
         if self.own_kernel and decode_attention.pays(B, q.device):
-            out = decode_attention.attend(q[:, :, 0], cache_k, cache_v, self.slots, self.positions, span, scale, local)
+            out = decode_attention.write_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache_k, cache_v, self.slots,
+                                                    self.positions, span, scale, local)
             return out[:, :, None].to(dtype)  # (B, nh, 1, hs)
+        cache_k[self.slots, :, self.positions] = k[:, :, 0].to(cache_k.dtype)  # (B, nh, hs)
+        cache_v[self.slots, :, self.positions] = v[:, :, 0].to(cache_v.dtype)
         keys, values = cache_k[self.slots, :, :span], cache_v[self.slots, :, :span]  # (B, nh, span, hs)
         scores = (q * keys).sum(-1) * scale  # (B, nh, span)
         mask = self.mask if local is None else self.mask & (self.keys > self.positions[:, None, None] - local)
