@@ -36,6 +36,19 @@ def _attend(how: str, q, k, v, cache, slots, positions, span, local):
     return window.attend(q, k, v, cache_k, cache_v, local=local), (cache_k, cache_v)
 
 
+def decode_rows(rows: int, max_slots: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A decode step's rows (slots, positions, span) in any slot order: the first at the span's
+    last position, the second at its slot's first, the last two padding rows sharing the spare slot
+    (max_slots - 1) at position 0."""
+    slots = torch.randperm(max_slots - 1)[:rows]
+    positions = torch.randint(0, max_len - 1, (rows,))
+    positions[0] = max_len - 2  # the span's last position
+    if rows > 1:
+        positions[1] = 0
+        slots[-2:], positions[-2:] = max_slots - 1, 0  # padding rows
+    return slots, positions, int(positions.max()) + 1
+
+
 @built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [3, 12])  # 3: no whole group of four heads; 12: groups of four
@@ -51,13 +64,7 @@ def test_the_kernel_attends_as_pytorchs_ops_do(dtype, heads):
         assert decode_attention.serves("cpu", dtype, hs)
         cache = [torch.randn(max_slots, heads, max_len, hs).to(dtype) for _ in range(2)]
         for rows in (1, 24):
-            slots = torch.randperm(max_slots - 1)[:rows]
-            positions = torch.randint(0, max_len - 1, (rows,))
-            positions[0] = max_len - 2  # the span's last position
-            if rows > 1:
-                positions[1] = 0
-                slots[-2:], positions[-2:] = max_slots - 1, 0  # padding rows
-            span = int(positions.max()) + 1
+            slots, positions, span = decode_rows(rows, max_slots, max_len)
             q, k, v = (torch.randn(rows, heads, 1, hs).to(dtype) for _ in range(3))
             for local in (None, 5):
                 want, written = _attend("window", q, k, v, cache, slots, positions, span, local)

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
 from nanogpt.kernels import decode_attention, triton_decode  # noqa: E402
+from test_decode_attention import decode_rows  # noqa: E402
 from nanogpt.runtime.kv_cache import DecodeWindow, KVCache  # noqa: E402
 
 
@@ -41,13 +42,7 @@ def check_kernel() -> int:
         for heads, hs in ((3, 64), (12, 64), (2, 80), (2, 256)):
             cache = [torch.randn(max_slots, heads, max_len, hs).to(dtype) for _ in range(2)]
             for rows in (1, 24):
-                slots = torch.randperm(max_slots - 1)[:rows]
-                positions = torch.randint(0, max_len - 1, (rows,))
-                positions[0] = max_len - 2  # the span's last position
-                if rows > 1:
-                    positions[1] = 0
-                    slots[-2:], positions[-2:] = max_slots - 1, 0  # padding rows
-                span = int(positions.max()) + 1
+                slots, positions, span = decode_rows(rows, max_slots, max_len)
                 # the model's dtype may differ from the cache's (a float32 model, a bfloat16 cache)
                 q, k, v = (torch.randn(rows, heads, 1, hs) for _ in range(3))
                 k[-2:], v[-2:] = k[-1], v[-1]  # padding rows write token 0's key and value: all the same
