@@ -6,7 +6,7 @@ which Triton reads once, at import. Exits non-zero on the first mismatch; prints
    outputs and the cache written: float32 and bfloat16, rows in any slot order, padding rows sharing
    the spare slot, a row at its slot's first position and one at the span's last, local windows of
    1 and 5, head sizes of GPT-2, Pythia and GPT-J (64, 80, 256), 1 row and 24.
-2. The self-check an engine runs before it takes the kernel (`triton_decode.works`).
+2. The self-check an engine runs before it takes the kernel (`kv_cache.gpu_kernel_works`).
 3. The decode step of GPT-Neo (local layers) and GPT-J (rotary, 256-wide heads) attending through the
    kernel against transformers' logits, as tests/test_families.py checks PyTorch's ops.
 """
@@ -61,21 +61,23 @@ def check_kernel() -> int:
 
 
 def check_self_check() -> int:
-    """What an engine tries before it takes the kernel: true where it attends right, false (and
-    said) where it raises or disagrees."""
+    """What an engine tries before it takes the kernel (kv_cache.gpu_kernel_works): true where it
+    attends right, false (and said) where it raises or disagrees."""
+    from nanogpt.runtime import kv_cache
+
     checked = 0
     for dtype in (torch.float32, torch.bfloat16):
         for hs in (64, 80):
-            assert triton_decode.works(torch.device("cpu"), dtype, hs)
+            assert kv_cache.gpu_kernel_works(torch.device("cpu"), dtype, hs)
             checked += 1
     right = triton_decode.write_and_attend
     for broken in (lambda *args: right(*args) + 1, lambda *args: 1 / 0):
         triton_decode.write_and_attend = broken
-        triton_decode.works.cache_clear()
-        assert not triton_decode.works(torch.device("cpu"), torch.float32, 64)
+        kv_cache.gpu_kernel_works.cache_clear()
+        assert not kv_cache.gpu_kernel_works(torch.device("cpu"), torch.float32, 64)
         checked += 1
     triton_decode.write_and_attend = right
-    triton_decode.works.cache_clear()
+    kv_cache.gpu_kernel_works.cache_clear()
     return checked
 
 

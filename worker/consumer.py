@@ -290,6 +290,7 @@ class EngineWorker(SimpleWorker):
         # so a short TTL lets a dead process drop out of the queue's live workers (web's /ready).
         connection = pipeline if pipeline is not None else self.connection.pipeline()
         super().heartbeat(self.heartbeat_ttl, pipeline=connection)
+        connection.hset(self.key, protocol.WARMING_FIELD, int(self.warming()))  # web's /ready reads it at every beat
         if self.birth_date is not None and time.monotonic() - self._registered >= REREGISTER_S:
             # A worker cut off from Redis past that TTL was dropped from the queues' worker sets by
             # other workers' maintenance, and rq's beat alone would leave it there, unseen (web would

@@ -49,7 +49,7 @@ def serves(device, dtype: torch.dtype, head_size: int) -> bool:
     if dtype not in (torch.float32, torch.bfloat16):
         return False
     if device.type == "cuda":
-        return triton_decode.available() and torch.cuda.is_available() and triton_decode.works(device, dtype, head_size)
+        return triton_decode.available() and torch.cuda.is_available()
     return device.type == "cpu" and extension.available() and extension.extension().decode_attention_serves(head_size)
 
 

@@ -9,9 +9,6 @@ a third of a 64-row GPT-2-small step.
 (nanogpt/kernels/decode_attention.py). Under TRITON_INTERPRET=1 (set before Triton is imported) the same kernel runs in Triton's interpreter
 on CPU tensors, which is how the CPU test suite checks it (tests/test_decode_attention.py).
 """
-import functools
-import logging
-
 import torch
 
 try:  # PyTorch's CUDA builds bring Triton; without it a GPU attends with PyTorch's ops
@@ -24,39 +21,8 @@ BLOCK_KEYS = 64  # positions a program reads per iteration
 NO_WINDOW = 1 << 30  # `window` of a layer that attends to every position before its own
 
 
-log = logging.getLogger(__name__)
-
-
 def available() -> bool:
     return triton is not None
-
-
-@functools.cache
-def works(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether the kernel compiles and attends as PyTorch's ops do on `device` for a cache of
-    `dtype` and heads of `head_size`: tried once per process on a small case before an engine
-    takes it, so that a Triton the kernel does not suit leaves that engine on PyTorch's ops, said
-    in the log, instead of failing every decode step."""
-    from nanogpt.runtime.kv_cache import DecodeWindow
-
-    try:
-        generator = torch.Generator().manual_seed(0)
-        cache = [torch.randn(3, 2, 70, head_size, generator=generator).to(device, dtype) for _ in range(2)]
-        q, k, v = (torch.randn(3, 2, 1, head_size, generator=generator).to(device, dtype) for _ in range(3))
-        slots, positions = torch.tensor([2, 0, 1], device=device), torch.tensor([69, 3, 0], device=device)
-        written = [c.clone() for c in cache]
-        want = DecodeWindow(slots, positions, torch.arange(70, device=device)).attend(q, k, v, *written)[:, :, 0]
-        got = write_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], *cache, slots, positions, 70, head_size ** -0.5, 0)
-        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-        if torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance) and \
-                all(torch.equal(a, b) for a, b in zip(cache, written)):
-            return True
-        log.warning("the Triton decode attention disagrees with PyTorch's ops here; decode steps use PyTorch's",
-                    extra={"device": str(device), "dtype": str(dtype), "head_size": head_size})
-    except Exception as exc:
-        log.warning("the Triton decode attention failed here; decode steps use PyTorch's ops",
-                    extra={"device": str(device), "dtype": str(dtype), "head_size": head_size, "error": repr(exc)})
-    return False
 
 
 if triton is not None:

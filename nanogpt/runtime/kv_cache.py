@@ -7,12 +7,16 @@ given (nanogpt/runtime/precision.py cache_dtype chooses it).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
 from torch.nn import functional as F
 
-from nanogpt.kernels import decode_attention
+from nanogpt.kernels import decode_attention, triton_decode
+
+log = logging.getLogger(__name__)
 
 RUN_TOKENS = 8  # a prompt chunk's row of at least this many tokens is written to the cache as a slice
 # Slots of an engine given no max_batch: on a CPU, whose steps grow with their rows, CPU_SLOTS; on a
@@ -33,6 +37,34 @@ def default_slots(config, dtype, max_len: int, device) -> int:
     return max(1, min(GPU_SLOTS, int(free * GPU_MEMORY_SHARE) // (KVCache.bytes_per_token(config, dtype) * max_len)))
 
 
+@functools.cache
+def gpu_kernel_works(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the GPU's decode attention (nanogpt/kernels/triton_decode.py) compiles and attends as
+    PyTorch's ops do on `device` for a cache of `dtype` with heads of `head_size`: tried once per
+    process on a small case before an engine takes it, so that a Triton the kernel does not suit
+    leaves that engine on PyTorch's ops, said in the log, instead of failing every decode step."""
+    what = {"device": str(device), "dtype": str(dtype), "head_size": head_size}
+    try:
+        generator = torch.Generator().manual_seed(0)
+        cache = [torch.randn(3, 2, 70, head_size, generator=generator).to(device, dtype) for _ in range(2)]
+        q, k, v = (torch.randn(3, 2, 1, head_size, generator=generator).to(device, dtype) for _ in range(3))
+        slots, positions = torch.tensor([2, 0, 1], device=device), torch.tensor([69, 3, 0], device=device)
+        written = [c.clone() for c in cache]
+        want = DecodeWindow(slots, positions, torch.arange(70, device=device)).attend(q, k, v, *written)[:, :, 0]
+        got = triton_decode.write_and_attend(q[:, :, 0], k[:, :, 0], v[:, :, 0], *cache, slots, positions, 70,
+                                             head_size ** -0.5, 0)
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        if torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance) and \
+                all(torch.equal(a, b) for a, b in zip(cache, written)):
+            return True
+        log.warning("the GPU's decode attention kernel disagrees with PyTorch's ops here; decode steps use "
+                    "PyTorch's", extra=what)
+    except Exception as exc:
+        log.warning("the GPU's decode attention kernel failed here; decode steps use PyTorch's ops",
+                    extra={**what, "error": repr(exc)})
+    return False
+
+
 class KVCache:
     """Per-layer key and value tensors of shape (max_slots, n_head, max_len, head_dim).
 
@@ -49,8 +81,10 @@ class KVCache:
             # so that forward_cached (under no_grad) may write them
             self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
             self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        # the decode step attends by the project's own kernel where it is built for this cache
-        self.own_attention = decode_attention.serves(device, dtype, head_dim)
+        # the decode step attends by the project's own kernel where it is built for this cache (on a
+        # GPU, where Triton's kernel passes its check)
+        self.own_attention = decode_attention.serves(device, dtype, head_dim) and (
+            torch.device(device).type != "cuda" or gpu_kernel_works(torch.device(device), dtype, head_dim))
 
     @staticmethod
     def bytes_per_token(config, dtype=torch.float32) -> int:
