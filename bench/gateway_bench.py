@@ -64,8 +64,8 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn (2
-    workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`; its `.info` names Redis's URL and the
-    worker's pid)."""
+    workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`;
+    its `.info` names Redis's URL and the worker's pid)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
     from web.dev.local_redis import start_redis

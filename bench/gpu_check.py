@@ -824,19 +824,15 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
-    from bench.gateway_bench import stack
     from bench.loadgen import completion_body, openai_sender, percentile, run
-    from tests.stack import write_models_toml
+    from bench.serving_bench import COMPILE_MODES, nanoserve
 
     def bodies(count: int, new_tokens: int) -> list[dict]:  # the engine benchmark's requests
         return [completion_body(i, args.prompt_tokens, new_tokens) for i in range(count)]
 
     started = time.perf_counter()
-    models_file = write_models_toml(workdir / "models.toml", {args.model: Path(args.checkpoint)}, device=args.device,
-                                    dtype=dtype, max_batch=max(concurrency),
-                                    context_length=args.prompt_tokens + args.new_tokens)
-    modes = {"": None, "compile": True, "eager": False}
-    with stack(models_file, workdir, concurrency=max(concurrency), compile=modes[args.mode]) as web:
+    with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
+                   workdir, compile=COMPILE_MODES[args.mode], device=args.device) as web:
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started
         print(f"{dtype}: ready in {entry['ready_s']:.1f} s", flush=True)

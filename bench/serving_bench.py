@@ -193,18 +193,23 @@ def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int 
 
 # ---- the servers -----------------------------------------------------------------------------
 
+# `nanoserve:DTYPE+MODE`: the worker's decode step by default, compiled, or eager
+COMPILE_MODES = {"": None, "compile": True, "eager": False}
+
+
 @contextmanager
 def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
-              workdir: Path, compile: bool | None = None, device: str = "cpu") -> Iterator[str]:
+              workdir: Path, compile: bool | None = None, device: str = "cpu"):
     """nanoserve's whole stack serving `model_dir` as `model` in `dtype` on `device` (with the decode
-    step compiled or not by `compile`, None: the worker's default); yields its base URL."""
+    step compiled or not by `compile`, None: the worker's default); yields its web service (`.url`;
+    `.info` names Redis's URL and the worker's pid)."""
     from bench.gateway_bench import stack
     from tests.stack import write_models_toml
 
     models_file = write_models_toml(workdir / "models.toml", {model: model_dir}, device=device, dtype=dtype,
                                     max_batch=max_concurrency, context_length=context_length)
     with stack(models_file, workdir, concurrency=max_concurrency, compile=compile) as web:
-        yield web.url + "/v1"
+        yield web
 
 
 @contextmanager
@@ -220,12 +225,11 @@ def server(spec: str, model: str, max_concurrency: int, context_length: int, wor
     model_dir = model_dir or checkpoint(model)
     if kind == "nanoserve":
         dtype, _, option = precision.partition("+")
-        modes = {"": None, "compile": True, "eager": False}
-        if option not in modes:
+        if option not in COMPILE_MODES:
             raise ValueError(f"unknown nanoserve option {option!r} in {spec!r}: +compile or +eager")
         with nanoserve(model_dir, model, dtype or "float32", max_concurrency, context_length, workdir,
-                       compile=modes[option], device=device) as url:
-            yield url
+                       compile=COMPILE_MODES[option], device=device) as web:
+            yield web.url + "/v1"
     elif kind == "llama.cpp":
         from bench import llama_cpp
 

@@ -16,7 +16,8 @@ from bench import engine_bench, llama_cpp, serving_bench, stack_bench
 def test_stack_bench_runs_nanoserve_against_a_peer(hf_checkpoint, tmp_path):
     """Against a second nanoserve stack standing in for the peer (llama-server takes 10+ minutes to build)."""
     with tempfile.TemporaryDirectory() as workdir, \
-            serving_bench.nanoserve(hf_checkpoint, "tiny", "float32", 3, 40, Path(workdir)) as peer_url:
+            serving_bench.nanoserve(hf_checkpoint, "tiny", "float32", 3, 40, Path(workdir)) as peer:
+        peer_url = peer.url + "/v1"
         logged = []
         results = stack_bench.run_benchmark(["float32"], "tiny", [1, 3], 2, prompt_tokens=8, max_tokens=5,
                                             model_dir=hf_checkpoint, peer=peer_url, log=logged.append)

@@ -55,7 +55,8 @@ def check_kernel() -> int:
                                  1 / math.sqrt(hs), local)
                     assert got.dtype == dtype and got.shape == (rows, heads, hs), (got.dtype, got.shape)
                     assert_close(got.float(), want[:, :, 0].float(), **tolerance)
-                    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (dtype, heads, hs, rows, local, (got_k != want_k).nonzero()[:4])  # the same cache written
+                    # the same cache written
+                    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (dtype, heads, hs, rows, local)
                     checked += 1
     return checked
 

@@ -9,9 +9,10 @@ completed prefill's keys and values are copied from its leader's slot to those o
 other copies (`n`/`best_of` share one prefill). Every row that has logits then draws its token
 (sampling.py) and is scored (logprobs.py) on the device, and all of it comes to the host in one
 queued copy (`Drawn`), which the engine waits for once it has launched the next step where it runs
-ahead (engine.py). The next step then feeds each sequence its slot's last draw from the device (`last`). Contrastive searches (contrastive.py) put their candidates in the decode forward,
-which then also returns last hidden states, and choose among them after it, with a sync of their
-own; beam search (beams.py) advances a prompt's beams from their rows' logits.
+ahead (engine.py). The next step then feeds each sequence its slot's last draw from the device
+(`last`). Contrastive searches (contrastive.py) put their candidates in the decode forward, which
+then also returns last hidden states, and choose among them after it, with a sync of their own;
+beam search (beams.py) advances a prompt's beams from their rows' logits.
 
 The model is used through its serving contract only: `config`, `device`, `dtype`, `forward_packed`
 (decode and prefill together), `forward_cached` (either alone) and `forward_decode` (the compiled decode).

@@ -2,12 +2,13 @@
 writes its new key and value into its slot and reads the slot's earlier keys and values in place,
 in blocks, with a running softmax (flash decoding without the split over positions). PyTorch's ops
 would write the step's keys and values by two indexed copies a layer, gather every row's cache rows
-into a new tensor, then multiply, reduce and softmax through it: on an H200 those gathers alone were
-a third of a 64-row GPT-2-small step.
+into a new tensor, then multiply, reduce and softmax through it (what that costs a GPU step:
+docs/notes/decode-attention.md#gpu).
 
 `write_and_attend` is `nanoserve::decode_attention_write`'s CUDA implementation
-(nanogpt/kernels/decode_attention.py). Under TRITON_INTERPRET=1 (set before Triton is imported) the same kernel runs in Triton's interpreter
-on CPU tensors, which is how the CPU test suite checks it (tests/test_decode_attention.py).
+(nanogpt/kernels/decode_attention.py). Under TRITON_INTERPRET=1 (set before Triton is imported) the
+same kernel runs in Triton's interpreter on CPU tensors, which is how the CPU test suite checks it
+(tests/triton_interpreted.py).
 """
 import torch
 

@@ -114,9 +114,8 @@ class JobQueue:
     def ended(self, job_ids: list[str]) -> list[str]:
         """Those of these jobs that hold nothing of an engine's any more, in one round trip: those
         rq will not run again (ended, or forgotten), and those whose stream holds their terminal
-        event. The worker writes that event before its rq thread returns and rq records the job
-        finished; under load rq's record lags by seconds, and a key's quota of jobs would count the
-        lag (a tenant with 64 requests open at a time was refused at 256 in the GPU check)."""
+        event: the worker writes that event before its rq thread returns and rq records the job
+        finished, which lags under load, and a key's quota of jobs would count the lag."""
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hget(Job.key_for(job_id), "status")
