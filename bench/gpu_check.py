@@ -672,11 +672,13 @@ def markdown(results: dict) -> str:
     if profiled:
         lines += ["", f"## One decode step, {profiled['dtype']}, {profiled['event_kind']} (torch.profiler over "
                   f"{profiled['steps']} steps)", "",
-                  "| requests | step (ms) | events a step | busy (ms a step) | busy share |",
-                  "| ---: | ---: | ---: | ---: | ---: |"]
+                  "| requests | step (ms) | events a step | busy (ms a step) | busy share | until every first token |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         for c, row in profiled["by_concurrency"].items():
+            burst = row.get("until_every_first_token")
             lines.append(f"| {c} | {row['step_ms']:.2f} | {row['events_per_step']:.0f} | {row['busy_ms_per_step']:.2f} "
-                         f"| {100 * row['busy_ms_per_step'] / row['step_ms']:.0f}% |")
+                         f"| {100 * row['busy_ms_per_step'] / row['step_ms']:.0f}% | "
+                         + (f"{burst['steps']} steps, {burst['ms']:.1f} ms |" if burst else "|"))
         for c, row in profiled["by_concurrency"].items():
             lines += ["", f"Top at {c}: " + "; ".join(f"{t['name'][:60]} {t['ms_per_step']:.3f} ms "
                                                        f"({t['per_step']:.0f}x)" for t in row["top"][:6])]
@@ -1008,8 +1010,13 @@ def profile_main(argv: list[str]) -> None:
                                                    prompts=[prompt_ids(i, args.prompt_tokens)], max_tokens=new_tokens,
                                                    temperature=0.0, logit_bias={eos: -100.0}, seed=0))
                        for i in range(c)]
+            sync()
+            started, steps = time.perf_counter(), 0
             while len(begun) < c and not all(h.done for h in handles):  # the prefills: each has its first token
                 engine.step()
+                steps += 1
+            sync()
+            burst = {"steps": steps, "ms": 1000 * (time.perf_counter() - started)}
             if attempt == "measured":
                 sync()
                 start = time.perf_counter()
@@ -1023,7 +1030,8 @@ def profile_main(argv: list[str]) -> None:
                     for _ in range(args.steps):
                         engine.step()
                     sync()
-                results["by_concurrency"][str(c)] = step_profile(prof, device.type, args.steps, step_s)
+                results["by_concurrency"][str(c)] = {**step_profile(prof, device.type, args.steps, step_s),
+                                                     "until_every_first_token": burst}
             while not all(h.done for h in handles):
                 engine.step()
             for h in handles:
@@ -1031,7 +1039,8 @@ def profile_main(argv: list[str]) -> None:
         write_json(args.json, results)
         row = results["by_concurrency"][str(c)]
         print(f"{c} requests: step {row['step_ms']:.2f} ms, {row['events_per_step']:.0f} {results['event_kind']} "
-              f"busy {row['busy_ms_per_step']:.2f} ms", flush=True)
+              f"busy {row['busy_ms_per_step']:.2f} ms; every first token after {row['until_every_first_token']['steps']} "
+              f"steps, {row['until_every_first_token']['ms']:.1f} ms", flush=True)
 
 
 def step_profile(prof, device_type: str, steps: int, step_s: float, top: int = 12) -> dict:

@@ -2,7 +2,7 @@
 
 worker/ relies on nothing else: `config` (block_size, vocab_size, n_layer, n_head, n_embd),
 `device`, `dtype` (of the activations and the KV cache), `forward_cached`, `forward_packed`,
-`forward_decode`, and nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subclasses
+`forward_decode`, `align_head` (a GPU's), and nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subclasses
 `ServingModel` and defines:
 
     token_embedding        the nn.Embedding of the tokens (device and dtype are read from it)
@@ -39,7 +39,32 @@ class ServingModel(nn.Module):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last block's output (..., n_embd) -> logits (..., vocab_size)."""
-        return self.unembed(self.final_hidden(x))
+        return self.logits(self.final_hidden(x))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """`unembed`, without the rows `align_head` added."""
+        out = self.unembed(h)
+        return out if out.shape[-1] == self.config.vocab_size else out[..., :self.config.vocab_size]
+
+    @torch.no_grad()
+    def align_head(self, multiple: int = 64) -> None:
+        """Pad the output layer to a multiple of `multiple` rows of zeros, whose logits `logits` cuts
+        off: on a GPU the matmul then takes aligned kernels (GPT-2's 50257 rows took an unaligned
+        one, the slowest kernel of a 64-row decode step on an H200). A tied embedding keeps its own
+        weight, so the head is a copy."""
+        layer = self.output_layer
+        rows, width = layer.weight.shape
+        padded = -(-rows // multiple) * multiple
+        if padded == rows:
+            return
+        weight = layer.weight.new_zeros(padded, width)
+        weight[:rows] = layer.weight
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        if layer.bias is not None:
+            bias = layer.bias.new_zeros(padded)
+            bias[:rows] = layer.bias
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        layer.out_features = padded
 
     @property
     def output_layer(self) -> nn.Module:
@@ -95,7 +120,7 @@ class ServingModel(nn.Module):
             x = block(x, (cache.k[i], cache.v[i], window))
         if hidden:
             h = self.final_hidden(x)  # (B, T, width)
-            return self.unembed(h if all_logits else _last(h, lengths)).float(), h.float()
+            return self.logits(h if all_logits else _last(h, lengths)).float(), h.float()
         return self.head(x if all_logits else _last(x, lengths)).float()
 
     @torch.no_grad()

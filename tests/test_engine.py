@@ -579,10 +579,10 @@ def test_a_prompt_arriving_while_others_decode_is_fed_beside_them_compiled(compi
     engine = compiled.engine
     routes = engine.runner.routes
     expected = staggered(make_engine(load_model(compiled.checkpoint), tok)[0])
-    calls = {"forward_packed": 0, "_step": 0}
+    calls = {"forward_packed": 0, "_step": 0}  # packed forwards with decoding rows in them; compiled steps
     for target, name in ((compiled.small, "forward_packed"), (routes, "_step")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
-            calls[_name] += 1
+            calls[_name] += _name != "forward_packed" or len(args[0]) > 1  # a prompt's own prefill packs one batch
             return _run(*args, **kwargs)
         monkeypatch.setattr(target, name, counted)
     graphs, taken = counters["stats"]["unique_graphs"], engine.runner.routes_taken.copy()
@@ -830,8 +830,42 @@ def test_a_long_prompt_beside_running_sequences_is_fed_in_short_chunks(model, to
     finally:
         del model.forward_packed
     beside = [[2, BESIDE_CHUNK]] * 3 + [[2, 100 - 3 * BESIDE_CHUNK]]
+    fed = [tokens for tokens in fed if len(tokens) == 2]  # the forwards with decoding rows (a prompt alone packs one batch)
     assert fed[:5] == beside + [[2, 64]]  # the late prompt: whole chunks
     assert long.result()["usage"]["prompt_tokens"] == 100 and running.result()["usage"]["completion_tokens"] == 40
+
+
+def test_where_a_step_costs_its_launches_a_burst_is_fed_at_once_and_prompts_ride_whole(model, tok):
+    """A launch-bound engine (a GPU's) feeds a burst's prompts in one step, however many decode, and
+    a prompt arriving beside decoding sequences rides along whole (up to prefill_chunk): the same
+    completions as a CPU's schedule, in fewer forwards."""
+    from worker.scheduler import PREFILL_CHUNK, Prefill, Scheduler
+
+    s = Scheduler(slots=8, prefill_chunk=PREFILL_CHUNK["cuda"], launch_bound=True)
+    s.decoding = [object()] * 8
+    s.prefilling = [Prefill([], [0] * 3000, None, time.monotonic())]
+    assert s._chunks() == [(s.prefilling[0], PREFILL_CHUNK["cuda"])]
+
+    prompts = [[464 + i] * (5 + 3 * i) for i in range(6)]  # ragged: packed, not padded to the longest
+
+    def schedule(launch_bound):
+        engine, _ = make_engine(model, tok, max_batch=8, prefill_chunk=PREFILL_CHUNK["cuda"] if launch_bound else 8)
+        engine.scheduler.launch_bound = launch_bound
+        chunks = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda events: chunks.append((b := schedule(events)).chunks) or b
+        burst = [engine.submit(job(tok, [p], max_tokens=6)) for p in prompts[:4]]
+        for _ in range(2):
+            engine.step()
+        late = [engine.submit(job(tok, [p], max_tokens=4)) for p in prompts[4:]]
+        while not all(h.done for h in burst + late):
+            engine.step()
+        return texts(h.result() for h in burst + late), [sum(n for _, n in c) for c in chunks if c]
+
+    gpu, cpu = schedule(True), schedule(False)
+    assert gpu[0] == cpu[0]
+    assert gpu[1] == [sum(map(len, prompts[:4])), sum(map(len, prompts[4:]))]  # two steps fed every prompt
+    assert len(cpu[1]) > 2
 
 
 def test_batch_buckets_reach_every_slot():

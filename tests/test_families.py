@@ -325,6 +325,29 @@ def test_the_decode_step_matches_transformers(family):
             assert_close(logits[b], ref[p], **TOL)
 
 
+def test_a_head_aligned_with_zero_rows_gives_the_same_logits(family):
+    """align_head (what a GPU engine does to its model) pads the output layer to a multiple of 64
+    rows: prefill, packed and decode forwards give as many logits as before, transformers' to 1e-5,
+    and a tied embedding keeps its rows."""
+    import copy
+
+    aligned = copy.deepcopy(family.ours)
+    aligned.align_head(64)
+    V = family.ours.config.vocab_size
+    assert aligned.output_layer.weight.shape[0] % 64 == 0 and aligned.token_embedding.weight.shape[0] == V
+    cache = KVCache(aligned.config, max_slots=3, max_len=CONTEXT)
+    seqs = [random_seq(12, seed) for seed in (21, 22)]
+    refs = [family.reference(seq) for seq in seqs]
+    prefill = cached_call(aligned, cache, [(0, seqs[0], 0, 7)])
+    [packed] = aligned.forward_packed([cached_batch([(2, seqs[1], 0, 5)], "cpu")], cache)
+    decoded = aligned.forward_decode(torch.tensor([seqs[0][7], seqs[1][5]]), torch.tensor([0, 2]),
+                                     torch.tensor([7, 5]), cache, torch.arange(8))
+    for logits, want in ((prefill[0], refs[0][6]), (packed[0], refs[1][4]), (decoded[0], refs[0][7]),
+                         (decoded[1], refs[1][5])):
+        assert logits.shape == (V,)
+        assert_close(logits, want, **TOL)
+
+
 def test_prompt_tokens_as_rows_of_the_decode_step_match_transformers(family):
     """The compiled engine's mixed step (worker/runner.py `_run_mixed`), uncompiled: decoding rows
     and prompt chunks' tokens side by side as rows of forward_decode, each token at its own slot and

@@ -4,9 +4,9 @@ and the thread that steps them.
 Each step reads like vLLM's, one module per stage:
   1. schedule (scheduler.py): take new requests and cancellations, admit waiting sequences into
      free KV-cache slots, choose the prefill chunk (at most `prefill_chunk` prompt tokens, and
-     beside running sequences as many as keep the step's matmuls within STEP_RATIO times their
-     decode's measured cost, so a long prompt slows them for a few steps, never stalls them for
-     its whole length);
+     on a CPU beside running sequences as many as keep the step's matmuls within STEP_RATIO times
+     their decode's measured cost, so a long prompt slows them for a few steps, never stalls them
+     for its whole length; a GPU's step costs its launches, so there the whole chunk rides along);
   2. execute (runner.py): one forward for every running sequence (T = 1), the prefill chunk
      riding along where the step's route takes it (decode_routes.py); the sequences whose prefill
      completed start (output.py: echo, a resumed history);
@@ -48,7 +48,7 @@ from worker.grammar import Grammars
 from worker.output import OutputProcessor
 from worker.runner import Drawn, Runner
 from worker.sampling import SamplingParams
-from worker.scheduler import Batch, Event, Prefill, Request, Scheduler, Sequence
+from worker.scheduler import PREFILL_CHUNK, Batch, Event, Prefill, Request, Scheduler, Sequence
 from worker.strategies import BeamSearch, ContrastiveSearch, Sampling
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int | None, max_len: int | None = None, event_sink=None,
-                 prefill_chunk: int = 256, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
+                 prefill_chunk: int | None = None, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
                  cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
@@ -111,7 +111,8 @@ class Engine:
         prefix_caching: reuse the keys and values a free slot holds of a prompt's prefix (worker/prefix_cache.py).
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py).
-        overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU."""
+        overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU.
+        prefill_chunk: the most prompt tokens a step feeds (None: scheduler.PREFILL_CHUNK of the device)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)
@@ -125,7 +126,9 @@ class Engine:
                              kv_memory_bytes=kv_memory_bytes, compile=compile,
                              compile_in_background=compile_in_background, prepack=prepack,
                              cuda_graphs=cuda_graphs, grammars=self.grammars)
-        self.scheduler = Scheduler(self.runner.slots, prefill_chunk, row_costs(model), prefix_caching)
+        gpu = self.device.type == "cuda"
+        self.scheduler = Scheduler(self.runner.slots, prefill_chunk or PREFILL_CHUNK["cuda" if gpu else "cpu"],
+                                   row_costs(model), prefix_caching, launch_bound=gpu)
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self.strategies = tuple(kind(self.runner, self.output) for kind in (Sampling, BeamSearch, ContrastiveSearch))
         self.overlap = self.device.type == "cuda" if overlap is None else overlap

@@ -15,7 +15,8 @@ then also returns last hidden states, and choose among them after it, with a syn
 beam search (beams.py) advances a prompt's beams from their rows' logits.
 
 The model is used through its serving contract only: `config`, `device`, `dtype`, `forward_packed`
-(decode and prefill together), `forward_cached` (either alone) and `forward_decode` (the compiled decode).
+(decode and prefill together), `forward_cached` (either alone), `forward_decode` (the compiled decode)
+and, on a GPU, `align_head`.
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ class Runner:
             pack_linears(model)  # times the kernels this CPU has for the model's matmuls
             log.info("matmul kernels chosen", extra={"seconds": round(time.monotonic() - started, 2)})
         if self.device.type == "cuda":
+            model.align_head()
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
@@ -195,15 +197,20 @@ class Runner:
     def _prefill_groups(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
         """The chunks' forwards, plain prefills in one, those scoring their context in another. A
         contrastive search remembers the hidden states of its context (and starts from its last
-        logits, `_completed`)."""
+        logits, `_completed`). Plain chunks are packed (forward_packed): their matmuls run over their
+        real tokens, not over every chunk padded to the longest."""
         done = []
         for all_logits in (False, True):
             group = [(unit, n) for unit, n in chunks if (unit.score_from is not None) == all_logits]
             if not group:
                 continue
-            tokens, lengths, slots, start, span = self._prefill_batch(group)
+            batch = self._prefill_batch(group)
             searches = [u.seqs[0].search for u, _ in group]
             wants_hidden = any(search is not None for search in searches)
+            if not all_logits and not wants_hidden:
+                done += self._fed(group, self.model.forward_packed([batch], self.cache)[0], all_logits)
+                continue
+            tokens, lengths, slots, start, span = batch
             out = self.model.forward_cached(tokens, lengths, slots, start, self.cache, all_logits=all_logits,
                                             span=span, hidden=wants_hidden)
             out, hidden = out if wants_hidden else (out, None)

@@ -33,6 +33,10 @@ SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds pe
 STEP_RATIO = 1.6
 MIN_CHUNK = 4
 BESIDE_CHUNK = 128
+# The most prompt tokens a step feeds: on a CPU, whose forwards cost in proportion to their rows; on
+# a GPU, where an eager forward's time is its kernel launches up to thousands of rows, a burst's
+# prompts go in one step and no cost holds back what rides beside decoding rows (`launch_bound`).
+PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
 PROMPT_DEADLINE = 0.75
 PACE_STEPS = 64  # the steps whose pace (seconds per unit of row cost) estimates the next ones'
 
@@ -142,13 +146,15 @@ class Scheduler:
     thread (other threads only read `stats`)."""
 
     def __init__(self, slots: int, prefill_chunk: int, row_costs: dict[int, float] | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, launch_bound: bool = False):
         """prefill_chunk: the most prompt tokens a step feeds; row_costs: {rows: seconds} of a forward's
         weight matmuls (nanogpt.kernels.row_costs), which size the chunks fed beside decoding sequences;
-        prefix_caching: reuse what free slots hold (worker/prefix_cache.py)."""
+        launch_bound: a step costs its launches whatever its rows (a GPU): the whole prefill_chunk
+        rides beside decoding sequences; prefix_caching: reuse what free slots hold (worker/prefix_cache.py)."""
         self.slots = slots
         self.prefill_chunk = max(1, prefill_chunk)
         self.row_costs = row_costs
+        self.launch_bound = launch_bound
         self.pace: deque[float] = deque(maxlen=PACE_STEPS)  # seconds per unit of step_cost, last steps
         self.free_slots = list(range(slots))
         self.prefix = PrefixCache(prefix_caching)
@@ -306,12 +312,13 @@ class Scheduler:
         return admitted
 
     def _chunks(self) -> list[tuple[Prefill, int]]:
-        """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and
-        beside decoding sequences up to what keeps the step within STEP_RATIO times their decode
-        (`chunk_beside`; more where the prompts holding slots would miss PROMPT_DEADLINE), so a long
-        prompt slows the running sequences by a bounded factor, never stalls them for its whole length."""
+        """Context tokens of the prefilling sequences, in arrival order: up to `prefill_chunk`, and,
+        unless `launch_bound`, beside decoding sequences up to what keeps the step within STEP_RATIO
+        times their decode (`chunk_beside`; more where the prompts holding slots would miss
+        PROMPT_DEADLINE), so a long prompt slows the running sequences by a bounded factor, never
+        stalls them for its whole length."""
         budget, chunks = self.prefill_chunk, []
-        if self.decoding and self.prefilling:
+        if self.decoding and self.prefilling and not self.launch_bound:
             ratio, pace = STEP_RATIO, float(np.median(self.pace)) if self.pace else None
             while chunk_beside(len(self.decoding), self.row_costs, ratio) < budget and not self._in_time(ratio, pace):
                 ratio *= 2
