@@ -839,12 +839,16 @@ def test_where_a_step_costs_its_launches_a_burst_is_fed_at_once_and_prompts_ride
     """A launch-bound engine (a GPU's) feeds a burst's prompts in one step, however many decode, and
     a prompt arriving beside decoding sequences rides along whole (up to prefill_chunk): the same
     completions as a CPU's schedule, in fewer forwards."""
-    from worker.scheduler import PREFILL_CHUNK, Prefill, Scheduler
+    from worker.scheduler import PREFILL_CHUNK, SCORE_BUDGET, SCORE_CHUNK, Prefill, Scheduler
 
     s = Scheduler(slots=8, prefill_chunk=PREFILL_CHUNK["cuda"], launch_bound=True)
     s.decoding = [object()] * 8
     s.prefilling = [Prefill([], [0] * 3000, None, time.monotonic())]
     assert s._chunks() == [(s.prefilling[0], PREFILL_CHUNK["cuda"])]
+    # prompts that score their context keep every position's logits: those stay within SCORE_BUDGET a step
+    s.prefilling = [Prefill([], [0] * 300, 1, time.monotonic()) for _ in range(3)] + [Prefill([], [0] * 50, None, 0.0)]
+    fed = [n for _, n in s._chunks()]
+    assert sum(fed[:-1]) <= SCORE_BUDGET and max(fed[:-1]) <= SCORE_CHUNK and fed[-1] == 50
 
     prompts = [[464 + i] * (5 + 3 * i) for i in range(6)]  # ragged: packed, not padded to the longest
 

@@ -23,6 +23,7 @@ from worker.sampling import SamplingParams
 from worker.stops import StopMatcher
 
 SCORE_CHUNK = 128  # context tokens a scoring prefill (echo + logprobs) feeds per step: their (T, V) logits are kept
+SCORE_BUDGET = 256  # ... and all scoring prefills together (float32 logits: 51 MB of GPT-2's vocabulary)
 # Beside decoding sequences, a step's prompt tokens are held to what keeps its weight matmuls within
 # STEP_RATIO times those of their decode alone (they share one forward), and at least MIN_CHUNK
 # tokens so that prompts still move; without measured costs, BESIDE_CHUNK tokens. The ratio doubles,
@@ -323,13 +324,18 @@ class Scheduler:
             while chunk_beside(len(self.decoding), self.row_costs, ratio) < budget and not self._in_time(ratio, pace):
                 ratio *= 2
             budget = min(budget, chunk_beside(len(self.decoding), self.row_costs, ratio))
+        scoring = SCORE_BUDGET
         for unit in self.prefilling:
             if budget <= 0:
                 break
-            cap = SCORE_CHUNK if unit.score_from is not None else budget
+            cap = min(SCORE_CHUNK, scoring) if unit.score_from is not None else budget
             n = min(len(unit.context) - unit.fed, budget, cap)
+            if n <= 0:
+                continue
             chunks.append((unit, n))
             budget -= n
+            if unit.score_from is not None:
+                scoring -= n
         return chunks
 
     def _in_time(self, ratio: float, pace: float | None) -> bool:
