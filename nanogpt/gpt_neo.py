@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from models.formats import CheckpointError
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, add_norm
 from nanogpt.serving import GPT2Layout
 
 
@@ -41,9 +41,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config.n_embd, config.n_inner or 4 * config.n_embd, config.activation)
 
-    def forward(self, x, cache_layer):
-        x = self.attn(self.ln_1(x), cache_layer, residual=x)
-        return self.mlp(self.ln_2(x), residual=x)
+    def forward(self, x, pending, cache_layer):
+        x, h = add_norm(x, pending, self.ln_1)
+        x, h = add_norm(x, self.attn(h, cache_layer), self.ln_2)
+        return x, self.mlp(h)
 
 
 class GPTNeo(GPT2Layout):

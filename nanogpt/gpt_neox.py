@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from models.formats import CheckpointError
 from nanogpt.hf_weights import copy, per_head_qkv, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary, add_norm
 from nanogpt.serving import ServingModel
 
 
@@ -46,9 +46,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config.n_embd, config.n_inner, config.activation)
 
-    def forward(self, x, cache_layer):
-        h = self.attention(self.input_layernorm(x), cache_layer, residual=x)  # x + attention
-        return self.mlp(self.post_attention_layernorm(x if self.parallel else h), residual=h)
+    def forward(self, x, pending, cache_layer):
+        x, h = add_norm(x, pending, self.input_layernorm)
+        if self.parallel:  # x + (mlp + attention), as transformers adds
+            return x, self.mlp(self.post_attention_layernorm(x), residual=self.attention(h, cache_layer))
+        x, h = add_norm(x, self.attention(h, cache_layer), self.post_attention_layernorm)
+        return x, self.mlp(h)
 
 
 class GPTNeoX(ServingModel):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary, add_norm
 from nanogpt.serving import GPT2Layout
 
 
@@ -38,9 +38,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config.n_embd, config.n_head, bias=False, rotary=rotary)
         self.mlp = MLP(config.n_embd, config.n_inner or 4 * config.n_embd, config.activation)
 
-    def forward(self, x, cache_layer):
-        h = self.ln_1(x)
-        return self.mlp(h, residual=self.attn(h, cache_layer, residual=x))  # (x + attn) + mlp
+    def forward(self, x, pending, cache_layer):
+        x, h = add_norm(x, pending, self.ln_1)
+        return x, self.mlp(h, residual=self.attn(h, cache_layer))  # x + (attn + mlp), as transformers adds
 
 
 class GPTJ(GPT2Layout):

@@ -5,9 +5,14 @@ Attention always runs through a window (nanogpt/runtime/kv_cache.py): `FullWindo
 `CacheWindow` for a ragged batch over the cache, `DecodeWindow` for the compiled decode step; the
 layer itself only projects, rotates and re-assembles heads.
 
-The layers are plain nn.Linear modules, as nanoGPT writes them. Loading may swap them for a CPU
-kernel's (nanogpt/kernels/), which `project` lets apply an activation or add a residual in the
-matmul's own pass over the output.
+The layers are plain nn.Linear and nn.LayerNorm modules, as nanoGPT writes them. Loading may swap
+them for a kernel's (nanogpt/kernels/): a CPU's linear layers, which `project` lets apply an
+activation or add a residual in the matmul's own pass over the output, and a GPU's layer norms,
+which `add_norm` lets add the residual stream's last sub-layer in the norm's own pass.
+
+Blocks keep the residual stream as (x, pending): pending is the last sub-layer's output not added
+yet (None: nothing), which the next norm adds (`add_norm`) so that every add but the last runs in
+a norm's pass.
 """
 from __future__ import annotations
 
@@ -39,6 +44,20 @@ def project(linear: nn.Module, x: torch.Tensor, activation: nn.Module | None = N
     if activation is not None:
         y = activation(y)
     return y if residual is None else residual + y
+
+
+def add_norm(x: torch.Tensor, y: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream with a sub-layer's output added, and its norm: (x + y, norm(x + y)); (x,
+    norm(x)) without y. A norm that a kernel swapped in at load computes both in one pass (its
+    `add_fused`, None where it cannot)."""
+    if y is None:
+        return x, norm(x)
+    fused = getattr(type(norm), "add_fused", None)  # on the class, as `project` reads `fused`
+    out = None if fused is None else fused(norm, x, y)
+    if out is not None:
+        return out
+    x = x + y
+    return x, norm(x)
 
 
 class Rotary:

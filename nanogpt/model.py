@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt.hf_weights import copy, transposed, weight_and_bias
-from nanogpt.layers import MLP, CausalSelfAttention
+from nanogpt.layers import MLP, CausalSelfAttention, add_norm
 from nanogpt.serving import GPT2Layout
 
 
@@ -30,17 +30,11 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
+class LayerNorm(nn.LayerNorm):
+    """nanoGPT's LayerNorm(ndim, bias, eps): PyTorch's, with an optional bias."""
 
     def __init__(self, ndim, bias, eps=1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-        self.eps = eps
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        super().__init__(ndim, eps=eps, bias=bias)
 
 
 class Block(nn.Module):
@@ -52,9 +46,11 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config.n_embd, 4 * config.n_embd, "gelu_new", bias=config.bias, dropout=config.dropout)
 
-    def forward(self, x, cache_layer=None):
-        x = self.attn(self.ln_1(x), cache_layer, residual=x)
-        return self.mlp(self.ln_2(x), residual=x)
+    def forward(self, x, pending=None, cache_layer=None):
+        """(x, pending) -> (x, pending): the residual stream is x + pending (nanogpt/layers.py)."""
+        x, h = add_norm(x, pending, self.ln_1)
+        x, h = add_norm(x, self.attn(h, cache_layer), self.ln_2)
+        return x, self.mlp(h)
 
 
 class GPT(GPT2Layout):
@@ -108,10 +104,10 @@ class GPT(GPT2Layout):
 
         tok_emb = self.transformer.wte(idx)  # (b, t, n_embd)
         pos_emb = self.transformer.wpe(pos)  # (t, n_embd)
-        x = self.transformer.drop(tok_emb + pos_emb)
+        x, pending = self.transformer.drop(tok_emb + pos_emb), None
         for block in self.transformer.h:
-            x = block(x)
-        x = self.transformer.ln_f(x)
+            x, pending = block(x, pending)
+        _, x = add_norm(x, pending, self.transformer.ln_f)
 
         if targets is not None:
             logits = self.lm_head(x)

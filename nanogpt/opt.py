@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, add_norm
 from nanogpt.serving import ServingModel
 
 POSITION_OFFSET = 2  # fairseq's learned positions start after the padding index
@@ -44,12 +44,15 @@ class Block(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.n_embd, elementwise_affine=config.layer_norm_affine)
         self.mlp = MLP(config.n_embd, config.ffn_dim, config.activation, bias=config.bias)
 
-    def forward(self, x, cache_layer):
+    def forward(self, x, pending, cache_layer):
         if self.pre_ln:
-            x = self.attn(self.self_attn_layer_norm(x), cache_layer, residual=x)
-            return self.mlp(self.final_layer_norm(x), residual=x)
-        x = self.self_attn_layer_norm(self.attn(x, cache_layer, residual=x))
-        return self.final_layer_norm(self.mlp(x, residual=x))
+            x, h = add_norm(x, pending, self.self_attn_layer_norm)
+            x, h = add_norm(x, self.attn(h, cache_layer), self.final_layer_norm)
+            return x, self.mlp(h)
+        # post-LN (350m): each norm's output is the stream, nothing pending between blocks
+        _, x = add_norm(x, self.attn(x, cache_layer), self.self_attn_layer_norm)
+        _, x = add_norm(x, self.mlp(x), self.final_layer_norm)
+        return x, None
 
 
 class OPT(ServingModel):

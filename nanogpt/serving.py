@@ -6,7 +6,9 @@ worker/ relies on nothing else: `config` (block_size, vocab_size, n_layer, n_hea
 `ServingModel` and defines:
 
     token_embedding        the nn.Embedding of the tokens (device and dtype are read from it)
-    blocks                 its transformer blocks, each called as block(x, (cache_k, cache_v, window))
+    blocks                 its transformer blocks, each called as block(x, pending, (cache_k, cache_v,
+                           window)) -> (x, pending): the residual stream is x + pending, pending the
+                           last sub-layer's output, added by the next norm (nanogpt/layers.py add_norm)
     embed(tokens, pos)     (B, T) token ids and positions -> (B, T, n_embd)
     final_hidden(x)        the last block's output (..., n_embd) -> the last hidden state: after the
                            final norm (and any projection before the output layer), what transformers
@@ -86,10 +88,16 @@ class ServingModel(nn.Module):
     def forward(self, idx):
         """The full forward without a cache: idx (B, T) -> float32 logits (B, T, V)."""
         window = FullWindow(idx.shape[1], idx.device)
-        x = self.embed(idx, window.query_positions)
-        for block in self.blocks:
-            x = block(x, (None, None, window))
+        x = self.through_blocks(self.embed(idx, window.query_positions), None, window)
         return self.head(x).float()
+
+    def through_blocks(self, x: torch.Tensor, cache: KVCache | None, window) -> torch.Tensor:
+        """x through every block (over `cache`'s layers, None: no cache), the last sub-layer's
+        output added."""
+        pending = None
+        for i, block in enumerate(self.blocks):
+            x, pending = block(x, pending, (None, None, window) if cache is None else (cache.k[i], cache.v[i], window))
+        return x if pending is None else x + pending
 
     @torch.no_grad()
     def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None,
@@ -115,9 +123,7 @@ class ServingModel(nn.Module):
                              f"{self.config.block_size} positions")
         pos = torch.where(window.valid, window.positions, 0)  # (B, T); padding may lie past the context
 
-        x = self.embed(tokens, pos)  # (B, T, n_embd)
-        for i, block in enumerate(self.blocks):
-            x = block(x, (cache.k[i], cache.v[i], window))
+        x = self.through_blocks(self.embed(tokens, pos), cache, window)  # (B, T, n_embd)
         if hidden:
             h = self.final_hidden(x)  # (B, T, width)
             return self.logits(h if all_logits else _last(h, lengths)).float(), h.float()
@@ -137,8 +143,7 @@ class ServingModel(nn.Module):
         window = PackedWindow(parts)
         x = self.embed(torch.cat([part.real(tokens) for (tokens, *_), part in zip(batches, parts)])[None],
                        window.query_positions)  # (1, N, n_embd)
-        for i, block in enumerate(self.blocks):
-            x = block(x, (cache.k[i], cache.v[i], window))
+        x = self.through_blocks(x, cache, window)
         ends = torch.cat([lengths for _, lengths, *_ in batches]).cumsum(0) - 1  # each row's last token
         logits = self.head(x[0, ends]).float()
         return list(logits.split([len(lengths) for _, lengths, *_ in batches]))
@@ -150,9 +155,7 @@ class ServingModel(nn.Module):
         chunk). tokens, slots, positions (B,) long; keys = arange(span) with span > every position
         (and <= the context). Returns float32 logits (B, V), or of the rows `out` (R,) only."""
         window = DecodeWindow(slots, positions, keys, own_kernel=cache.own_attention)
-        x = self.embed(tokens[:, None], positions[:, None])  # (B, 1, n_embd)
-        for i, block in enumerate(self.blocks):
-            x = block(x, (cache.k[i], cache.v[i], window))
+        x = self.through_blocks(self.embed(tokens[:, None], positions[:, None]), cache, window)  # (B, 1, n_embd)
         return self.head(x[:, 0] if out is None else x[out, 0]).float()
 
 

@@ -387,3 +387,39 @@ def test_engine_bench_runs_on_cuda(hf_checkpoint, tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["device"] == CUDA
     table = engine_bench.markdown(results)
     assert f"GPU: {results['limits']['device']} (cuda)" in table and "| 3 | engine-bf16 |" in table
+
+
+@DTYPES
+def test_layer_norms_that_add_the_residual_in_their_pass_give_the_plain_models_logits(pair, dtype):
+    """A GPU engine's layer norms add the residual stream's pending sub-layer in their own pass
+    (nanogpt/kernels/norms.py `fuse_layer_norms`, the Triton kernel of triton_norm.py): every norm of
+    the model taken; the kernel's sums equal PyTorch's add and its norms F.layer_norm's; prefill and
+    decode logits as the plain model's, eager and replayed from a CUDA graph."""
+    from torch.nn import functional as F
+
+    from nanogpt.kernels import norms, triton_norm
+
+    x, y = (torch.randn(5, 1, 1600, device=CUDA).to(dtype) for _ in range(2))
+    weight, bias = (torch.randn(1600, device=CUDA).to(dtype) for _ in range(2))
+    total, normed = triton_norm.add_layer_norm(x, y, weight, bias, 1e-5)
+    assert torch.equal(total, x + y)  # rounded to nearest, as PyTorch's add
+    assert_close(normed.float(), F.layer_norm(x + y, (1600,), weight, bias, 1e-5).float(), **TOLERANCE[dtype])
+
+    plain, fused = (load_model(str(pair.directory), device=CUDA, dtype=dtype) for _ in range(2))
+    assert norms.fuse_layer_norms(fused) == 2 * fused.config.n_layer + 1
+    seq = random_seq(20, 7)
+    logits = []
+    for model in (plain, fused):
+        cache = KVCache(model.config, max_slots=2, max_len=CONTEXT, device=CUDA, dtype=dtype)
+        first = cached_call(model, cache, [(1, seq, 0, 12)])
+        tokens, slots, positions = (torch.tensor(v, device=CUDA) for v in ([seq[12]], [1], [12]))
+        keys = torch.arange(16, device=CUDA)
+        logits.append((first, model.forward_decode(tokens, slots, positions, cache, keys)))
+        if model is fused:  # the same step replayed from a graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = model.forward_decode(tokens, slots, positions, cache, keys)
+            graph.replay()
+            assert_close(replayed, logits[-1][1], **TOLERANCE[dtype])
+    for want, got in zip(*logits):
+        assert_close(got, want, **TOLERANCE[dtype])

@@ -143,4 +143,4 @@ def test_the_gpu_kernel_attends_as_pytorchs_ops_and_transformers_do():
     done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "kernel cases 48; self-checks 6; decode-step rows 24" in done.stdout
+    assert "kernel cases 48; self-checks 6; add-norm cases 35; decode-step rows 60" in done.stdout

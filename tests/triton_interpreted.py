@@ -1,14 +1,19 @@
-"""The GPU's decode attention (nanogpt/kernels/triton_decode.py) checked on a CPU, in Triton's
-interpreter: run by tests/test_decode_attention.py in a process of its own with TRITON_INTERPRET=1,
-which Triton reads once, at import. Exits non-zero on the first mismatch; prints what it checked.
+"""The GPU's Triton kernels, the decode attention (nanogpt/kernels/triton_decode.py) and the fused add
+and layer norm (triton_norm.py), checked on a CPU, in Triton's interpreter: run by
+tests/test_decode_attention.py in a process of its own with TRITON_INTERPRET=1, which Triton reads
+once, at import. Exits non-zero on the first mismatch; prints what it checked.
 
 1. The kernel against the same attention spelled in PyTorch's ops (DecodeWindow without a kernel),
    outputs and the cache written: float32 and bfloat16, rows in any slot order, padding rows sharing
    the spare slot, a row at its slot's first position and one at the span's last, local windows of
    1 and 5, head sizes of GPT-2, Pythia and GPT-J (64, 80, 256), 1 row and 24.
 2. The self-check an engine runs before it takes the kernel (`kv_cache.gpu_kernel_works`).
-3. The decode step of GPT-Neo (local layers) and GPT-J (rotary, 256-wide heads) attending through the
-   kernel against transformers' logits, as tests/test_families.py checks PyTorch's ops.
+3. The fused add and layer norm against PyTorch's add and F.layer_norm: float32 and bfloat16, widths
+   of a power of two and not (64, 100, 768, 1600), with a bias and without, 1 row and 5; and its
+   self-check (`norms.add_norm_works`).
+4. The prefill and decode steps of every family (GPT-2, GPT-Neo's local layers, GPT-J's rotary
+   256-wide heads, GPT-NeoX's parallel residual, OPT) through both kernels against transformers'
+   logits, as tests/test_families.py checks PyTorch's ops.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
-from nanogpt.kernels import decode_attention, triton_decode  # noqa: E402
+from nanogpt.kernels import decode_attention, norms, triton_decode, triton_norm  # noqa: E402
 from test_decode_attention import decode_rows  # noqa: E402
 from nanogpt.runtime.kv_cache import DecodeWindow, KVCache  # noqa: E402
 
@@ -82,10 +87,41 @@ def check_self_check() -> int:
     return checked
 
 
+def check_add_norm() -> int:
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        for width in (64, 100, 768, 1600):
+            for rows in (1, 5):
+                x, y = (torch.randn(rows, 1, width).to(dtype) for _ in range(2))
+                weight, bias = (torch.randn(width).to(dtype) for _ in range(2))
+                for b in (bias, None):
+                    total, normed = triton_norm.add_layer_norm(x, y, weight, b, 1e-5)
+                    assert total.shape == normed.shape == x.shape and normed.dtype == dtype
+                    # float32 exact; bfloat16 within a rounding: the interpreter truncates where a GPU rounds to nearest
+                    assert_close(total.float(), (x + y).float(), **(dict(rtol=0, atol=0) if dtype == torch.float32
+                                                                     else dict(rtol=1e-2, atol=1e-2)))
+                    assert_close(normed.float(), F.layer_norm(x + y, (width,), weight, b, 1e-5).float(), **tolerance)
+                    checked += 1
+    for dtype in (torch.float32, torch.bfloat16):
+        assert norms.add_norm_works(torch.device("cpu"), dtype, 768)
+        checked += 1
+    right = triton_norm.add_layer_norm
+    triton_norm.add_layer_norm = lambda *args: (args[0] + args[1], args[0])  # a wrong norm: refused
+    norms.add_norm_works.cache_clear()
+    assert not norms.add_norm_works(torch.device("cpu"), torch.float32, 768)
+    triton_norm.add_layer_norm = right
+    norms.add_norm_works.cache_clear()
+    return checked + 1
+
+
 def check_decode_steps() -> int:
     import transformers
 
-    from conftest import make_family_checkpoint
+    from conftest import make_family_checkpoint, make_hf_checkpoint
     from nanogpt.checkpoint import load_model
 
     # kv_cache.py reaches the op through these names; on a CPU they would take the C++ kernel
@@ -93,11 +129,22 @@ def check_decode_steps() -> int:
     decode_attention.pays = lambda rows, device: True
     checked = 0
     # GPT-J with 256-wide heads, as GPT-J-6B's
-    for family, overrides in (("gpt_neo", {}), ("gptj", dict(n_embd=512, n_head=2, rotary_dim=64))):
+    for family, overrides in (("gpt2", {}), ("gpt_neo", {}), ("gptj", dict(n_embd=512, n_head=2, rotary_dim=64)),
+                              ("gpt_neox", {}), ("opt", {})):
         with tempfile.TemporaryDirectory() as directory:
-            make_family_checkpoint(Path(directory), family, with_tokenizer=False, **overrides)
+            if family == "gpt2":
+                make_hf_checkpoint(Path(directory), with_tokenizer=False)
+            else:
+                make_family_checkpoint(Path(directory), family, with_tokenizer=False, **overrides)
             ours = load_model(directory)
             hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        # fuse_layer_norms swaps only a GPU's norms: these are swapped as it would
+        fused = [m for m in ours.modules() if isinstance(m, torch.nn.LayerNorm) and m.weight is not None]
+        for module in fused:
+            module.__class__ = norms._fused(type(module))
+        assert fused, family
+        calls, add_layer_norm = [0], triton_norm.add_layer_norm
+        triton_norm.add_layer_norm = lambda *args: calls.__setitem__(0, calls[0] + 1) or add_layer_norm(*args)
         cache = KVCache(ours.config, max_slots=4, max_len=64)
         cache.own_attention = True
         torch.manual_seed(1)
@@ -116,8 +163,11 @@ def check_decode_steps() -> int:
             for b, (ref, p) in enumerate(zip(refs, positions)):
                 assert_close(logits[b], ref[p], rtol=1e-5, atol=1e-5)
                 checked += 1
+        triton_norm.add_layer_norm = add_layer_norm
+        assert calls[0] > 0, family  # the norms added in their own pass
     return checked
 
 
 if __name__ == "__main__":
-    print(f"kernel cases {check_kernel()}; self-checks {check_self_check()}; decode-step rows {check_decode_steps()}")
+    print(f"kernel cases {check_kernel()}; self-checks {check_self_check()}; add-norm cases {check_add_norm()}; "
+          f"decode-step rows {check_decode_steps()}")

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanogpt.kernels.norms import fuse_layer_norms
 from nanogpt.kernels.planner import pack_linears
 from nanogpt.runtime.kv_cache import KVCache, default_slots
 from nanogpt.runtime.precision import model_cache_dtype
@@ -100,6 +101,7 @@ class Runner:
             log.info("matmul kernels chosen", extra={"seconds": round(time.monotonic() - started, 2)})
         if self.device.type == "cuda":
             model.align_head()
+            log.info("layer norms fused with the residual adds", extra={"layers": fuse_layer_norms(model)})
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)

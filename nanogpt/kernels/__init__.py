@@ -7,6 +7,8 @@ where, chosen per machine when a model is loaded.
     decode_attention.py   a decode step's attention over the slot cache (csrc/decode_attention.cpp on a
                           CPU, triton_decode.py on a GPU), and whether it pays in bfloat16 here
     triton_decode.py      that attention as a Triton kernel, for CUDA
+    norms.py              a GPU's layer norms adding the residual stream in their own pass (`fuse_layer_norms`)
+    triton_norm.py        that add and layer norm as a Triton kernel, for CUDA
     matmuls.py            every kernel that computes a linear layer, and a Plan of which serves which rows
     ops.py                packed layers as ops of compiled graphs (nanoserve::linear, nanoserve::int8_linear)
     linear.py             KernelLinear: an nn.Linear with its weight packed for its plan
@@ -15,5 +17,6 @@ where, chosen per machine when a model is loaded.
 
 A model's layers import none of this: loading swaps their nn.Linear modules for these (planner.py
 `pack_linears`, quantize.py `quantize_int8`), and nanogpt/layers.py `project` lets a swapped
-layer compute an activation or a residual in its own pass (their `fused`).
+layer compute an activation or a residual in its own pass (their `fused`); on a GPU its
+nn.LayerNorm modules (norms.py `fuse_layer_norms`), which `add_norm` lets add in their own pass.
 """
