@@ -62,6 +62,7 @@ import time
 import traceback
 import uuid
 import xml.etree.ElementTree as ElementTree
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -682,6 +683,13 @@ def markdown(results: dict) -> str:
         for c, row in profiled["by_concurrency"].items():
             lines += ["", f"Top at {c}: " + "; ".join(f"{t['name'][:60]} {t['ms_per_step']:.3f} ms "
                                                        f"({t['per_step']:.0f}x)" for t in row["top"][:6])]
+            burst = row.get("burst_profile")
+            if burst:
+                lines += ["", f"Until every first token at {c} (profiled): {burst['step_ms']:.2f} ms a step, "
+                          f"{burst['events_per_step']:.0f} {profiled['event_kind']} a step, busy "
+                          f"{burst['busy_ms_per_step']:.2f} ms; the host's own time a step: "
+                          + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
+                                      for t in burst["host_top"][:6])]
 
     failed = {name: e for name, e in phases.items() if e["status"] in ("failed", "timed_out")}
     if failed:
@@ -1003,20 +1011,30 @@ def profile_main(argv: list[str]) -> None:
     results = {"dtype": args.dtype, "device": args.device, "steps": args.steps,
                "event_kind": "CUDA kernels and copies" if device.type == "cuda" else "CPU operators",
                "by_concurrency": {}}
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for c in concurrency:
-        for attempt in ("warm-up", "measured"):
+        for n, attempt in enumerate(("warm-up", "measured", "burst profiled")):
             begun.clear()
+            # prompts of their own each time: none of them finds its prefix cached
             handles = [engine.submit(CompletionJob(id=f"{attempt}-{c}-{i}", model="profile",
-                                                   prompts=[prompt_ids(i, args.prompt_tokens)], max_tokens=new_tokens,
-                                                   temperature=0.0, logit_bias={eos: -100.0}, seed=0))
+                                                   prompts=[prompt_ids(10_000 * n + i, args.prompt_tokens)],
+                                                   max_tokens=new_tokens, temperature=0.0, logit_bias={eos: -100.0},
+                                                   seed=0))
                        for i in range(c)]
             sync()
             started, steps = time.perf_counter(), 0
-            while len(begun) < c and not all(h.done for h in handles):  # the prefills: each has its first token
-                engine.step()
-                steps += 1
-            sync()
+            profiling = torch.profiler.profile(activities=activities) if attempt == "burst profiled" else nullcontext()
+            with profiling as prof:
+                while len(begun) < c and not all(h.done for h in handles):  # the prefills: each has its first token
+                    engine.step()
+                    steps += 1
+                sync()
             burst = {"steps": steps, "ms": 1000 * (time.perf_counter() - started)}
+            if attempt == "burst profiled":  # what the steps until every first token launch, and what the host spends
+                results["by_concurrency"][str(c)]["burst_profile"] = {
+                    **step_profile(prof, device.type, steps, burst["ms"] / 1000 / max(steps, 1)),
+                    "host_top": host_profile(prof, steps)}
             if attempt == "measured":
                 sync()
                 start = time.perf_counter()
@@ -1024,8 +1042,6 @@ def profile_main(argv: list[str]) -> None:
                     engine.step()
                 sync()
                 step_s = (time.perf_counter() - start) / args.steps
-                activities = [torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 with torch.profiler.profile(activities=activities) as prof:
                     for _ in range(args.steps):
                         engine.step()
@@ -1041,6 +1057,14 @@ def profile_main(argv: list[str]) -> None:
         print(f"{c} requests: step {row['step_ms']:.2f} ms, {row['events_per_step']:.0f} {results['event_kind']} "
               f"busy {row['busy_ms_per_step']:.2f} ms; every first token after {row['until_every_first_token']['steps']} "
               f"steps, {row['until_every_first_token']['ms']:.1f} ms", flush=True)
+
+
+def host_profile(prof, steps: int, top: int = 12) -> list[dict]:
+    """The host's operators taking the most of its own time, per step (self CPU time: an
+    operator's launches and Python-side work, not what it calls)."""
+    ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [{"name": e.key, "per_step": e.count / max(steps, 1), "self_ms_per_step": e.self_cpu_time_total / 1000 / max(steps, 1)}
+            for e in ranked]
 
 
 def step_profile(prof, device_type: str, steps: int, step_s: float, top: int = 12) -> dict:
