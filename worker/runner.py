@@ -200,19 +200,21 @@ class Runner:
         """The chunks' forwards, plain prefills in one, those scoring their context in another. A
         contrastive search remembers the hidden states of its context (and starts from its last
         logits, `_completed`). Plain chunks are packed (forward_packed): their matmuls run over their
-        real tokens, not over every chunk padded to the longest."""
+        real tokens, and their attention over chunks of like lengths (`_alike`), never one padded
+        to more than twice its length."""
         done = []
         for all_logits in (False, True):
             group = [(unit, n) for unit, n in chunks if (unit.score_from is not None) == all_logits]
             if not group:
                 continue
-            batch = self._prefill_batch(group)
             searches = [u.seqs[0].search for u, _ in group]
             wants_hidden = any(search is not None for search in searches)
             if not all_logits and not wants_hidden:
-                done += self._fed(group, self.model.forward_packed([batch], self.cache)[0], all_logits)
+                parts = _alike(group)
+                outs = self.model.forward_packed([self._prefill_batch(part) for part in parts], self.cache)
+                done += [d for part, out in zip(parts, outs) for d in self._fed(part, out, all_logits)]
                 continue
-            tokens, lengths, slots, start, span = batch
+            tokens, lengths, slots, start, span = self._prefill_batch(group)
             out = self.model.forward_cached(tokens, lengths, slots, start, self.cache, all_logits=all_logits,
                                             span=span, hidden=wants_hidden)
             out, hidden = out if wants_hidden else (out, None)
@@ -330,3 +332,13 @@ class Runner:
             dst = to_device(others, self.device)
             for layer in self.cache.k + self.cache.v:
                 layer[dst, :, :L] = layer[src, :, :L]
+
+
+def _alike(group: list[tuple[Prefill, int]]) -> list[list[tuple[Prefill, int]]]:
+    """The chunks grouped by the power of two their length rounds up to, in their order within each
+    group: a part's attention pads each of its chunks to less than twice its length."""
+    parts: dict[int, list[tuple[Prefill, int]]] = {}
+    for unit, n in group:
+        parts.setdefault((n - 1).bit_length(), []).append((unit, n))
+    return list(parts.values())
+
