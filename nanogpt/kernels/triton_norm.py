@@ -52,9 +52,9 @@ def add_layer_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias:
     x2, y2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, y2))
     total, normed = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        block = triton.next_power_of_2(width)
+        block = triton.next_power_of_2(width)  # a row a program: 8 values a thread, up to 8 warps
         _add_layer_norm[(x2.shape[0],)](
             x2, y2, weight, bias if bias is not None else weight, total, normed, width, float(eps),
             x2.stride(0), y2.stride(0), total.stride(0), normed.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))  # 8 values a thread, up to 8 warps
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
     return total.view(x.shape), normed.view(x.shape)
