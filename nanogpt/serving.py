@@ -2,8 +2,8 @@
 
 worker/ relies on nothing else: `config` (block_size, vocab_size, n_layer, n_head, n_embd),
 `device`, `dtype` (of the activations and the KV cache), `forward_cached`, `forward_packed`,
-`forward_decode`, `align_head` (a GPU's), and nn.Linear layers (int8 quantization and CPU prepacking walk them). A family subclasses
-`ServingModel` and defines:
+`forward_decode`, `align_head` (a GPU's), and nn.Linear and nn.LayerNorm layers (int8 quantization,
+CPU prepacking and a GPU's fused norms walk them). A family subclasses `ServingModel` and defines:
 
     token_embedding        the nn.Embedding of the tokens (device and dtype are read from it)
     blocks                 its transformer blocks, each called as block(x, pending, (cache_k, cache_v,
