@@ -199,9 +199,9 @@ class Runner:
     def _prefill_groups(self, chunks: list[tuple[Prefill, int]]) -> list[tuple[Prefill, torch.Tensor]]:
         """The chunks' forwards, plain prefills in one, those scoring their context in another. A
         contrastive search remembers the hidden states of its context (and starts from its last
-        logits, `_completed`). Plain chunks are packed (forward_packed): their matmuls run over their
-        real tokens, and their attention over chunks of like lengths (`_alike`), never one padded
-        to more than twice its length."""
+        logits, `_completed`). Plain chunks of different lengths are packed (forward_packed): their
+        matmuls run over their real tokens, and their attention over chunks of like lengths
+        (`_alike`), never one padded to more than twice its length."""
         done = []
         for all_logits in (False, True):
             group = [(unit, n) for unit, n in chunks if (unit.score_from is not None) == all_logits]
@@ -209,7 +209,7 @@ class Runner:
                 continue
             searches = [u.seqs[0].search for u, _ in group]
             wants_hidden = any(search is not None for search in searches)
-            if not all_logits and not wants_hidden:
+            if not all_logits and not wants_hidden and len({n for _, n in group}) > 1:
                 parts = _alike(group)
                 outs = self.model.forward_packed([self._prefill_batch(part) for part in parts], self.cache)
                 done += [d for part, out in zip(parts, outs) for d in self._fed(part, out, all_logits)]
