@@ -392,12 +392,13 @@ def test_engine_bench_runs_on_cuda(hf_checkpoint, tmp_path):
 @DTYPES
 def test_layer_norms_that_add_the_residual_in_their_pass_give_the_plain_models_logits(pair, dtype):
     """A GPU engine's layer norms add the residual stream's pending sub-layer in their own pass
-    (nanogpt/kernels/norms.py `fuse_layer_norms`, the Triton kernel of triton_norm.py): every norm of
-    the model taken; the kernel's sums equal PyTorch's add and its norms F.layer_norm's; prefill and
-    decode logits as the plain model's, eager and replayed from a CUDA graph."""
+    (nanogpt/kernels/norms.py `fuse_layer_norms`, the Triton kernel of triton_norm.py), and its linear
+    layers apply their GELU in the matmul's epilogue (epilogue.py): every norm of the model taken;
+    the kernel's sums equal PyTorch's add and its norms F.layer_norm's; prefill and decode logits as
+    the plain model's, eager and replayed from a CUDA graph."""
     from torch.nn import functional as F
 
-    from nanogpt.kernels import norms, triton_norm
+    from nanogpt.kernels import epilogue, norms, triton_norm
 
     x, y = (torch.randn(5, 1, 1600, device=CUDA).to(dtype) for _ in range(2))
     weight, bias = (torch.randn(1600, device=CUDA).to(dtype) for _ in range(2))
@@ -407,6 +408,9 @@ def test_layer_norms_that_add_the_residual_in_their_pass_give_the_plain_models_l
 
     plain, fused = (load_model(str(pair.directory), device=CUDA, dtype=dtype) for _ in range(2))
     assert norms.fuse_layer_norms(fused) == 2 * fused.config.n_layer + 1
+    # and the MLPs' GELU in the matmul's epilogue, where its self-check found cuBLASLt's the tanh one
+    assert epilogue.fuse_epilogues(fused) == (4 * fused.config.n_layer + 1 if epilogue.epilogues_work(
+        torch.device(CUDA, torch.cuda.current_device()), dtype) else 0)
     seq = random_seq(20, 7)
     logits = []
     for model in (plain, fused):

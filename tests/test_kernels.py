@@ -1020,3 +1020,22 @@ def test_the_compile_cache_has_a_directory_per_version_of_the_model_code(tmp_pat
     assert compile_cache.code_key.__wrapped__(code) != first
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "cache"))
     assert compile_cache.default_directory() == tmp_path / "cache" / compile_cache.code_key()
+
+
+def test_a_gpu_layer_takes_the_activation_epilogue_only_where_it_computes_that_activation():
+    """nanogpt/kernels/epilogue.py: the self-check refuses an epilogue whose GELU is not the tanh one
+    (a CPU's `torch._addmm_activation` computes the erf GELU), so a model's layers stay PyTorch's
+    there; an EpilogueLinear's ReLU in the matmul is nn.Linear then ReLU, and it leaves to PyTorch
+    what it has no epilogue for (the erf GELU, a residual, autograd)."""
+    from nanogpt.kernels import epilogue
+
+    assert not epilogue.epilogues_work(torch.device("cpu"), torch.float32)
+    assert epilogue.fuse_epilogues(nn.Sequential(nn.Linear(8, 8))) == 0  # and no layer of a CPU's taken
+    layer = nn.Linear(64, 96)
+    layer.__class__ = epilogue.EpilogueLinear
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        want = torch.relu(nn.functional.linear(x, layer.weight, layer.bias))
+        assert torch.allclose(layer.fused(x, nn.ReLU()), want, rtol=1e-5, atol=1e-5)
+        assert layer.fused(x, nn.GELU()) is None and layer.fused(x, nn.ReLU(), residual=want) is None
+    assert layer.fused(x, nn.ReLU()) is None  # autograd on

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanogpt.kernels.epilogue import fuse_epilogues
 from nanogpt.kernels.norms import fuse_layer_norms
 from nanogpt.kernels.planner import pack_linears
 from nanogpt.runtime.kv_cache import KVCache, default_slots
@@ -102,6 +103,7 @@ class Runner:
         if self.device.type == "cuda":
             model.align_head()
             log.info("layer norms fused with the residual adds", extra={"layers": fuse_layer_norms(model)})
+            log.info("activations fused into the matmuls' epilogues", extra={"layers": fuse_epilogues(model)})
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)

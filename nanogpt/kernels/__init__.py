@@ -9,6 +9,7 @@ where, chosen per machine when a model is loaded.
     triton_decode.py      that attention as a Triton kernel, for CUDA
     norms.py              a GPU's layer norms adding the residual stream in their own pass (`fuse_layer_norms`)
     triton_norm.py        that add and layer norm as a Triton kernel, for CUDA
+    epilogue.py           a GPU's linear layers applying their GELU or ReLU in cuBLASLt's epilogue
     matmuls.py            every kernel that computes a linear layer, and a Plan of which serves which rows
     ops.py                packed layers as ops of compiled graphs (nanoserve::linear, nanoserve::int8_linear)
     linear.py             KernelLinear: an nn.Linear with its weight packed for its plan
