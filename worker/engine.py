@@ -93,7 +93,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int | None, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int | None = None, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
-                 cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None):
+                 cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None,
+                 fused_kernels: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots; None: 32 on a CPU, on a GPU as many as
         its free memory holds, nanogpt/runtime/kv_cache.default_slots), fewer if `kv_memory_bytes`
@@ -112,7 +113,10 @@ class Engine:
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py).
         overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU.
-        prefill_chunk: the most prompt tokens a step feeds (None: scheduler.PREFILL_CHUNK of the device)."""
+        prefill_chunk: the most prompt tokens a step feeds (None: scheduler.PREFILL_CHUNK of the device).
+        fused_kernels: on a GPU, pad the output layer, add the residual in the layer norms' pass and
+        apply the activations in the matmuls' epilogues (docs/notes/gpu-step.md); off: the model's
+        modules as loaded (what they gain is measured against it)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)
@@ -125,7 +129,7 @@ class Engine:
         self.runner = Runner(model, self.vocab_size, max_batch=max_batch, max_len=self.max_len,
                              kv_memory_bytes=kv_memory_bytes, compile=compile,
                              compile_in_background=compile_in_background, prepack=prepack,
-                             cuda_graphs=cuda_graphs, grammars=self.grammars)
+                             cuda_graphs=cuda_graphs, fused_kernels=fused_kernels, grammars=self.grammars)
         gpu = self.device.type == "cuda"
         self.scheduler = Scheduler(self.runner.slots, prefill_chunk or PREFILL_CHUNK["cuda" if gpu else "cpu"],
                                    row_costs(model), prefix_caching, launch_bound=gpu)

@@ -75,10 +75,10 @@ class Drawn:
 class Runner:
     def __init__(self, model, vocab_size: int, *, max_batch: int | None, max_len: int, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
-                 cuda_graphs: bool = True, grammars=None):
+                 cuda_graphs: bool = True, fused_kernels: bool = True, grammars=None):
         """The KV cache holds `max_batch` slots of `max_len` positions (None: by the device,
         kv_cache.default_slots), fewer if `kv_memory_bytes` cannot hold that many (`slots`). See
-        Engine for `compile`, `compile_in_background`, `prepack` and `cuda_graphs`."""
+        Engine for `compile`, `compile_in_background`, `prepack`, `cuda_graphs` and `fused_kernels`."""
         self.model, self.vocab_size, self.device = model, vocab_size, model.device
         config, dtype = model.config, model_cache_dtype(model)
         slots = default_slots(config, dtype, max_len, self.device) if max_batch is None else max_batch
@@ -100,10 +100,11 @@ class Runner:
             started = time.monotonic()
             pack_linears(model)  # times the kernels this CPU has for the model's matmuls
             log.info("matmul kernels chosen", extra={"seconds": round(time.monotonic() - started, 2)})
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and fused_kernels:
             model.align_head()
             log.info("layer norms fused with the residual adds", extra={"layers": fuse_layer_norms(model)})
             log.info("activations fused into the matmuls' epilogues", extra={"layers": fuse_epilogues(model)})
+        if self.device.type == "cuda":
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
