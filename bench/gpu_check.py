@@ -90,7 +90,7 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
 MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile")
 PHASES = ("install", "environment", "checkpoints", *MEASURED)
 # Each phase's own limit on a GPU (seconds), with room over what its pieces took on an H200.
-LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 200, "engine-small": 180,
+LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 240, "engine-small": 180,
           "stack": 150, "engine-xl": 220, "profile": 90}
 MIN_START = 20.0  # a phase with less left than this is skipped
 STOP_GRACE = 15.0  # SIGTERM to SIGKILL: a stack's services stop on SIGTERM
