@@ -51,9 +51,8 @@ class ServingModel(nn.Module):
     @torch.no_grad()
     def align_head(self, multiple: int = 64) -> None:
         """Pad the output layer to a multiple of `multiple` rows of zeros, whose logits `logits` cuts
-        off: on a GPU the matmul then takes aligned kernels (GPT-2's 50257 rows took an unaligned
-        one, the slowest kernel of a 64-row decode step on an H200). A tied embedding keeps its own
-        weight, so the head is a copy."""
+        off: on a GPU the matmul then takes aligned kernels (docs/notes/gpu-step.md). A tied
+        embedding keeps its own weight, so the head is a copy."""
         layer = self.output_layer
         rows, width = layer.weight.shape
         padded = -(-rows // multiple) * multiple

@@ -1022,15 +1022,25 @@ def test_the_compile_cache_has_a_directory_per_version_of_the_model_code(tmp_pat
     assert compile_cache.default_directory() == tmp_path / "cache" / compile_cache.code_key()
 
 
-def test_a_gpu_layer_takes_the_activation_epilogue_only_where_it_computes_that_activation():
-    """nanogpt/kernels/epilogue.py: the self-check refuses an epilogue whose GELU is not the tanh one
-    (a CPU's `torch._addmm_activation` computes the erf GELU), so a model's layers stay PyTorch's
-    there; an EpilogueLinear's ReLU in the matmul is nn.Linear then ReLU, and it leaves to PyTorch
-    what it has no epilogue for (the erf GELU, a residual, autograd)."""
+def test_a_gpu_layer_takes_the_activation_epilogue_only_where_it_computes_that_activation(monkeypatch):
+    """nanogpt/kernels/epilogue.py: the self-check accepts the epilogue exactly where its GELU is the
+    tanh one (a CPU's `torch._addmm_activation` may compute the erf GELU) and refuses a wrong one; no
+    CPU layer is swapped; an EpilogueLinear's ReLU in the matmul is nn.Linear then ReLU, and it leaves
+    to PyTorch what it has no epilogue for (the erf GELU, a residual, autograd)."""
     from nanogpt.kernels import epilogue
 
-    assert not epilogue.epilogues_work(torch.device("cpu"), torch.float32)
-    assert epilogue.fuse_epilogues(nn.Sequential(nn.Linear(8, 8))) == 0  # and no layer of a CPU's taken
+    probe, x2 = nn.Linear(64, 96), torch.randn(5, 64)
+    with torch.no_grad():
+        tanh_here = torch.allclose(torch._addmm_activation(probe.bias, x2, probe.weight.t(), use_gelu=True),
+                                   nn.GELU(approximate="tanh")(probe(x2)), rtol=1e-5, atol=1e-5)
+    epilogue.epilogues_work.cache_clear()
+    assert epilogue.epilogues_work(torch.device("cpu"), torch.float32) == tanh_here
+    monkeypatch.setattr(torch, "_addmm_activation", lambda bias, x, w, use_gelu: torch.addmm(bias, x, w))
+    epilogue.epilogues_work.cache_clear()
+    assert not epilogue.epilogues_work(torch.device("cpu"), torch.float32)  # no activation at all: refused
+    monkeypatch.undo()
+    epilogue.epilogues_work.cache_clear()
+    assert epilogue.fuse_epilogues(nn.Sequential(nn.Linear(8, 8))) == 0  # no layer of a CPU's taken
     layer = nn.Linear(64, 96)
     layer.__class__ = epilogue.EpilogueLinear
     x = torch.randn(2, 3, 64)
