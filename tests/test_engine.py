@@ -335,6 +335,32 @@ def test_cancel_takes_effect_at_the_next_step(model, tok):
     assert engine.stats()["kv_slots_used"] == 0 and engine.stats()["running"] == 0
 
 
+def test_a_caller_is_answered_after_its_job_s_last_events_are_written(model, tok):
+    # The caller (an rq thread) woken by its handle returns the job as ended: its stream must then
+    # hold the terminal event, whether the job finished, was cancelled or was refused.
+    done_when_written = {}
+
+    class Recording(Sink):
+        def __call__(self, events):
+            for job_id, kind, _ in events:
+                if kind in ("done", "cancelled", "error"):
+                    done_when_written[job_id] = handles[job_id].done
+            return super().__call__(events)
+
+    engine = Engine(model, tok, event_sink=Recording(), max_batch=8)
+    handles = {}
+    for j in (job(tok, max_tokens=3), job(tok, [PROMPTS[2]], max_tokens=50), job(tok, prompts=[[50257]])):
+        handles[j.id] = engine.submit(j)
+    finished, cancelled, refused = handles.values()
+    for _ in range(3):
+        engine.step()
+    cancelled.cancel()
+    while not all(h.done for h in handles.values()):
+        engine.step()
+    assert done_when_written == {finished.job_id: False, cancelled.job_id: False, refused.job_id: False}
+    assert finished.result()["usage"]["completion_tokens"] == 3
+
+
 def test_resume_continues_with_the_same_tokens(model, tok):
     kw = dict(prompts=[PROMPTS[0], PROMPTS[3]], temperature=1.0, seed=5, max_tokens=10, echo=True, logprobs=1,
               n=2, stop=["\n\n"])

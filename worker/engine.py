@@ -213,6 +213,7 @@ class Engine:
         self._ahead = None
         self.scheduler.stop(EngineFault("The worker stopped before the job finished."), events)
         self._emit(events)
+        self.scheduler.settle()
 
     @property
     def warming(self) -> bool:
@@ -314,6 +315,7 @@ class Engine:
             self.scheduler.complete(req, completion)
         self._steps += 1
         self.scheduler.cancels.extend(self._emit(events))
+        self.scheduler.settle()  # after the write: see Scheduler.settle
         self.scheduler.timed(batch, time.perf_counter() - started)
 
     def _execute(self, batch: Batch) -> tuple[list[Sequence], torch.Tensor | None, list[Prefill]]:

@@ -166,6 +166,7 @@ class Scheduler:
         self.decoding: list[Sequence] = []  # running: one token per step
         self.inbox: deque[tuple[Request | None, object, EngineError | None]] = deque()  # (request, handle, refusal)
         self.cancels: deque[str] = deque()  # job ids
+        self.ended: list[tuple[object, dict | None, EngineError | None]] = []  # (handle, result, error), see `settle`
 
     def has_work(self) -> bool:
         return bool(self.requests or self.inbox or self.cancels)
@@ -221,7 +222,7 @@ class Scheduler:
     def complete(self, req: Request, completion: dict) -> None:
         """A request that ended: hand its completion to the caller."""
         del self.requests[req.job.id]
-        req.handle.end(result=completion)
+        self.ended.append((req.handle, completion, None))
 
     def drop(self, req: Request, err: EngineError, events: list[Event]) -> None:
         """End a request early (cancelled or failed): free its slots, tell the caller."""
@@ -241,7 +242,15 @@ class Scheduler:
             events.append((req.job.id, "cancelled", {}))
         elif not isinstance(err, EngineFault):  # a fault writes nothing: the job may resume elsewhere
             events.append((req.job.id, "error", err.body()))
-        req.handle.end(error=err)
+        self.ended.append((req.handle, None, err))
+
+    def settle(self) -> None:
+        """Hand the requests that ended to their callers: called once their events are written, so
+        a caller woken by its end finds them in the job's stream, and its own work (rq's
+        bookkeeping) does not hold the GIL while the engine's thread writes them."""
+        ended, self.ended = self.ended, []
+        for handle, result, error in ended:
+            handle.end(result, error)
 
     def stop(self, err: EngineFault, events: list[Event]) -> None:
         """The engine stops: every request in it, submitted or running, fails with `err`."""
@@ -255,9 +264,9 @@ class Scheduler:
             req, handle, err = self.inbox.popleft()
             if err is not None:
                 events.append((handle.job_id, "error", err.body()))
-                handle.end(error=err)
+                self.ended.append((handle, None, err))
             elif handle.job_id in self.requests:
-                handle.end(error=EngineFault(f"Job {handle.job_id} is already running."))
+                self.ended.append((handle, None, EngineFault(f"Job {handle.job_id} is already running.")))
             else:
                 self.requests[handle.job_id] = req
                 self._queue(req)
