@@ -276,11 +276,12 @@ class EngineRun:
 
     def kernels(self) -> str:
         """What the engine chose as it loaded: its layers' kernels and its KV cache's dtype."""
-        from nanogpt.kernels import planner
+        from nanogpt.kernels import few_rows, planner
         from nanogpt.runtime.precision import model_cache_dtype
 
         cache = str(model_cache_dtype(self.model)).removeprefix("torch.")
-        return f"{planner.describe(self.model) or 'no packed layers'}; KV cache {cache}"
+        layers = planner.describe(self.model) or few_rows.describe(self.model) or "no packed layers"
+        return f"{layers}; KV cache {cache}"
 
 
 def engine_mode(mode: str) -> tuple:

@@ -4,7 +4,8 @@ logits), the full forward and ragged-batch decoding through the KV cache, for GP
 the engine's greedy tokens and logprobs equal to transformers' generate; seeded sampling that does
 not depend on its batch; the decode step replayed from CUDA graphs, eager and compiled; the bfloat16
 engine; running a step ahead, and decode steps that never wait for the GPU; the decode attention's
-Triton kernel against PyTorch's ops, launched and replayed from a CUDA graph; two replicas with
+Triton kernel against PyTorch's ops, launched and replayed from a CUDA graph; the fused layer norms
+and epilogues, and the few-row matmul kernel and its timed choice against the plain model's logits; two replicas with
 `processor.py --device all`; and `bench.engine_bench --device cuda`.
 
 Every test is marked `cuda` and skipped, with the reason, where torch sees no GPU
@@ -427,3 +428,56 @@ def test_layer_norms_that_add_the_residual_in_their_pass_give_the_plain_models_l
             assert_close(replayed, logits[-1][1], **TOLERANCE[dtype])
     for want, got in zip(*logits):
         assert_close(got, want, **TOLERANCE[dtype])
+
+
+@DTYPES
+def test_few_row_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair, dtype):
+    """A GPU engine's linear layers take the project's few-row matmul (nanogpt/kernels/few_rows.py,
+    the Triton kernel of triton_gemv.py) at the row counts where it timed faster than cuBLAS: the
+    kernel gives F.linear's output with every block configuration and activation, at 1 to 8 rows;
+    `fuse_few_rows` swaps only layers it found faster and names them; the model's decode logits, with
+    every layer taking the kernel and with what the timing chose, eager and replayed from a CUDA
+    graph, are the plain model's."""
+    from torch.nn import functional as F
+
+    from nanogpt.kernels import few_rows, triton_gemv
+
+    weight, bias = torch.randn(200, 1600, device=CUDA).to(dtype), torch.randn(200, device=CUDA).to(dtype)
+    for rows in range(1, triton_gemv.MAX_ROWS + 1):
+        x = torch.randn(rows, 1600, device=CUDA).to(dtype)
+        plain = F.linear(x.float(), weight.float(), bias.float())
+        for config in triton_gemv.configs(rows):
+            for activation, want in ((None, plain), ("gelu_tanh", F.gelu(plain, approximate="tanh")),
+                                     ("relu", F.relu(plain))):
+                got = triton_gemv.linear(x, weight, bias, activation, config)
+                assert_close(got.float(), want, **TOLERANCE[dtype])
+
+    plain, forced, timed = (load_model(str(pair.directory), device=CUDA, dtype=dtype) for _ in range(3))
+    layers = [m for m in forced.modules() if isinstance(m, torch.nn.Linear)]
+    for module in layers:
+        module.__class__ = few_rows._few_rows(type(module))
+        module.kernel_rows = {r: triton_gemv.configs(r)[0] for r in few_rows.ROW_COUNTS}
+    chosen = few_rows.fuse_few_rows(timed)
+    swapped = [m for m in timed.modules() if isinstance(m, few_rows.FewRows)]
+    assert bool(chosen) == bool(swapped) == (few_rows.describe(timed) is not None)
+    for module in swapped:
+        assert set(module.kernel_rows) <= set(few_rows.ROW_COUNTS)
+    seq = random_seq(20, 7)
+    for rows in (1, 3, 8):
+        logits = []
+        for model in (plain, forced, timed):
+            cache = KVCache(model.config, max_slots=rows + 1, max_len=CONTEXT, device=CUDA, dtype=dtype)
+            for slot in range(rows):
+                cached_call(model, cache, [(slot, seq, 0, 12)])
+            tokens = torch.tensor([seq[12]] * rows, device=CUDA)
+            slots, positions = torch.arange(rows, device=CUDA), torch.full((rows,), 12, device=CUDA)
+            keys = torch.arange(16, device=CUDA)
+            logits.append(model.forward_decode(tokens, slots, positions, cache, keys))
+            if model is forced:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    replayed = model.forward_decode(tokens, slots, positions, cache, keys)
+                graph.replay()
+                assert_close(replayed, logits[-1], **TOLERANCE[dtype])
+        for got in logits[1:]:
+            assert_close(got, logits[0], **TOLERANCE[dtype])

@@ -1,7 +1,8 @@
-"""The GPU's Triton kernels, the decode attention (nanogpt/kernels/triton_decode.py) and the fused add
-and layer norm (triton_norm.py), checked on a CPU, in Triton's interpreter: run by
-tests/test_decode_attention.py in a process of its own with TRITON_INTERPRET=1, which Triton reads
-once, at import. Exits non-zero on the first mismatch; prints what it checked.
+"""The GPU's Triton kernels, the decode attention (nanogpt/kernels/triton_decode.py), the fused add
+and layer norm (triton_norm.py) and the few-row matmul (triton_gemv.py), checked on a CPU, in
+Triton's interpreter: run by tests/test_decode_attention.py in a process of its own with
+TRITON_INTERPRET=1, which Triton reads once, at import. Exits non-zero on the first mismatch;
+prints what it checked.
 
 1. The kernel against the same attention spelled in PyTorch's ops (DecodeWindow without a kernel),
    outputs and the cache written: float32 and bfloat16, rows in any slot order, padding rows sharing
@@ -11,9 +12,14 @@ once, at import. Exits non-zero on the first mismatch; prints what it checked.
 3. The fused add and layer norm against PyTorch's add and F.layer_norm: float32 and bfloat16, widths
    of a power of two and not (64, 100, 768, 1600), with a bias and without, 1 row and 5; and its
    self-check (`norms.add_norm_works`).
-4. The prefill and decode steps of every family (GPT-2, GPT-Neo's local layers, GPT-J's rotary
-   256-wide heads, GPT-NeoX's parallel residual, OPT) through both kernels against transformers'
-   logits, as tests/test_families.py checks PyTorch's ops.
+4. The few-row matmul against F.linear and the activations: float32 and bfloat16, 1 to 8 rows (3:
+   a block of 4 with a masked row), sizes of a block and not, every block configuration a row count
+   may take, with a bias and without, no activation, tanh GELU and ReLU; and a swapped layer
+   (few_rows.py) taking the kernel at its row blocks, cuBLAS's op past them, and its parent's
+   `fused` where the kernel has no such activation.
+5. The prefill and decode steps of every family (GPT-2, GPT-Neo's local layers, GPT-J's rotary
+   256-wide heads, GPT-NeoX's parallel residual, OPT) through all three kernels against
+   transformers' logits, as tests/test_families.py checks PyTorch's ops.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
-from nanogpt.kernels import decode_attention, norms, triton_decode, triton_norm  # noqa: E402
+from nanogpt.kernels import decode_attention, few_rows, norms, triton_decode, triton_gemv, triton_norm  # noqa: E402
 from test_decode_attention import decode_rows  # noqa: E402
 from nanogpt.runtime.kv_cache import DecodeWindow, KVCache  # noqa: E402
 
@@ -118,6 +124,80 @@ def check_add_norm() -> int:
     return checked + 1
 
 
+def check_few_rows() -> int:
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    checked = 0
+    want_of = {None: lambda y: y, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "relu": F.relu}
+    for dtype in (torch.float32, torch.bfloat16):
+        # bfloat16 within a rounding of the float32 result: the interpreter truncates where a GPU rounds to nearest
+        tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        for out_features, in_features in ((96, 64), (100, 600)):
+            weight, bias = torch.randn(out_features, in_features).to(dtype), torch.randn(out_features).to(dtype)
+            for rows in (1, 3, 8):
+                x = torch.randn(rows, in_features).to(dtype)
+                for config in triton_gemv.configs(rows):
+                    for b in (bias, None):
+                        for activation, want_fn in want_of.items():
+                            got = triton_gemv.linear(x, weight, b, activation, config)
+                            want = want_fn(F.linear(x.float(), weight.float(), None if b is None else b.float()))
+                            assert got.dtype == dtype and got.shape == (rows, out_features)
+                            assert_close(got.float(), want.to(dtype).float(), **tolerance)
+                            checked += 1
+    # a swapped layer: the kernel at the row blocks it won, F.linear past them and at the others
+    layer = torch.nn.Linear(64, 96)
+    layer.__class__ = few_rows._few_rows(torch.nn.Linear)
+    layer.kernel_rows = {1: triton_gemv.CONFIGS[0], 4: triton_gemv.CONFIGS[1]}
+    calls, linear = [], triton_gemv.linear
+    triton_gemv.linear = lambda x, *args: calls.append(x.shape[0]) or linear(x, *args)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 4, 9):
+            x = torch.randn(rows, 1, 64)
+            assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            gelu, fused = torch.nn.GELU(approximate="tanh"), layer.fused(x, torch.nn.GELU(approximate="tanh"))
+            if rows in (2, 9):  # nn.Linear, the layer's own class, fuses nothing: `project` applies the GELU
+                assert fused is None
+            else:
+                assert_close(fused, gelu(F.linear(x, layer.weight, layer.bias)), rtol=1e-5, atol=1e-5)
+            assert layer.fused(x, torch.nn.GELU()) is None  # the erf GELU: no epilogue for it, nor has nn.Linear
+            checked += 1
+    triton_gemv.linear = linear
+    assert calls == [1, 1, 3, 3, 4, 4], calls
+    assert few_rows.describe(torch.nn.Sequential(layer, torch.nn.Linear(2, 2))) == "96x64 few-row kernel at 1,4 rows"
+    return checked + check_choice()
+
+
+def check_choice() -> int:
+    """few_rows.fastest, with a timer that says how long each run takes: the kernel's fastest blocks
+    where they beat cuBLAS, none where cuBLAS is faster, none where the kernel gives wrong outputs."""
+    layers = [torch.nn.Linear(64, 96) for _ in range(3)]
+    quick = triton_gemv.configs(2)[2]
+
+    def timer(kernel_ms):
+        def time_run(run):
+            used, linear = [], triton_gemv.linear
+            triton_gemv.linear = lambda *args: used.append(args[-1]) or linear(*args)
+            try:
+                run()
+            finally:
+                triton_gemv.linear = linear
+            assert len(used) in (0, len(layers))  # every layer of the shape in the timed run
+            return 1.0 if not used else kernel_ms(used[0])
+        return time_run
+
+    with torch.no_grad():
+        assert few_rows.fastest(layers, 2, timer(lambda c: 0.5 if c == quick else 0.8)) == quick
+        assert few_rows.fastest(layers, 2, timer(lambda c: 1.5)) is None
+        right = triton_gemv.linear
+        triton_gemv.linear = lambda *args: right(*args) * 2  # a kernel that computes something else
+        try:
+            assert few_rows.fastest(layers, 2, timer(lambda c: 0.1)) is None
+        finally:
+            triton_gemv.linear = right
+    return 3
+
+
 def check_decode_steps() -> int:
     import transformers
 
@@ -143,8 +223,17 @@ def check_decode_steps() -> int:
         for module in fused:
             module.__class__ = norms._fused(type(module))
         assert fused, family
+        # and fuse_few_rows swaps a GPU's linear layers where it times the kernel faster: those of the
+        # blocks here (the 50257-row head's thousands of programs would take minutes in the interpreter)
+        linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear) and m is not ours.output_layer]
+        for module in linears:
+            module.__class__ = few_rows._few_rows(type(module))
+            module.kernel_rows = {rows: max(triton_gemv.configs(rows), key=lambda c: c.block_n)
+                                  for rows in few_rows.ROW_COUNTS}
         calls, add_layer_norm = [0], triton_norm.add_layer_norm
         triton_norm.add_layer_norm = lambda *args: calls.__setitem__(0, calls[0] + 1) or add_layer_norm(*args)
+        matmuls, linear = [0], triton_gemv.linear
+        triton_gemv.linear = lambda *args: matmuls.__setitem__(0, matmuls[0] + 1) or linear(*args)
         cache = KVCache(ours.config, max_slots=4, max_len=64)
         cache.own_attention = True
         torch.manual_seed(1)
@@ -164,10 +253,12 @@ def check_decode_steps() -> int:
                 assert_close(logits[b], ref[p], rtol=1e-5, atol=1e-5)
                 checked += 1
         triton_norm.add_layer_norm = add_layer_norm
+        triton_gemv.linear = linear
         assert calls[0] > 0, family  # the norms added in their own pass
+        assert matmuls[0] >= 4 * len(linears), family  # every layer through the kernel at each decode step
     return checked
 
 
 if __name__ == "__main__":
     print(f"kernel cases {check_kernel()}; self-checks {check_self_check()}; add-norm cases {check_add_norm()}; "
-          f"decode-step rows {check_decode_steps()}")
+          f"few-row matmul cases {check_few_rows()}; decode-step rows {check_decode_steps()}")

@@ -114,9 +114,10 @@ class Engine:
         batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py).
         overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU.
         prefill_chunk: the most prompt tokens a step feeds (None: scheduler.PREFILL_CHUNK of the device).
-        fused_kernels: on a GPU, pad the output layer, add the residual in the layer norms' pass and
-        apply the activations in the matmuls' epilogues (docs/notes/gpu-step.md); off: the model's
-        modules as loaded (what they gain is measured against it)."""
+        fused_kernels: on a GPU, pad the output layer, add the residual in the layer norms' pass,
+        apply the activations in the matmuls' epilogues and run the linear layers of few rows by the
+        project's matmul where it times faster than cuBLAS (docs/notes/gpu-step.md); off: the
+        model's modules as loaded (what they gain is measured against it)."""
         config = model.config
         self.tokenizer = tokenizer
         self.max_len = min(max_len or config.block_size, config.block_size)

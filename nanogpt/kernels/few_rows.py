@@ -1,0 +1,164 @@
+"""A GPU's linear layers at a decode step's few rows through the project's Triton kernel
+(triton_gemv.py), where it is faster than cuBLAS: `fuse_few_rows` times both per layer shape and
+row count, each over every layer of that shape in one CUDA graph (as a decode step reads them, one
+after another, never from a warm cache), and swaps the layers whose shape it won at some row count.
+A swapped layer takes the kernel at the row counts it won and cuBLAS at any other; nanogpt/layers.py
+`project` lets it apply its GELU or ReLU in the same pass (its `fused`). A model's layers import none
+of this.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from nanogpt.kernels import triton_gemv
+from nanogpt.kernels.triton_gemv import MAX_ROWS, Config, block_rows
+
+log = logging.getLogger(__name__)
+
+ROW_COUNTS = (1, 2, 4, 8)  # the row blocks timed: a step of 3 rows takes the kernel of 4
+REPLAYS = 5
+
+
+def activation_name(activation: nn.Module | None) -> str | None | bool:
+    """The kernel's name of `activation` (None: none), or False where it has no such epilogue."""
+    if activation is None:
+        return None
+    if isinstance(activation, nn.GELU) and activation.approximate == "tanh":
+        return "gelu_tanh"
+    if isinstance(activation, nn.ReLU):
+        return "relu"
+    return False
+
+
+class FewRows:
+    """What a swapped linear layer adds to its class: its forward and `fused` take the kernel at the
+    row blocks of `kernel_rows` (rows rounded up to a power of two -> the block sizes it won with)."""
+
+    kernel_rows: dict[int, Config] = {}
+
+    def _config(self, x: torch.Tensor) -> Config | None:
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dtype != self.weight.dtype:
+            return None
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.kernel_rows.get(block_rows(rows)) if 0 < rows <= MAX_ROWS else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        config = self._config(x)
+        if config is None:
+            return super().forward(x)
+        y = triton_gemv.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, None, config)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def fused(self, x: torch.Tensor, activation: nn.Module | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """activation(self(x)) by the kernel; elsewhere what the layer's own class fuses (None: nothing)."""
+        config, name = self._config(x), activation_name(activation)
+        if config is None or residual is not None or name is False:
+            parent = getattr(super(), "fused", None)
+            return parent(x, activation, residual) if parent is not None else None
+        y = triton_gemv.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, name, config)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def _few_rows(cls: type) -> type:
+    return type(f"FewRows{cls.__name__}", (FewRows, cls), {})
+
+
+@torch.no_grad()
+def fuse_few_rows(model: nn.Module, row_counts=ROW_COUNTS) -> dict[str, dict[int, str]]:
+    """Swap every nn.Linear of `model` on a GPU whose shape the kernel serves faster than cuBLAS at
+    some of `row_counts` (in place: the module's class changes, its parameters stay). Returns, per
+    shape "out x in dtype", the kernel's blocks at each row count it won."""
+    groups: dict[tuple, list[nn.Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, FewRows) and module.weight.is_cuda \
+                and module.weight.stride(1) == 1:
+            key = (module.out_features, module.in_features, module.weight.dtype, module.bias is not None)
+            groups.setdefault(key, []).append(module)
+    if not groups or not triton_gemv.available():
+        return {}
+    chosen = {}
+    for (n, k, dtype, _), layers in groups.items():
+        won = {}
+        for rows in row_counts:
+            try:
+                config = fastest(layers, rows)
+            except Exception as err:  # timing cuBLAS itself failed: the layers stay as they are
+                log.warning("timing the few-row matmuls failed; cuBLAS serves them",
+                            extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
+                config = None
+            if config is not None:
+                won[block_rows(rows)] = config
+        if won:
+            for module in layers:
+                module.__class__ = _few_rows(type(module))
+                module.kernel_rows = won
+            chosen[f"{n}x{k} {str(dtype).removeprefix('torch.')}"] = {r: "n{}k{}w{}".format(*c) for r, c in won.items()}
+    return chosen
+
+
+def describe(model: nn.Module) -> str | None:
+    """The layers that take the kernel, by shape, and at which row blocks (None: none), for a log line."""
+    shapes: dict[str, set[int]] = {}
+    for module in model.modules():
+        if isinstance(module, FewRows):
+            shapes.setdefault(f"{module.out_features}x{module.in_features}", set()).update(module.kernel_rows)
+    return "; ".join(f"{shape} few-row kernel at {','.join(map(str, sorted(rows)))} rows"
+                     for shape, rows in shapes.items()) or None
+
+
+def fastest(layers: list[nn.Linear], rows: int, timer=None) -> Config | None:
+    """The kernel's fastest blocks for `rows` rows through `layers` (one shape), where faster than
+    cuBLAS's F.linear and giving what it gives; None where cuBLAS is as fast, or the kernel fails
+    or disagrees (said in the log). timer(run): the milliseconds of run() (default `graph_ms`)."""
+    timer = timer or graph_ms
+    first = layers[0]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.device, first.weight.dtype)
+    want = F.linear(x, first.weight, first.bias).float()
+    close = dict(rtol=1e-4, atol=1e-4) if first.weight.dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    best, best_ms = None, timer(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
+    for config in triton_gemv.configs(rows):
+        what = {"shape": tuple(first.weight.shape), "rows": rows, "config": tuple(config)}
+        try:
+            got = triton_gemv.linear(x, first.weight, first.bias, None, config).float()
+            if not torch.allclose(got, want, **close):
+                log.warning("the few-row matmul kernel disagreed with cuBLAS; not taken", extra=what)
+                continue
+            ms = timer(lambda: [triton_gemv.linear(x, m.weight, m.bias, None, config) for m in layers])
+        except Exception as err:  # a Triton or GPU that cannot build or run these blocks
+            log.warning("the few-row matmul kernel failed to run; not taken",
+                        extra={**what, "error": f"{type(err).__name__}: {err}"})
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best
+
+
+def graph_ms(run) -> float:
+    """Milliseconds of one `run()` replayed from a CUDA graph, median of REPLAYS (after a run off
+    the graph, on a side stream: Triton compiles, cuBLAS picks its kernels)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

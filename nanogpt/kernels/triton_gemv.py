@@ -1,0 +1,123 @@
+"""A linear layer over a decode step's few rows (at most MAX_ROWS) as one Triton kernel on a GPU:
+each program reads a block of the weight's rows once, in chunks along the input, and multiplies
+every input row by it, accumulating in float32; the bias and a tanh GELU or a ReLU are applied to
+the accumulator before the output is written. At a few rows a linear layer reads its weight and
+little else, so what it costs is how near the weight's bytes come to the memory's bandwidth.
+
+`linear` serves nanogpt/kernels/few_rows.py, which times it against cuBLAS per layer shape and
+row count on the GPU and swaps it in where it is faster. Under TRITON_INTERPRET=1 (set before Triton
+is imported) it runs in Triton's interpreter on CPU tensors, which is how the CPU test suite checks
+it (tests/triton_interpreted.py).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+try:  # PyTorch's CUDA builds bring Triton; without it cuBLAS serves every row count
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+MAX_ROWS = 8
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "relu": 2}
+
+
+class Config(NamedTuple):
+    """A program's block of weight rows (block_n) and of inputs per iteration (block_k), and its warps."""
+    block_n: int
+    block_k: int
+    warps: int
+
+
+# The blocks timed on the GPU (few_rows.py): narrow blocks give a layer of few outputs programs
+# enough for every multiprocessor, wide chunks fewer iterations. Their product times the rows'
+# block bounds the values a program holds at once.
+CONFIGS = (Config(8, 512, 4), Config(16, 256, 4), Config(32, 128, 4), Config(64, 128, 8), Config(8, 256, 4),
+           Config(16, 128, 4), Config(32, 64, 4))
+MAX_BLOCK = 16384  # rows x block_n x block_k, at most
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def block_rows(rows: int) -> int:
+    """The rows a program's block holds for `rows` rows (a power of two)."""
+    return 1 << (rows - 1).bit_length() if rows > 1 else 1
+
+
+def configs(rows: int) -> list[Config]:
+    """The CONFIGS a kernel of `rows` rows may take."""
+    return [c for c in CONFIGS if block_rows(rows) * c.block_n * c.block_k <= MAX_BLOCK]
+
+
+if triton is not None:
+    @triton.jit
+    def _epilogue(acc, bias, n, n_ok, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+        if HAS_BIAS:
+            acc += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)
+        if ACTIVATION == 1:  # tanh GELU: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+            acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
+        elif ACTIVATION == 2:
+            acc = tl.maximum(acc, 0.0)
+        return acc
+
+    @triton.jit
+    def _one_row(x, w, bias, y, N, K, swn, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program p: y[n] = act(sum_k x[k] w[n, k] + bias[n]) for its BLOCK_N outputs n."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = w + n.to(tl.int64)[:, None] * swn
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            wt = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            xt = tl.load(x + k, mask=k_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(wt * xt[None, :], axis=1)
+        acc = _epilogue(acc, bias, n, n_ok, HAS_BIAS, ACTIVATION)
+        tl.store(y + n, acc.to(y.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _few_rows(x, w, bias, y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program p: y[m, n] = act(sum_k x[m, k] w[n, k] + bias[n]) for the M rows m and its BLOCK_N
+        outputs n, each chunk of the weight read once for every row."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        rows = w + n.to(tl.int64)[:, None] * swn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            wt = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            xt = tl.load(x + m[:, None] * sxm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
+        acc = _epilogue(acc, bias, n[None, :], n_ok[None, :], HAS_BIAS, ACTIVATION)
+        tl.store(y + m[:, None] * sym + n[None, :], acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+           config: Config) -> torch.Tensor:
+    """activation(x @ weight.T + bias) for x (M, K), M at most MAX_ROWS, in x's dtype: weight (N, K)
+    and bias (N,) of that dtype, the weight's rows contiguous; activation None, "gelu_tanh" or "relu"."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert 0 < M <= MAX_ROWS and weight.shape[1] == K and weight.stride(1) == 1, (x.shape, weight.shape)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = x.new_empty(M, N)
+    grid = (triton.cdiv(N, config.block_n),)
+    flags = dict(HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], BLOCK_N=config.block_n,
+                 BLOCK_K=config.block_k, num_warps=config.warps)
+    b = bias if bias is not None else weight
+    if M == 1:
+        _one_row[grid](x, weight, b, y, N, K, weight.stride(0), **flags)
+    else:
+        _few_rows[grid](x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+                        BLOCK_M=block_rows(M), **flags)
+    return y
