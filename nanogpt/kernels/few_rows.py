@@ -89,7 +89,8 @@ def fuse_few_rows(model: nn.Module, row_counts=ROW_COUNTS) -> dict[str, dict[int
         won = {}
         for rows in row_counts:
             try:
-                config = fastest(layers, rows)
+                with torch.cuda.device(layers[0].weight.device):  # graphs record on the current device
+                    config = fastest(layers, rows)
             except Exception as err:  # timing cuBLAS itself failed: the layers stay as they are
                 log.warning("timing the few-row matmuls failed; cuBLAS serves them",
                             extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
