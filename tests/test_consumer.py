@@ -76,6 +76,40 @@ def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_i
     assert pool._heartbeat.is_alive()
 
 
+def test_a_worker_thread_writes_no_state_or_beat_redis_already_holds(client):
+    """rq sets a worker IDLE after every job and again before every dequeue, and beats its key
+    several times a job: round trips on the path that takes the next job. A thread writes a state
+    only when it changes, beats at most every quarter TTL unless its record changes (its engine's
+    warming flag), and always beats inside a transaction rq builds (a job's start)."""
+    from rq.worker import WorkerStatus
+
+    warming = [True]
+    worker = consumer.EngineWorker([protocol.queue_name(MODEL)], connection=client, serializer=rq_json.SERIALIZER,
+                                   heartbeat_ttl=60, poll_interval=1, warming=lambda: warming[0])
+    worker.register_birth()
+    try:
+        worker.set_state(WorkerStatus.IDLE)
+        worker.heartbeat()
+        client.hset(worker.key, mapping={"state": "marked", "last_heartbeat": "marked"})
+        worker.set_state(WorkerStatus.IDLE)
+        worker.heartbeat()
+        assert client.hmget(worker.key, "state", "last_heartbeat") == [b"marked", b"marked"]
+        worker.set_state(WorkerStatus.BUSY)  # a change: written
+        assert client.hget(worker.key, "state") == WorkerStatus.BUSY.encode()
+        warming[0] = False  # its record changes: the beat goes out
+        worker.heartbeat()
+        assert client.hmget(worker.key, "last_heartbeat", protocol.WARMING_FIELD)[0] != b"marked"
+        assert client.hget(worker.key, protocol.WARMING_FIELD) == b"0"
+        client.hset(worker.key, "last_heartbeat", "marked")
+        with client.pipeline() as pipe:  # in rq's transaction: always
+            worker.heartbeat(pipeline=pipe)
+            pipe.execute()
+        assert client.hget(worker.key, "last_heartbeat") != b"marked"
+        assert not worker.should_run_maintenance_tasks  # the pool's heartbeat thread cleans the registries
+    finally:
+        worker.register_death()
+
+
 def test_the_maintenance_lock_of_a_worker_that_died_while_cleaning_expires_soon(client):
     """rq holds a queue's maintenance lock for 15 minutes: a worker killed while it cleans would
     stop every other worker from re-queueing dead workers' jobs for that long."""

@@ -261,6 +261,7 @@ class EngineWorker(SimpleWorker):
         self._running: Job | None = None
         self._running_lock = threading.Lock()
         self._registered = -math.inf  # when a beat last wrote the worker's record and memberships
+        self._beaten = (-math.inf, None)  # when a beat was last sent, and its warming flag
         super().__init__(*args, **kwargs)
 
     def _install_signal_handlers(self) -> None:
@@ -275,6 +276,12 @@ class EngineWorker(SimpleWorker):
         if self.grace is None or self.grace.allows_cleaning():
             super().clean_registries()
 
+    @property
+    def should_run_maintenance_tasks(self) -> bool:
+        # The pool's heartbeat thread cleans the registries for every thread (WorkerPool._maintain):
+        # rq's own, every thread every maintenance interval, would lie on the path that takes the next job.
+        return False
+
     def request_stop(self, signum=None, frame=None) -> None:
         """Take no new job; the running one finishes."""
         self._stop_requested = True
@@ -285,12 +292,26 @@ class EngineWorker(SimpleWorker):
     def serialize(self) -> dict:
         return {**super().serialize(), protocol.WARMING_FIELD: int(self.warming())}
 
+    def set_state(self, state: str, pipeline=None) -> None:
+        # rq sets IDLE after every job and again before every dequeue: a round trip on the path
+        # that takes the next job, for a state Redis already holds
+        if pipeline is not None or state != self._state:
+            super().set_state(state, pipeline)
+
     def heartbeat(self, timeout=None, pipeline=None) -> None:
         # rq keeps a worker's key `worker_ttl + 60` s past each beat; ours beat every few seconds,
         # so a short TTL lets a dead process drop out of the queue's live workers (web's /ready).
+        # rq also beats on its own several times per job (after it, before each dequeue): a round
+        # trip each on the path that takes the next job, skipped within a quarter TTL of the last
+        # unless the record changes.
+        warming = int(self.warming())
+        recent = time.monotonic() - self._beaten[0] < self.heartbeat_ttl / 4
+        if pipeline is None and recent and warming == self._beaten[1]:
+            return
+        self._beaten = (time.monotonic(), warming)
         connection = pipeline if pipeline is not None else self.connection.pipeline()
         super().heartbeat(self.heartbeat_ttl, pipeline=connection)
-        connection.hset(self.key, protocol.WARMING_FIELD, int(self.warming()))  # web's /ready reads it at every beat
+        connection.hset(self.key, protocol.WARMING_FIELD, warming)  # web's /ready reads it at every beat
         if self.birth_date is not None and time.monotonic() - self._registered >= REREGISTER_S:
             # A worker cut off from Redis past that TTL was dropped from the queues' worker sets by
             # other workers' maintenance, and rq's beat alone would leave it there, unseen (web would

@@ -95,7 +95,8 @@ if triton is not None:
             k = start + tl.arange(0, BLOCK_K)
             k_ok = k < K
             wt = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            xt = tl.load(x + m[:, None] * sxm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            xt = tl.load(x + m[:, None] * sxm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
             acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
         acc = _epilogue(acc, bias, n[None, :], n_ok[None, :], HAS_BIAS, ACTIVATION)
         tl.store(y + m[:, None] * sym + n[None, :], acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
