@@ -217,6 +217,15 @@ def test_gateway_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
     assert "≤ 15 ms" in gateway_bench.markdown(result)
 
 
+def test_pickup_bench_times_bursts_of_jobs_through_a_real_worker_pool():
+    from bench import pickup_bench
+
+    bursts = pickup_bench.burst_times(jobs=4, bursts=2, max_tokens=2)
+    assert len(bursts) == 2
+    for burst in bursts:  # every job reached the engine, then all finished
+        assert 0 < burst["first_in_engine_ms"] <= burst["last_in_engine_ms"] < burst["all_finished_ms"]
+
+
 @pytest.mark.slow
 def test_loadgen_streams_through_the_openai_client(hf_checkpoint, redis_url, tmp_path):
     models = write_models_toml(tmp_path / "models.toml", {"tiny": hf_checkpoint}, device="cpu", max_batch=4)
