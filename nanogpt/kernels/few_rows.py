@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 ROW_COUNTS = (1, 2, 4, 8)  # the row blocks timed: a step of 3 rows takes the kernel of 4
 REPLAYS = 5
+_timed: dict[tuple, Config | None] = {}  # (out, in, dtype, bias, device, rows) -> what `fastest` found
 
 
 def activation_name(activation: nn.Module | None) -> str | None | bool:
@@ -85,16 +86,20 @@ def fuse_few_rows(model: nn.Module, row_counts=ROW_COUNTS) -> dict[str, dict[int
     if not groups or not triton_gemv.available():
         return {}
     chosen = {}
-    for (n, k, dtype, _), layers in groups.items():
+    for (n, k, dtype, bias), layers in groups.items():
         won = {}
         for rows in row_counts:
-            try:
-                with torch.cuda.device(layers[0].weight.device):  # graphs record on the current device
-                    config = fastest(layers, rows)
-            except Exception as err:  # timing cuBLAS itself failed: the layers stay as they are
-                log.warning("timing the few-row matmuls failed; cuBLAS serves them",
-                            extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
-                config = None
+            device = layers[0].weight.device
+            key = (n, k, dtype, bias, device, rows)
+            if key not in _timed:  # once per process: an engine built again over the same model finds it
+                try:
+                    with torch.cuda.device(device):  # graphs record on the current device
+                        _timed[key] = fastest(layers, rows)
+                except Exception as err:  # timing cuBLAS itself failed: the layers stay as they are
+                    log.warning("timing the few-row matmuls failed; cuBLAS serves them",
+                                extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
+                    _timed[key] = None
+            config = _timed[key]
             if config is not None:
                 won[block_rows(rows)] = config
         if won:
