@@ -14,7 +14,8 @@ Each step reads like vLLM's, one module per stage:
      chooses its rows' tokens on the device, all brought to the host in one copy; output.py takes
      them in (text, stops, finishes);
   4. update: the scheduler takes the finished sequences' slots back; the step's events
-     (output.py) go to `event_sink` at once, which answers with the job ids to cancel.
+     (output.py) go to `event_sink` at once, which answers with the job ids to cancel; then the
+     requests that ended are handed to their callers (Scheduler.settle).
 
 Running a step ahead (`overlap`, by default on a GPU): a step's sampled tokens are taken in during
 the next step, after its forward and draws are launched, so that the host's work (text, stops,

@@ -15,13 +15,21 @@ import torch.nn as nn
 log = logging.getLogger(__name__)
 
 
-def _uses_gelu(activation: nn.Module | None) -> bool | None:
-    """True for a tanh GELU, False for a ReLU (the epilogues cuBLASLt has), None for anything else."""
+def activation_name(activation: nn.Module | None) -> str | None | bool:
+    """The epilogue that computes `activation`: "gelu_tanh" (GPT-2's, GPT-J's, GPT-Neo's), "relu"
+    (OPT's), None for no activation, False for one no epilogue here has (GPT-NeoX's erf GELU)."""
+    if activation is None:
+        return None
     if isinstance(activation, nn.GELU) and activation.approximate == "tanh":
-        return True
+        return "gelu_tanh"
     if isinstance(activation, nn.ReLU):
-        return False
-    return None
+        return "relu"
+    return False
+
+
+def _uses_gelu(activation: nn.Module | None) -> bool | None:
+    """cuBLASLt's epilogue flag: True for a tanh GELU, False for a ReLU, None for anything else."""
+    return {"gelu_tanh": True, "relu": False}.get(activation_name(activation))
 
 
 class EpilogueLinear(nn.Linear):

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt.kernels import triton_gemv
+from nanogpt.kernels.epilogue import activation_name
 from nanogpt.kernels.triton_gemv import MAX_ROWS, Config, block_rows
 
 log = logging.getLogger(__name__)
@@ -24,17 +25,6 @@ log = logging.getLogger(__name__)
 ROW_COUNTS = (1, 2, 4, 8)  # the row blocks timed: a step of 3 rows takes the kernel of 4
 REPLAYS = 5
 _timed: dict[tuple, Config | None] = {}  # (out, in, dtype, bias, device, rows) -> what `fastest` found
-
-
-def activation_name(activation: nn.Module | None) -> str | None | bool:
-    """The kernel's name of `activation` (None: none), or False where it has no such epilogue."""
-    if activation is None:
-        return None
-    if isinstance(activation, nn.GELU) and activation.approximate == "tanh":
-        return "gelu_tanh"
-    if isinstance(activation, nn.ReLU):
-        return "relu"
-    return False
 
 
 class FewRows:
