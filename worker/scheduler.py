@@ -220,12 +220,12 @@ class Scheduler:
             self.pace.append(seconds / step_cost(rows, self.row_costs))
 
     def complete(self, req: Request, completion: dict) -> None:
-        """A request that ended: hand its completion to the caller."""
+        """A request that ended: its completion goes to the caller at `settle`."""
         del self.requests[req.job.id]
         self.ended.append((req.handle, completion, None))
 
     def drop(self, req: Request, err: EngineError, events: list[Event]) -> None:
-        """End a request early (cancelled or failed): free its slots, tell the caller."""
+        """End a request early (cancelled or failed): free its slots, tell the caller (at `settle`)."""
         del self.requests[req.job.id]
         # what its slots hold, where it is whole: a faulted step may have written part of its layers
         kept = {}
