@@ -1079,8 +1079,8 @@ def host_profile(prof, steps: int, top: int = 12) -> list[dict]:
     """The host's operators taking the most of its own time, per step (self CPU time: an
     operator's launches and Python-side work, not what it calls)."""
     ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-    return [{"name": e.key, "per_step": e.count / max(steps, 1), "self_ms_per_step": e.self_cpu_time_total / 1000 / max(steps, 1)}
-            for e in ranked]
+    return [{"name": e.key, "per_step": e.count / max(steps, 1),
+             "self_ms_per_step": e.self_cpu_time_total / 1000 / max(steps, 1)} for e in ranked]
 
 
 def step_profile(prof, device_type: str, steps: int, step_s: float, top: int = 12) -> dict:

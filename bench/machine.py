@@ -195,7 +195,7 @@ def graphed_pass_seconds(weights, rows, repeats: int) -> dict[str, dict[int, flo
     from a CUDA graph and timed by CUDA events, so that the pass costs the GPU's time, not the
     host's launches (the engine replays its decode step from CUDA graphs too)."""
     from nanogpt.kernels.matmuls import PLAIN
-    from nanogpt.runtime.cuda_graphs import record
+    from nanogpt.runtime.cuda_graphs import replay_seconds
 
     device = weights[0][0].device
     best = {}
@@ -207,16 +207,8 @@ def graphed_pass_seconds(weights, rows, repeats: int) -> dict[str, dict[int, flo
                 F.linear(xs[w.shape[1]], w, b)
 
         with torch.cuda.device(device):
-            graph = record(run)
-        times = []
-        for _ in range(repeats + 1):  # the first replay warms up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        best[r] = min(times[1:])
+            times = replay_seconds(run, repeats + 1)
+        best[r] = min(times[1:])  # the first replay warms up
     return {PLAIN: best}
 
 

@@ -442,6 +442,7 @@ def test_few_row_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair
     from torch.nn import functional as F
 
     from nanogpt.kernels import few_rows, triton_gemv
+    from worker.runner import gpu_time
 
     weight, bias = torch.randn(200, 1600, device=CUDA).to(dtype), torch.randn(200, device=CUDA).to(dtype)
     for rows in (1, 3, triton_gemv.MAX_ROWS):  # each block configuration a compile: the activations on one
@@ -458,7 +459,7 @@ def test_few_row_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair
     for module in layers:
         module.__class__ = few_rows._few_rows(type(module))
         module.kernel_rows = {r: triton_gemv.configs(r)[0] for r in few_rows.ROW_COUNTS}
-    chosen = few_rows.fuse_few_rows(timed)
+    chosen = few_rows.fuse_few_rows(timed, gpu_time)
     swapped = [m for m in timed.modules() if isinstance(m, few_rows.FewRows)]
     assert bool(chosen) == bool(swapped) == (few_rows.describe(timed) is not None)
     for module in swapped:

@@ -21,6 +21,7 @@ and, on a GPU, `align_head`.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -31,6 +32,7 @@ from nanogpt.kernels.epilogue import fuse_epilogues
 from nanogpt.kernels.few_rows import fuse_few_rows
 from nanogpt.kernels.norms import fuse_layer_norms
 from nanogpt.kernels.planner import pack_linears
+from nanogpt.runtime.cuda_graphs import replay_seconds
 from nanogpt.runtime.kv_cache import KVCache, default_slots
 from nanogpt.runtime.precision import model_cache_dtype
 from nanogpt.runtime.transfer import ToHost, to_device
@@ -107,7 +109,7 @@ class Runner:
             log.info("activations fused into the matmuls' epilogues", extra={"layers": fuse_epilogues(model)})
             started = time.monotonic()
             log.info("few-row matmuls by the project's kernel where timed faster than cuBLAS",
-                     extra={"chosen": fuse_few_rows(model), "seconds": round(time.monotonic() - started, 2)})
+                     extra={"chosen": fuse_few_rows(model, gpu_time), "seconds": round(time.monotonic() - started, 2)})
         if self.device.type == "cuda":
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
@@ -349,3 +351,7 @@ def _alike(group: list[tuple[Prefill, int]]) -> list[list[tuple[Prefill, int]]]:
         parts.setdefault((n - 1).bit_length(), []).append((unit, n))
     return list(parts.values())
 
+
+def gpu_time(run) -> float:
+    """Seconds of run() on the GPU: the median of five replays of a CUDA graph of it."""
+    return statistics.median(replay_seconds(run, 5))

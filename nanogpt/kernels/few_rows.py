@@ -1,7 +1,8 @@
 """A GPU's linear layers at a decode step's few rows through the project's Triton kernel
 (triton_gemv.py), where it is faster than cuBLAS: `fuse_few_rows` times both per layer shape and
-row count, each over every layer of that shape in one CUDA graph (as a decode step reads them, one
-after another, never from a warm cache), and swaps the layers whose shape it won at some row count.
+row count, each over every layer of that shape in one run (the engine's timer replays it from a
+CUDA graph: as a decode step reads the layers, one after another, never from a warm cache), and
+swaps the layers whose shape it won at some row count.
 A swapped layer takes the kernel at the row counts it won and cuBLAS at any other; nanogpt/layers.py
 `project` lets it apply its GELU or ReLU in the same pass (its `fused`). A model's layers import none
 of this.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,6 @@ from nanogpt.kernels.triton_gemv import MAX_ROWS, Config, block_rows
 log = logging.getLogger(__name__)
 
 ROW_COUNTS = (1, 2, 4, 8)  # the row blocks timed: a step of 3 rows takes the kernel of 4
-REPLAYS = 5
 _timed: dict[tuple, Config | None] = {}  # (out, in, dtype, bias, device, rows) -> what `fastest` found
 
 
@@ -63,10 +62,10 @@ def _few_rows(cls: type) -> type:
 
 
 @torch.no_grad()
-def fuse_few_rows(model: nn.Module, row_counts=ROW_COUNTS) -> dict[str, dict[int, str]]:
+def fuse_few_rows(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[str, dict[int, str]]:
     """Swap every nn.Linear of `model` on a GPU whose shape the kernel serves faster than cuBLAS at
-    some of `row_counts` (in place: the module's class changes, its parameters stay). Returns, per
-    shape "out x in dtype", the kernel's blocks at each row count it won."""
+    some of `row_counts`, as `timer(run)` times a run (in place: the module's class changes, its
+    parameters stay). Returns, per shape "out x in dtype", the kernel's blocks at each row count it won."""
     groups: dict[tuple, list[nn.Linear]] = {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and not isinstance(module, FewRows) and module.weight.is_cuda \
@@ -84,7 +83,7 @@ def fuse_few_rows(model: nn.Module, row_counts=ROW_COUNTS) -> dict[str, dict[int
             if key not in _timed:  # once per process: an engine built again over the same model finds it
                 try:
                     with torch.cuda.device(device):  # graphs record on the current device
-                        _timed[key] = fastest(layers, rows)
+                        _timed[key] = fastest(layers, rows, timer)
                 except Exception as err:  # timing cuBLAS itself failed: the layers stay as they are
                     log.warning("timing the few-row matmuls failed; cuBLAS serves them",
                                 extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
@@ -110,17 +109,16 @@ def describe(model: nn.Module) -> str | None:
                      for shape, rows in shapes.items()) or None
 
 
-def fastest(layers: list[nn.Linear], rows: int, timer=None) -> Config | None:
+def fastest(layers: list[nn.Linear], rows: int, timer) -> Config | None:
     """The kernel's fastest blocks for `rows` rows through `layers` (one shape), where faster than
     cuBLAS's F.linear and giving what it gives; None where cuBLAS is as fast, or the kernel fails
-    or disagrees (said in the log). timer(run): the milliseconds of run() (default `graph_ms`)."""
-    timer = timer or graph_ms
+    or disagrees (said in the log). timer(run): how long run() takes."""
     first = layers[0]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.device, first.weight.dtype)
     want = F.linear(x, first.weight, first.bias).float()
     close = dict(rtol=1e-4, atol=1e-4) if first.weight.dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    best, best_ms = None, timer(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
+    best, best_time = None, timer(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
     for config in triton_gemv.configs(rows):
         what = {"shape": tuple(first.weight.shape), "rows": rows, "config": tuple(config)}
         try:
@@ -128,33 +126,11 @@ def fastest(layers: list[nn.Linear], rows: int, timer=None) -> Config | None:
             if not torch.allclose(got, want, **close):
                 log.warning("the few-row matmul kernel disagreed with cuBLAS; not taken", extra=what)
                 continue
-            ms = timer(lambda: [triton_gemv.linear(x, m.weight, m.bias, None, config) for m in layers])
+            took = timer(lambda: [triton_gemv.linear(x, m.weight, m.bias, None, config) for m in layers])
         except Exception as err:  # a Triton or GPU that cannot build or run these blocks
             log.warning("the few-row matmul kernel failed to run; not taken",
                         extra={**what, "error": f"{type(err).__name__}: {err}"})
             continue
-        if ms < best_ms:
-            best, best_ms = config, ms
+        if took < best_time:
+            best, best_time = config, took
     return best
-
-
-def graph_ms(run) -> float:
-    """Milliseconds of one `run()` replayed from a CUDA graph, median of REPLAYS (after a run off
-    the graph, on a side stream: Triton compiles, cuBLAS picks its kernels)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)

@@ -3,7 +3,7 @@ of the residual stream and of a sub-layer's output, writes their sum (the stream
 adds to) and its layer norm. PyTorch runs these as two kernels, an add and a norm, each reading and
 writing the row; a GPT-2-small decode step has 24 of each.
 
-`add_layer_norm` is `nanoserve::add_layer_norm`'s CUDA implementation (nanogpt/kernels/norms.py).
+`add_layer_norm` serves the layer norms that nanogpt/kernels/norms.py swaps in on a GPU.
 Under TRITON_INTERPRET=1 (set before Triton is imported) it runs in Triton's interpreter on CPU
 tensors, which is how the CPU test suite checks it (tests/triton_interpreted.py).
 """

@@ -51,6 +51,21 @@ def record(run, pool=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_seconds(run, replays: int) -> list[float]:
+    """Seconds of each of `replays` replays of a CUDA graph of `run()` (recorded as `record` does,
+    on the current device), timed by CUDA events: what the GPU takes, not the host's launches."""
+    graph = record(run)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
