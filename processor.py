@@ -76,10 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cpu, cuda:0, cuda:0,cuda:1, all or auto (default: the model's registry "
                              "setting, whose default is auto: the first GPU, else the CPU)")
     parser.add_argument("--concurrency", type=int, default=None,
-                        help="rq worker threads per engine = jobs one engine runs at once "
+                        help="jobs one engine runs at once "
                              "(default: the engine's KV-cache slots, its model's max_batch)")
     parser.add_argument("--batch-concurrency", type=int, default=None,
-                        help="of those threads, how many also run batch jobs when no interactive job "
+                        help="of those jobs, how many may be batch jobs, taken when no interactive job "
                              "waits (default: all but a quarter, at least 1); the rest stay free for "
                              "interactive requests")
     parser.add_argument("--redis-url", default=None,
@@ -180,9 +180,9 @@ def freeze_heap(collect: bool = True) -> None:
     log.info("loaded objects frozen", extra={"objects": gc.get_freeze_count()})
 
 
-def batch_threads(concurrency: int, asked: int | None) -> int:
-    """How many of an engine's threads take batch jobs: as asked (within the threads there are), or
-    all but a quarter, so interactive requests always find a free thread."""
+def batch_limit(concurrency: int, asked: int | None) -> int:
+    """How many of an engine's `concurrency` jobs may be batch jobs: as asked (within those), or all
+    but a quarter, so interactive requests always find room."""
     if asked is not None:
         return max(0, min(asked, concurrency))
     return max(1, concurrency - max(1, concurrency // 4))
@@ -280,12 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             freeze_heap()
             concurrency = args.concurrency or engine.runner.slots
-            batch_concurrency = batch_threads(concurrency, args.batch_concurrency)
+            batch_concurrency = batch_limit(concurrency, args.batch_concurrency)
             pool.add(Binding(spec.id, engine, writer), device, concurrency, batch_concurrency)
             log.info("serving", extra={"model": spec.id, "device": device,
-                                       "queue": protocol.queue_name(spec.id), "workers": concurrency,
+                                       "queue": protocol.queue_name(spec.id), "concurrency": concurrency,
                                        "batch_queue": protocol.batch_queue_name(spec.id),
-                                       "batch_workers": batch_concurrency})
+                                       "batch_concurrency": batch_concurrency})
         if args.warm_up:  # built, compiled and cached: what a later start loads in seconds
             log.info("warmed up; exiting", extra={"models": [model_id for model_id, _ in engines]})
             return status

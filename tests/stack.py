@@ -160,7 +160,7 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
                     compile: bool | None = False, extra_args: list[str] = (), env: dict[str, str] | None = None,
                     log_dir: Path | None = None, timeout: float = 240.0, wait: bool = True,
                     via: Sequence[str] = (), warmed: bool = False) -> Service:
-    """Start `processor.py` and wait until all its rq workers are registered on every model's queue
+    """Start `processor.py` and wait until its engines' rq workers are registered on every model's queue
     (with `wait=False`, return at once; `service.wait_ready()` waits later), and with `warmed`
     until every engine's background compile has ended too (a benchmark's steady state). `compile`:
     the worker's --compile / --no-compile, None for its default (uncompiled unless asked: most
@@ -185,14 +185,14 @@ def spawn_processor(redis_url: str, models_file: Path, *, models: list[str] | No
 
         models = [spec.id for spec in Registry.from_file(models_file).models()]
     prefix = f"{socket.gethostname()}:{service.pid}:"  # how processor.py names its rq workers
-    # one engine per listed device, each with `concurrency` rq workers
+    # one engine per listed device, each one rq worker
     engines = len(device.split(",")) if device and device not in ("all", "auto") else 1
 
     def ready() -> bool:
         mine = {model: {name for name in registered_workers(redis_url, model) if name.startswith(prefix)}
                 for model in models}
         service.info["workers"] = mine
-        registered = all(len(names) >= (concurrency or 1) * engines for names in mine.values())
+        registered = all(len(names) >= engines for names in mine.values())
         return registered and (not warmed or not compiling(service.logs()))
 
     service.ready = ready

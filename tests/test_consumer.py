@@ -1,9 +1,11 @@
-"""The rq worker threads' own bookkeeping (worker/consumer.py's WorkerPool) against a real
-redis-server, with a sleep standing in for the job function: the heartbeats and registry maintenance
-that re-queue a dead worker's jobs, while every worker thread of the pool is busy; and what of a job
-in Redis a worker refuses to call."""
+"""A consumer's own bookkeeping (worker/consumer.py) against a real redis-server, with an engine
+that sleeps for each job (max_tokens tenths of a second) standing in for the model: the heartbeats
+and registry maintenance that re-queue a dead worker's jobs while the engine is busy, the batch
+jobs' share of the engine, the round trips a burst of jobs costs, and what of a job in Redis a
+consumer refuses to run."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,8 +16,36 @@ from rq.job import JobStatus
 from tests import rq_json
 from worker import consumer, protocol
 from worker.consumer import Binding, CompletionRqJob, ForeignJob, WorkerPool
+from worker.engine import RequestHandle
+from worker.events import StreamWriter
 
 MODEL = "m"
+
+
+class SleepingEngine:
+    """Ends each job after max_tokens / 10 seconds with an empty completion; counts how many of its
+    jobs ran at once."""
+
+    def __init__(self):
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def is_alive(self) -> bool:
+        return True
+
+    def submit(self, job: protocol.CompletionJob, resume=None) -> RequestHandle:
+        handle = RequestHandle(job.id, cancel=lambda job_id: None)
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+
+        def end():
+            with self._lock:
+                self.running -= 1
+            handle.end({"id": job.id, "choices": [], "usage": {"completion_tokens": 0}})
+
+        threading.Timer(job.max_tokens / 10, end).start()
+        return handle
 
 
 @pytest.fixture()
@@ -25,20 +55,27 @@ def client(redis_url):
     connection.close()
 
 
-@pytest.fixture(autouse=True)
-def sleeping_jobs(monkeypatch):
-    """Jobs here name the job function, as every job must; each sleeps the seconds it is given."""
-    monkeypatch.setattr(consumer, "run_completion", time.sleep)
+def start_pool(redis_url, concurrency: int, batch_concurrency: int | None = None, heartbeat_interval: float = 0.5):
+    engine = SleepingEngine()
+    pool = WorkerPool(redis_url, heartbeat_interval=heartbeat_interval, maintenance_interval=1)
+    binding = Binding(MODEL, engine, StreamWriter(protocol.redis_client(redis_url)))
+    pool.add(binding, "cpu", concurrency=concurrency, batch_concurrency=batch_concurrency)
+    return pool, engine
 
 
 @pytest.fixture()
 def pool(redis_url):
-    """One busy-able rq worker thread with a heartbeat every half second and maintenance every second."""
-    workers = WorkerPool(redis_url, heartbeat_interval=0.5, maintenance_interval=1)
-    workers.add(Binding(MODEL, engine=None, writer=None), "cpu", concurrency=1)
+    """A consumer running one job at a time, with a heartbeat every half second and maintenance every second."""
+    workers, _ = start_pool(redis_url, 1)
     yield workers
     workers.stop()
     workers.join(idle_grace=5)
+
+
+def enqueue(queue, tenths: int, **options):
+    job = protocol.CompletionJob(id=f"cmpl-{time.monotonic_ns()}", model=MODEL, prompts=[[1]], max_tokens=tenths,
+                                 seed=0)
+    return queue.enqueue_call(protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, **options)
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
@@ -48,17 +85,17 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_is_busy(pool, client):
+def test_a_job_lost_between_taking_and_start_is_retried_while_the_engine_is_full(pool, client):
     """A worker killed between taking a job off the queue and starting it leaves the job in the
     queue's intermediate list, where registry maintenance finds it and retries it.
-    That maintenance comes while the pool's one worker runs a long job: the long job keeps its
-    heartbeats and its registry entry, ends once, and the lost job runs after it."""
+    That maintenance comes while the consumer's one place is taken by a long job: the long job keeps
+    its heartbeats and its registry entry, ends once, and the lost job runs after it."""
     queue = rq_json.queue(protocol.queue_name(MODEL), client)
     started = rq_json.started(queue.name, client)
-    busy = queue.enqueue_call(protocol.JOB_FUNCTION, args=(6,), retry=Retry(max=2))
+    busy = enqueue(queue, 60, retry=Retry(max=2))
     wait_until(lambda: busy.get_status() == JobStatus.STARTED, 10, "the long job never started")
 
-    lost = queue.create_job(protocol.JOB_FUNCTION, args=(0,), retry=Retry(max=2))
+    lost = queue.create_job(protocol.JOB_FUNCTION, args=busy.args, job_id="cmpl-lost", retry=Retry(max=2))
     lost.save()
     client.set(queue.intermediate_queue.get_first_seen_key(lost.id), time.time() - 120)  # seen there long ago
     client.rpush(queue.intermediate_queue.key, lost.id)
@@ -73,19 +110,18 @@ def test_a_job_lost_between_dequeue_and_start_is_retried_while_the_only_worker_i
     wait_until(lambda: lost.get_status() == JobStatus.FINISHED, 10, "the lost job never ran")
     assert busy.get_status() == JobStatus.FINISHED
     assert [job.retries_left for job in rq_json.fetch_many([busy.id, lost.id], client)] == [2, 1]
+    assert busy.return_value()["id"] == busy.id
     assert pool._heartbeat.is_alive()
 
 
-def test_a_worker_thread_writes_no_state_or_beat_redis_already_holds(client):
-    """rq sets a worker IDLE after every job and again before every dequeue, and beats its key
-    several times a job: round trips on the path that takes the next job. A thread writes a state
-    only when it changes, beats at most every quarter TTL unless its record changes (its engine's
-    warming flag), and always beats inside a transaction rq builds (a job's start)."""
+def test_a_consumers_worker_writes_no_state_or_beat_redis_already_holds(client):
+    """A consumer's rq worker writes a state only when it changes, beats at most every quarter TTL
+    unless its record changes (its engine's warming flag), and always beats inside a transaction."""
     from rq.worker import WorkerStatus
 
     warming = [True]
     worker = consumer.EngineWorker([protocol.queue_name(MODEL)], connection=client, serializer=rq_json.SERIALIZER,
-                                   heartbeat_ttl=60, poll_interval=1, warming=lambda: warming[0])
+                                   heartbeat_ttl=60, warming=lambda: warming[0])
     worker.register_birth()
     try:
         worker.set_state(WorkerStatus.IDLE)
@@ -101,11 +137,10 @@ def test_a_worker_thread_writes_no_state_or_beat_redis_already_holds(client):
         assert client.hmget(worker.key, "last_heartbeat", protocol.WARMING_FIELD)[0] != b"marked"
         assert client.hget(worker.key, protocol.WARMING_FIELD) == b"0"
         client.hset(worker.key, "last_heartbeat", "marked")
-        with client.pipeline() as pipe:  # in rq's transaction: always
+        with client.pipeline() as pipe:  # in a transaction: always
             worker.heartbeat(pipeline=pipe)
             pipe.execute()
         assert client.hget(worker.key, "last_heartbeat") != b"marked"
-        assert not worker.should_run_maintenance_tasks  # the pool's heartbeat thread cleans the registries
     finally:
         worker.register_death()
 
@@ -135,58 +170,99 @@ def test_a_job_in_the_intermediate_list_counts_as_lost_after_seconds_not_a_minut
     assert not intermediate.should_be_cleaned_up("never-seen")
 
 
-def test_idle_threads_take_turns_to_listen_and_stay_registered(redis_url, client):
-    """Of eight idle threads only LISTENERS of each kind wait on Redis; the others wait their turn,
-    and the heartbeat thread keeps their rq keys alive past several TTLs. A burst of eight jobs
-    still runs on all eight threads at once."""
-    from worker.consumer import LISTENERS
-
-    pool = WorkerPool(redis_url, heartbeat_interval=0.5, maintenance_interval=1)
-    pool.add(Binding(MODEL, engine=None, writer=None), "cpu", concurrency=8, batch_concurrency=6)
+def test_batch_jobs_take_their_share_of_the_engine_and_interactive_ones_the_rest(redis_url, client):
+    """Eight batch jobs, an engine of eight places of which six may run batch jobs: six run, and an
+    interactive job enqueued meanwhile starts at once in a place they left; one rq worker stands
+    for the engine, whatever it runs."""
+    pool, engine = start_pool(redis_url, 8, batch_concurrency=6)
     try:
-        wait_until(lambda: all(w is not None for w in pool.workers), 5, "the threads never started")
-        listening = []
-        deadline = time.monotonic() + 2 * pool.heartbeat_ttl  # past the TTL of keys nobody beats
-        while time.monotonic() < deadline:
-            listening.append(sum(1 for w in pool.workers if not w._waiting and not w.busy))
-            time.sleep(0.02)
-        assert sorted(listening)[len(listening) // 2] <= 2 * LISTENERS < 8
-        assert all(client.exists(w.key) for w in pool.workers)  # every thread still a live worker
-
-        queue = rq_json.queue(protocol.queue_name(MODEL), client)
-        jobs = [queue.enqueue_call(protocol.JOB_FUNCTION, args=(2,)) for _ in range(8)]
-        wait_until(lambda: all(job.get_status() == JobStatus.STARTED for job in jobs), 2,
-                   "the burst did not start on every thread")
-        wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10, "the burst never ended")
+        batch = rq_json.queue(protocol.batch_queue_name(MODEL), client)
+        lines = [enqueue(batch, 20) for _ in range(8)]
+        wait_until(lambda: engine.running == 6, 5, "the batch jobs never filled their share")
+        interactive = enqueue(rq_json.queue(protocol.queue_name(MODEL), client), 5)
+        wait_until(lambda: interactive.get_status() == JobStatus.STARTED, 1, "the interactive job waited")
+        assert sum(job.get_status() == JobStatus.STARTED for job in lines) == 6
+        wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in [*lines, interactive]), 10,
+                   "the jobs never ended")
+        assert engine.most == 7
+        assert len([w for w in pool.workers if w is not None and client.exists(w.key)]) == 1
     finally:
         pool.stop()
         pool.join(idle_grace=5)
 
 
-def test_a_worker_calls_the_job_function_and_nothing_else_a_job_names(client, monkeypatch):
+def test_a_burst_of_jobs_starts_and_ends_in_a_few_transactions(redis_url, client):
+    """Sixteen jobs enqueued at once and ending together: the consumer takes, starts and records
+    them in a few round trips, not a dozen per job as rq's worker does (every one holds the GIL the
+    engine's thread steps with)."""
+    pool, engine = start_pool(redis_url, 16, heartbeat_interval=30)  # no beat meanwhile
+    monitor = redis.Redis.from_url(redis_url, socket_timeout=None)
+    commands, listening = [], threading.Event()
+
+    def listen():
+        with monitor.monitor() as m:
+            listening.set()
+            for command in m.listen():
+                commands.append(command["command"])
+                if command["command"].startswith("PING"):
+                    return
+
+    try:
+        wait_until(lambda: pool.workers[0] is not None, 5, "the consumer never registered")
+        time.sleep(0.5)
+        thread = threading.Thread(target=listen, daemon=True)
+        thread.start()
+        listening.wait(5)
+        queue = rq_json.queue(protocol.queue_name(MODEL), client)
+        with client.pipeline() as pipe:
+            jobs = [enqueue(queue, 3, pipeline=pipe) for _ in range(16)]
+            pipe.execute()
+        wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10, "the burst never ended")
+        client.ping()
+        thread.join(5)
+    finally:
+        pool.stop()
+        pool.join(idle_grace=5)
+    transactions = sum(command == "MULTI" for command in commands)
+    assert engine.most == 16
+    assert 3 <= transactions <= 8, commands  # the enqueue, and a start and a record for each of a wake or few
+
+
+def test_a_consumer_runs_the_job_function_and_nothing_else_a_job_names(redis_url, client, monkeypatch, tmp_path):
     """rq would import and call whatever function and callbacks a job's hash in Redis names, and
-    send its webhooks: a worker's jobs call the job function, and resolve or send nothing else."""
+    send its webhooks: a consumer runs jobs that name the job function on its engine, and resolves,
+    calls or sends nothing else. A job naming another function fails."""
     from rq.job import Callback
     from rq.webhook import Webhook
 
     sent = []
     monkeypatch.setattr(Webhook, "send", lambda self, job, **kw: sent.append(job.id))
     queue = rq_json.queue(protocol.queue_name(MODEL), client)
-    ours = queue.enqueue_call(protocol.JOB_FUNCTION, args=(0,), on_success=Callback("os.mkdir"),
-                              on_failure=Callback("os.mkdir"), on_stopped=Callback("os.mkdir"),
-                              webhooks=[Webhook("http://127.0.0.1:9/hook", JobStatus.FINISHED)])
-    foreign = queue.enqueue_call("os.mkdir", args=("/nowhere",))
+    target = tmp_path / "made"
+    ours = enqueue(queue, 0, on_success=Callback("os.mkdir"), on_failure=Callback("os.mkdir"),
+                   on_stopped=Callback("os.mkdir"), webhooks=[Webhook("http://127.0.0.1:9/hook", JobStatus.FINISHED)])
+    foreign = queue.enqueue_call("os.mkdir", args=(str(target),))
     # as stored, the job names its callbacks and webhook: a plain rq job would call and send them
     plain = rq_json.fetch(ours.id, client)
     assert plain.success_callback is not None
     plain.send_webhooks(JobStatus.FINISHED)
     assert sent == [ours.id]
 
-    ours, foreign = (CompletionRqJob.fetch(job.id, connection=client, serializer=rq_json.SERIALIZER)
-                     for job in (ours, foreign))
-    assert ours.func is time.sleep  # the job function (here, its stand-in)
-    assert (ours.success_callback, ours.failure_callback, ours.stopped_callback) == (None, None, None)
-    ours.send_webhooks(JobStatus.FINISHED)
-    assert sent == [ours.id]
+    ours_read, foreign_read = (CompletionRqJob.fetch(job.id, connection=client, serializer=rq_json.SERIALIZER)
+                               for job in (ours, foreign))
+    ours_read.check()
+    assert (ours_read.success_callback, ours_read.failure_callback, ours_read.stopped_callback) == (None, None, None)
     with pytest.raises(ForeignJob):
-        foreign.func
+        foreign_read.check()
+    with pytest.raises(ForeignJob):
+        ours_read.func  # nothing resolves the function a job names
+
+    pool, _ = start_pool(redis_url, 2)
+    try:
+        wait_until(lambda: {ours.get_status(), foreign.get_status()} == {JobStatus.FINISHED, JobStatus.FAILED}, 10,
+                   "the jobs never ended")
+    finally:
+        pool.stop()
+        pool.join(idle_grace=5)
+    assert ours.get_status() == JobStatus.FINISHED and foreign.get_status() == JobStatus.FAILED
+    assert sent == [ours.id] and not target.exists()

@@ -429,7 +429,7 @@ def test_malformed_json_is_400(stack):
 def test_health_and_ready(stack):
     assert requests.get(f"{stack['url']}/health", timeout=10).json() == {"status": "ok"}
     ready = requests.get(f"{stack['url']}/ready", timeout=10)
-    assert ready.status_code == 503 and ready.json()["models"]["tiny"]["workers"] == 4  # `parked` has none
+    assert ready.status_code == 503 and ready.json()["models"]["tiny"]["workers"] == 1  # `parked` has none
     assert ready.json()["models"]["parked"]["workers"] == 0
 
 
@@ -571,4 +571,4 @@ def test_the_worker_logs_each_start_phase_and_took_jobs_before_its_graphs_compil
     while (state := requests.get(f"{stack['url']}/ready", timeout=10).json()["models"]["tiny"])["warming_up"]:
         assert time.monotonic() < deadline + 30, state
         time.sleep(0.5)
-    assert state["workers"] == 4
+    assert state["workers"] == 1

@@ -1,180 +1,98 @@
-"""The rq side of a worker process: `run_completion` (the job function) and the threads that feed
-jobs from rq to the engines.
+"""The rq side of a worker process: each engine's consumer, which takes its jobs from rq, runs them
+in the engine's batch and records their ends in rq's bookkeeping (registries, results, `Retry`).
 
-A process serves one engine per (model, device). Each engine gets `concurrency` rq `SimpleWorker`s,
-each on a thread of its own, all pulling from the model's queue: a job holds its thread while the
-engine runs it in the shared batch, so `concurrency` bounds how many of the queue's jobs one engine
-runs at once. rq's own bookkeeping (registries, results, `Retry`) is kept as is; added on top:
+A process serves one engine per (model, device); each engine has one `Consumer`, registered with
+rq as one worker, running up to `concurrency` of its queues' jobs at once:
 
-- a heartbeat thread refreshing running jobs' StartedJobRegistry entries with a short TTL, so the
-  jobs of a worker that died (kill -9, OOM, lost machine) expire within seconds and are re-queued
-  (the jobs carry `Retry`) by any surviving worker's registry maintenance;
-- a retried job resumes from the tokens its earlier attempt already wrote to the job's stream;
-- most threads also take jobs of the model's batch queue, but only when no interactive job waits
-  (worker/priority.py); the others take interactive jobs only, so a running batch never holds every
-  thread of an engine;
-- when rq gives up on a job (no retries left), its stream gets an `error` event so readers stop;
-- a job delivered again while it runs on this engine (its id back in a queue) waits for the
-  running attempt and ends as it does, rather than failing as a second copy of it;
-- of an engine's idle threads, only `LISTENERS` of each kind (those that take batch jobs, those
-  that do not) wait on Redis at a time; the others wait their turn on a semaphore, their rq keys
-  kept alive by the heartbeat thread. Every wake of a thread polling Redis holds the GIL the
-  engine's thread needs for its step.
+- its taking thread moves as many jobs as the engine has room for off the queues (worker/priority.py:
+  interactive jobs first; the batch queue's only when no interactive job waits, and at most
+  `batch_concurrency` at once, so a running batch never holds the whole engine) and starts them all
+  in one transaction: rq's execution and StartedJobRegistry entries, the job's status, and the new
+  attempt on each job's stream (worker/events.py `queue_attempt`, which fences out earlier
+  attempts and replays what they wrote: a retried job resumes from its tokens). Then it submits them
+  to the engine;
+- its recording thread takes the jobs the engine ended (their handles call back) and records every
+  finished one of a batch in one transaction; a fault (EngineFault, rq's job timeout) goes through
+  rq's failure path: retried while the job has retries, and once they run out `report_given_up`
+  ends its stream with an `error` event;
+- the pool's heartbeat thread beats every running job's registry entry and execution with a short
+  TTL, so the jobs of a worker that died (kill -9, OOM, lost machine) expire within seconds and are
+  re-queued by any surviving worker's registry maintenance, which that thread also runs;
+- a job delivered again while it runs on this engine (its id back in a queue) ends as the running
+  attempt does, rather than failing as a second copy of it.
+
+Every Redis round trip and every line of rq's per-job Python holds the GIL that the engine's thread
+steps with; batches keep them to a few per burst of jobs instead of a dozen per job
+(docs/notes/consumer.md).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import queue as queues
 import socket
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from pydantic import ValidationError
-from rq import Queue, SimpleWorker, get_current_job, worker_registration
-from rq.job import Job
-from rq.timeouts import TimerDeathPenalty
+from rq import Queue, SimpleWorker, worker_registration
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.suspension import is_suspended
+from rq.timeouts import JobTimeoutException
+from rq.utils import now
 from rq.worker import WorkerStatus
 
 from worker import protocol
 from worker.errors import EngineError, EngineFault
-from worker.priority import PriorityQueue
-from worker.events import StreamWriter, append_event, open_attempt, read_history
+from worker.events import History, StreamWriter, append_event, attempt_opened, queue_attempt, read_history
+from worker.priority import PriorityQueue, take
 
 log = logging.getLogger(__name__)
 
-# Idle threads of each kind listening on an engine's queues at once. A job wakes a listener at once;
-# the thread that takes the next turn starts listening a rq poll cycle (a few Redis calls) later.
-# With every idle thread listening, 32 threads per engine served 8 concurrent requests 11% (float32)
-# and 20% (bfloat16) slower than 8 threads did, medians of three runs (docs/notes/idle-listeners.md).
-LISTENERS = 2
 # How often a worker's beats write its whole record and queue memberships again, at most (seconds).
 REREGISTER_S = 1.0
+# How often a consumer asks whether `rq suspend` holds its worker, at most (seconds): rq's own worker
+# asks before every job.
+SUSPENSION_CHECK_S = 1.0
 
 
 @dataclass
 class Binding:
-    """The engine a worker thread feeds; `run_completion` finds it through the thread it runs on."""
+    """The engine a consumer feeds, and the writer of its events."""
 
     model_id: str
     engine: Any  # worker.engine.Engine
     writer: StreamWriter
-    running: dict[str, Any] = field(default_factory=dict)  # job id -> its engine handle, while it runs
+    running: dict[str, Running] = field(default_factory=dict)  # job id -> its attempt, while in the engine
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_local = threading.local()
+@dataclass(eq=False)
+class Running:
+    """A job a consumer started: its rq job, queue and execution; the engine's `handle` and the
+    `history` its attempt resumed from, or, for a job that ended as it started, its `value` (the
+    completion or None) or `failure` (exc_info); `deadline`, rq's job timeout (monotonic seconds);
+    `silenced`, set once a timed-out job's events are dropped (StreamWriter.silence); `followers`,
+    deliveries of the same job that end as this one does."""
 
-
-def bind(binding: Binding) -> None:
-    _local.binding = binding
-
-
-# ---- the job function ----------------------------------------------------------------------
-
-def run_completion(payload: dict[str, Any]) -> dict[str, Any] | None:
-    """Run one completions job on this thread's engine; return the OpenAI completion object.
-
-    A request the engine refuses, or a cancelled one, ends with its `error`/`cancelled` event and a
-    normal return (a retry could not change it). A fault raises with the job's stream left open:
-    rq's retry resumes it, and once retries run out `report_given_up` ends the stream with an error.
-    rq's job timeout (raised into this thread) counts as a fault: it takes the job out of the engine
-    without a `cancelled` event.
-    """
-    binding: Binding = _local.binding
-    rq_job = get_current_job()
-    client = rq_job.connection
-    try:
-        job = protocol.CompletionJob.from_payload(payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        message = f"Invalid job payload: {first['msg']} ({'.'.join(map(str, first['loc']))})."
-        append_event(client, rq_job.id, "error", protocol.error_body(message))
-        return None
-    if job.model != binding.model_id:
-        message = f"This worker serves `{binding.model_id}`, not `{job.model}`."
-        append_event(client, job.id, "error", protocol.error_body(message, param="model"))
-        return None
-
-    # A copy delivered while this engine runs the job must not open an attempt of its own: that
-    # would fence the running one out of the job's stream.
-    with binding.lock:
-        if (earlier := binding.running.get(job.id)) is None:
-            if binding.writer.holds(job.id):  # an attempt of ours whose events an outage kept back
-                binding.writer.wait_written(timeout=10.0)
-            history = open_attempt(client, job.id)
-            if history.terminal is None and not history.cancelled:
-                binding.writer.track(job.id, history.attempt_ms, streamed=job.stream)
-                handle = binding.running[job.id] = binding.engine.submit(job, resume=history.tokens or None)
-    if earlier is not None:
-        log.warning("job delivered again while it runs; waiting for the running attempt", extra={"job_id": job.id})
-        return _outcome(earlier, binding.engine)
-    if history.terminal is not None:
-        # An earlier attempt ended the job but died before rq recorded it.
-        kind, data = history.terminal
-        return data.get("completion") if kind == "done" else None
-    if history.cancelled:
-        append_event(client, job.id, "cancelled", {}, entry_id=f"{history.attempt_ms}-1")
-        return None
-
-    started = time.monotonic()
-    try:
-        try:
-            completion = _outcome(handle, binding.engine)
-        except EngineFault:
-            raise  # no event was written: rq's retry resumes the job
-        except BaseException:  # e.g. rq's job timeout: take the job out of the engine
-            _abandon(binding.writer, handle)
-            raise
-    finally:
-        with binding.lock:
-            del binding.running[job.id]
-            binding.writer.untrack(job.id)
-    if completion is None:
-        return None
-    log.info("job finished", extra={
-        "job_id": job.id, "model": job.model, "seconds": round(time.monotonic() - started, 3),
-        "completion_tokens": completion["usage"]["completion_tokens"],
-        "resumed_tokens": sum(len(t) for t in history.tokens.values())})
-    return completion
-
-
-def _outcome(handle, engine) -> dict[str, Any] | None:
-    """The completion of a job running in the engine; None when it was refused or cancelled (the
-    engine wrote its event). A fault raises with no event written: rq's retry resumes the job."""
-    try:
-        return _wait(handle, engine)
-    except EngineFault:
-        raise
-    except EngineError as err:  # refused or cancelled
-        log.info("job ended", extra={"job_id": handle.job_id, "outcome": err.type, "reason": err.message})
-        return None
-
-
-def _wait(handle, engine) -> dict[str, Any]:
-    # Wait in short slices: rq's TimerDeathPenalty raises its timeout into this thread, and Python
-    # delivers that only between bytecodes, never inside one long blocking wait. A job whose engine
-    # thread is gone (it died, or was stopped) will never end: it fails now, and rq retries it.
-    while True:
-        try:
-            return handle.result(timeout=1.0)
-        except TimeoutError:
-            if not engine.is_alive() and not handle.done:
-                raise EngineFault("The engine stopped before the job finished.") from None
-
-
-def _abandon(writer: StreamWriter, handle) -> None:
-    """Take a job out of the engine without ending its stream (no `cancelled` event)."""
-    if handle.done:  # it ended on its own meanwhile; its events stand
-        return
-    ended = writer.silence(handle.job_id)
-    handle.cancel()
-    if not ended.wait(timeout=30):
-        log.warning("engine did not let go of job", extra={"job_id": handle.job_id})
-    writer.unsilence(handle.job_id)
+    job: Job
+    queue: Queue
+    deadline: float
+    execution: Execution | None = None
+    handle: Any = None
+    history: History | None = None
+    value: Any = None
+    failure: tuple | None = None
+    silenced: threading.Event | None = None
+    followers: list[Running] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
 
 def report_given_up(job: Job, exc_type, exc_value, traceback) -> bool:
@@ -193,22 +111,26 @@ def report_given_up(job: Job, exc_type, exc_value, traceback) -> bool:
     return True
 
 
-# ---- the rq workers ------------------------------------------------------------------------
+# ---- the rq side ---------------------------------------------------------------------------
 
 class ForeignJob(Exception):
-    """A job in a model's queue that does not call `protocol.JOB_FUNCTION`."""
+    """A job in a model's queue that does not name `protocol.JOB_FUNCTION`."""
 
 
 class CompletionRqJob(Job):
-    """An rq job that runs `run_completion` and nothing else. rq imports and calls whatever function,
-    callbacks and webhooks a job's hash in Redis names; ours name only the function, so a job written
-    into Redis some other way cannot make a worker import or call code, or send a request, of its choosing."""
+    """An rq job as a consumer reads it. rq imports and calls whatever function, callbacks and
+    webhooks a job's hash in Redis names; a consumer runs the payload of jobs that name the job
+    function on its engine, and imports, calls or sends nothing a job names."""
+
+    def check(self) -> None:
+        """Raise ForeignJob unless the job names the job function (and no instance to call it on)."""
+        if self.func_name != protocol.JOB_FUNCTION or self.instance is not None:
+            raise ForeignJob(f"The job calls {self.func_name!r}, not {protocol.JOB_FUNCTION}.")
 
     @property
     def func(self):
-        if self.func_name != protocol.JOB_FUNCTION or self.instance is not None:
-            raise ForeignJob(f"The job calls {self.func_name!r}, not {protocol.JOB_FUNCTION}.")
-        return run_completion
+        self.check()
+        raise ForeignJob("A completion job runs on a consumer's engine; nothing imports or calls its function.")
 
     success_callback = failure_callback = stopped_callback = property(lambda self: None)
 
@@ -233,58 +155,34 @@ class OutageGrace:
 
 
 class EngineWorker(SimpleWorker):
-    """An rq SimpleWorker that lives on a thread of its own (so many can share one engine).
+    """A consumer's identity in rq: its worker record (which web's /ready and `rq info` read), its
+    beats, and rq's handling of a failed job. It never runs rq's work loop (the consumer takes and
+    records jobs itself), so it has no signals, no pubsub and no maintenance of its own.
 
-    - Job timeouts use a timer thread (SIGALRM only reaches the main thread).
-    - Signals belong to the main thread; it stops the workers through `request_stop`.
-    - Dequeue blocks at most `poll_interval` at a time, so a stop request is seen promptly, and
-      only while the worker holds a turn of `listeners` (a semaphore its kind of thread shares).
-    - Running jobs' registry entries live `heartbeat_ttl` seconds; `beat()` refreshes them.
+    - Its record's key lives `heartbeat_ttl` seconds past each beat, and says whether its engine
+      still compiles its graphs (`warming`: web's /ready).
     - Registries are cleaned only as `grace` allows (see OutageGrace).
-    - Its record in Redis says whether its engine still compiles its graphs (`warming`: web's /ready).
     """
 
-    death_penalty_class = TimerDeathPenalty
     queue_class = PriorityQueue
     job_class = CompletionRqJob
-    max_connection_wait_time = 5.0  # rq backs off up to this while Redis is away (its default: 60 s)
 
-    def __init__(self, *args, heartbeat_ttl: int, poll_interval: int,
-                 listeners: threading.Semaphore | None = None, grace: OutageGrace | None = None,
-                 warming=lambda: False, **kwargs):
+    def __init__(self, *args, heartbeat_ttl: int, grace: OutageGrace | None = None, warming=lambda: False, **kwargs):
         self.heartbeat_ttl = heartbeat_ttl
         self.warming = warming
         self.grace = grace
-        self.poll_interval = poll_interval
-        self.listeners = listeners
-        self._waiting = False  # for a turn to listen: rq's dequeue loop is not beating our key
-        self._running: Job | None = None
-        self._running_lock = threading.Lock()
         self._registered = -math.inf  # when a beat last wrote the worker's record and memberships
         self._beaten = (-math.inf, None)  # when a beat was last sent, and its warming flag
         super().__init__(*args, **kwargs)
 
-    def _install_signal_handlers(self) -> None:
-        pass
-
     def subscribe(self) -> None:
-        # rq's pubsub commands (stop-job, shutdown) act through signals and forked horses, neither of
-        # which a worker thread has; skipping them saves a connection and a thread per worker.
+        # rq's pubsub commands (stop-job, shutdown) act through signals and forked horses, which a
+        # consumer has not; skipping them saves a connection and a thread.
         pass
 
     def clean_registries(self) -> None:
         if self.grace is None or self.grace.allows_cleaning():
             super().clean_registries()
-
-    @property
-    def should_run_maintenance_tasks(self) -> bool:
-        # The pool's heartbeat thread cleans the registries for every thread (WorkerPool._maintain):
-        # rq's own, every thread every maintenance interval, would lie on the path that takes the next job.
-        return False
-
-    def request_stop(self, signum=None, frame=None) -> None:
-        """Take no new job; the running one finishes."""
-        self._stop_requested = True
 
     def get_heartbeat_ttl(self, job: Job) -> int:
         return self.heartbeat_ttl
@@ -293,17 +191,14 @@ class EngineWorker(SimpleWorker):
         return {**super().serialize(), protocol.WARMING_FIELD: int(self.warming())}
 
     def set_state(self, state: str, pipeline=None) -> None:
-        # rq sets IDLE after every job and again before every dequeue: a round trip on the path
-        # that takes the next job, for a state Redis already holds
-        if pipeline is not None or state != self._state:
+        if state != self._state:  # a round trip for a state Redis already holds, otherwise
             super().set_state(state, pipeline)
 
     def heartbeat(self, timeout=None, pipeline=None) -> None:
         # rq keeps a worker's key `worker_ttl + 60` s past each beat; ours beat every few seconds,
         # so a short TTL lets a dead process drop out of the queue's live workers (web's /ready).
-        # rq also beats on its own several times per job (after it, before each dequeue): a round
-        # trip each on the path that takes the next job, skipped within a quarter TTL of the last
-        # unless the record changes.
+        # Outside a transaction, a beat within a quarter TTL of the last is skipped unless the
+        # record changes (rq's failure path beats on its own).
         warming = int(self.warming())
         recent = time.monotonic() - self._beaten[0] < self.heartbeat_ttl / 4
         if pipeline is None and recent and warming == self._beaten[1]:
@@ -316,88 +211,292 @@ class EngineWorker(SimpleWorker):
             # A worker cut off from Redis past that TTL was dropped from the queues' worker sets by
             # other workers' maintenance, and rq's beat alone would leave it there, unseen (web would
             # answer 503 "no worker"): beats write its record and memberships again, at most every
-            # REREGISTER_S (rq beats several times per job, each record a dozen fields built in Python).
+            # REREGISTER_S.
             self._registered = time.monotonic()
             connection.hset(self.key, mapping=self.serialize())
             worker_registration.register(self, connection)
         if pipeline is None:
             connection.execute()
 
-    def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
-        while not self._stop_requested:
-            if not self._take_turn():
-                continue
-            try:  # a turn taken as the stop came: the thread leaves without listening
-                result = None if self._stop_requested else \
-                    super().dequeue_job_and_maintain_ttl(self.poll_interval, max_idle_time=self.poll_interval)
-            finally:
-                if self.listeners is not None:
-                    self.listeners.release()
-            if result is None:
-                continue
-            if self._stop_requested:  # the stop came while we were blocked on the queue
-                self._put_back(*result)
-                return None
-            return result
-        return None
 
-    def _take_turn(self) -> bool:
-        """Wait up to `poll_interval` for a turn to listen on the queues (always one without `listeners`)."""
-        if self.listeners is None:
-            return True
-        self._waiting = True
+class Consumer:
+    """One engine's side of its queues (see the module docstring): a taking thread and a recording
+    thread, and the jobs running in the engine."""
+
+    def __init__(self, pool: WorkerPool, binding: Binding, name: str, queue_names: list[str], concurrency: int,
+                 batch_concurrency: int):
+        self.pool, self.binding, self.name = pool, binding, name
+        self.queue_names, self.concurrency, self.batch_concurrency = queue_names, concurrency, batch_concurrency
+        self.worker: EngineWorker | None = None
+        self.running: set[Running] = set()
+        self._room = threading.Condition()  # guards `running`; notified as jobs end
+        self._ended: queues.SimpleQueue[Running] = queues.SimpleQueue()
+        thread_name = f"rq-{name.split(':', 2)[-1]}"
+        self._taking = threading.Thread(target=self._take_loop, name=f"{thread_name}-take", daemon=True)
+        self._recording = threading.Thread(target=self._record_loop, name=f"{thread_name}-record", daemon=True)
+
+    def start(self) -> None:
+        self._taking.start()
+        self._recording.start()
+
+    # ---- taking ----
+
+    def _take_loop(self) -> None:
+        failing, checked = False, -math.inf
+        while not self.pool.stopping.is_set():
+            try:
+                if self.worker is None:
+                    self.worker = self._register()
+                    failing = False
+                worker = self.worker
+                if time.monotonic() - checked >= SUSPENSION_CHECK_S:
+                    checked = time.monotonic()
+                    if is_suspended(worker.connection, worker):  # `rq suspend`
+                        worker.set_state(WorkerStatus.SUSPENDED)
+                        checked = -math.inf
+                        self.pool.stopping.wait(SUSPENSION_CHECK_S)
+                        continue
+                with self._room:
+                    free = self.concurrency - len(self.running)
+                    batch_free = self.batch_concurrency - sum(r.queue.name != self.queue_names[0] for r in self.running)
+                    if free <= 0:
+                        self._room.wait(self.pool.poll_interval)
+                        continue
+                taken = take(self._queues, [free, batch_free], self.pool.poll_interval, worker.connection,
+                             CompletionRqJob, protocol.SERIALIZER)
+                if taken:
+                    self._start(taken)
+                elif not self.running:
+                    worker.set_state(WorkerStatus.IDLE)
+                failing = False
+            except Exception as exc:  # Redis unreachable: try again shortly (said once per outage)
+                self.pool.grace.lost()
+                log.log(logging.DEBUG if failing else logging.WARNING, "taking jobs failed",
+                        extra={"worker": self.name, "error": str(exc)}, exc_info=not isinstance(exc, redis.RedisError))
+                failing = True
+                self.pool.stopping.wait(2.0)
+
+    def _register(self) -> EngineWorker:
+        worker = self.pool._new_worker(self.name, self.queue_names,
+                                       lambda: bool(getattr(self.binding.engine, "warming", False)))
+        worker.register_birth()
+        self._queues = [PriorityQueue(name, connection=worker.connection, serializer=protocol.SERIALIZER)
+                        for name in self.queue_names]
+        return worker
+
+    def _start(self, taken: list[tuple[Job, Queue]]) -> None:
+        """Start the jobs taken, in one transaction, and submit them to the engine."""
+        worker, binding = self.worker, self.binding
+        ttl, started = self.pool.heartbeat_ttl, time.monotonic()
+        runs, payloads, refused = [], {}, []
+        for job, queue in taken:
+            run = Running(job, queue, started + (job.timeout or Queue.DEFAULT_TIMEOUT))
+            runs.append(run)
+            try:
+                job.check()
+                payload = protocol.CompletionJob.from_payload(job.args[0])
+            except ForeignJob:
+                run.failure = sys.exc_info()
+            except (ValidationError, IndexError, TypeError) as exc:
+                first = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
+                refused.append((run, f"Invalid job payload: {first['msg']} ({'.'.join(map(str, first['loc']))}).", None))
+            else:
+                if payload.model != binding.model_id:
+                    refused.append((run, f"This worker serves `{binding.model_id}`, not `{payload.model}`.", "model"))
+                else:
+                    payloads[run] = payload
+        # A copy delivered while this engine runs the job must not open an attempt of its own: that
+        # would fence the running one out of the job's stream. It ends as the running one does.
+        with binding.lock:
+            leaders = dict(binding.running)
+            opening = []
+            for run in payloads:
+                if run.job.id in leaders:
+                    log.warning("job delivered again while it runs; it ends as the running attempt does",
+                                extra={"job_id": run.job.id})
+                    leaders[run.job.id].followers.append(run)
+                else:
+                    leaders[run.job.id] = run
+                    opening.append(run)
+            for run in opening:  # placeholders until submitted: later deliveries follow them
+                binding.running[run.job.id] = run
+        for run in opening:
+            if binding.writer.holds(run.job.id):  # an attempt of ours whose events an outage kept back
+                binding.writer.wait_written(timeout=10.0)
+        with worker.connection.pipeline() as pipe:
+            for run in runs:
+                run.execution = Execution.create(run.job, ttl, pipeline=pipe, worker_name=worker.name)
+                run.job.prepare_for_execution(worker.name, pipeline=pipe)
+                pipe.lrem(run.queue.intermediate_queue_key, 1, run.job.id)
+                pipe.persist(run.job.key)
+            first_attempt = len(pipe)
+            for run in opening:
+                queue_attempt(pipe, run.job.id)
+            worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            replies = pipe.execute()[first_attempt:first_attempt + len(opening)]
+        with self._room:
+            self.running.update(runs)
+        for run, message, param in refused:
+            append_event(worker.connection, run.job.id, "error", protocol.error_body(message, param=param))
+        for run in runs:
+            if run not in payloads:
+                self._ended.put(run)
+        for run, reply in zip(opening, replies):
+            self._submit(run, payloads[run], attempt_opened(reply))
+
+    def _submit(self, run: Running, job: protocol.CompletionJob, history: History) -> None:
+        """Submit a started job to the engine, unless an earlier attempt ended it (it died before rq
+        recorded that) or it was cancelled before it started."""
+        binding = self.binding
+        if history.terminal is None and not history.cancelled:
+            binding.writer.track(run.job.id, history.attempt_ms, streamed=job.stream)
+            run.history = history
+            run.handle = binding.engine.submit(job, resume=history.tokens or None)
+            run.handle.add_done_callback(lambda _handle: self._ended.put(run))
+            return
+        if history.terminal is not None:
+            kind, data = history.terminal
+            run.value = data.get("completion") if kind == "done" else None
+        else:
+            append_event(self.worker.connection, run.job.id, "cancelled", {}, entry_id=f"{history.attempt_ms}-1")
+        self._ended.put(run)
+
+    # ---- recording ----
+
+    def _record_loop(self) -> None:
+        while not (self.pool.stopping.is_set() and not self._taking.is_alive() and not self.running):
+            try:
+                ended = [self._ended.get(timeout=0.5)]
+            except queues.Empty:
+                ended = []
+            while not self._ended.empty():
+                ended.append(self._ended.get())
+            try:
+                self._watch()
+                if ended:
+                    self._record(ended)
+            except Exception:
+                log.exception("recording jobs failed", extra={"worker": self.name})
+
+    def _watch(self) -> None:
+        """Time out jobs past rq's job timeout (taken out of the engine without a `cancelled` event,
+        then failed, so rq retries them) and fail the jobs of an engine whose thread died."""
+        engine = self.binding.engine
+        dead = engine is not None and not engine.is_alive()
+        with self._room:
+            running = [r for r in self.running if r.handle is not None and not r.handle.done]
+        for run in running:
+            if dead:
+                run.handle.end(error=EngineFault("The engine stopped before the job finished."))
+            elif run.silenced is None and time.monotonic() > run.deadline:
+                run.silenced = self.binding.writer.silence(run.job.id)
+                run.handle.cancel()
+
+    def _record(self, ended: list[Running]) -> None:
+        """Record the ends of these jobs (and of the deliveries that follow them): the finished ones
+        in one transaction, the failed ones through rq's failure path."""
+        finished, failed = [], []
+        for run in ended:
+            outcome = self._outcome(run)
+            for delivery in [run, *run.followers]:
+                (failed if isinstance(outcome, tuple) else finished).append((delivery, outcome))
+        if finished:
+            worker = self.worker
+            with worker.connection.pipeline() as pipe:
+                for run, value in finished:
+                    job = run.job
+                    job.ended_at, job._result, job._status = now(), value, JobStatus.FINISHED
+                    result_ttl = job.get_result_ttl(worker.default_result_ttl)
+                    if result_ttl != 0:
+                        job._handle_success(result_ttl, pipeline=pipe, worker_name=worker.name,
+                                            execution_id=run.execution.id, execution_started_at=run.execution.created_at,
+                                            execution_ended_at=job.ended_at)
+                    job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+                    run.execution.delete(job=job, pipeline=pipe)
+                pipe.hincrby(worker.key, "successful_job_count", len(finished))
+                pipe.execute()
+        for run, exc_info in failed:
+            self._fail(run, exc_info)
+        with self._room:
+            self.running.difference_update(run for run, _ in finished + failed)
+            self._room.notify()
+
+    def _outcome(self, run: Running):
+        """A job's result (the completion object, or None when it was refused, cancelled or ended
+        before it started), or the exc_info of its failure."""
+        binding = self.binding
+        with binding.lock:  # from here on, a new delivery of the job opens an attempt of its own
+            if binding.running.get(run.job.id) is run:
+                del binding.running[run.job.id]
+        if run.handle is None:
+            return run.failure or run.value
+        binding.writer.untrack(run.job.id)
+        if run.silenced is not None:  # timed out: its terminal event was dropped as the engine let go
+            binding.writer.unsilence(run.job.id)
+            return _exc_info(JobTimeoutException(f"Task exceeded maximum timeout value ({run.job.timeout} seconds)"))
         try:
-            return self.listeners.acquire(timeout=self.poll_interval)
-        finally:
-            self._waiting = False
+            completion = run.handle.result(0)
+        except EngineFault as exc:
+            return _exc_info(exc)  # no event was written: rq's retry resumes the job
+        except EngineError as err:  # refused or cancelled: the engine wrote its event
+            log.info("job ended", extra={"job_id": run.job.id, "outcome": err.type, "reason": err.message})
+            return None
+        log.info("job finished", extra={
+            "job_id": run.job.id, "model": binding.model_id, "seconds": round(time.monotonic() - run.started, 3),
+            "completion_tokens": completion["usage"]["completion_tokens"],
+            "resumed_tokens": sum(len(t) for t in run.history.tokens.values())})
+        return completion
 
-    def _put_back(self, job: Job, queue: Queue) -> None:
-        """Return a just-dequeued job to the front of its queue for another worker."""
-        with self.connection.pipeline() as pipe:
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            queue.push_job_id(job.id, pipeline=pipe, at_front=True)
-            pipe.execute()
+    def _fail(self, run: Running, exc_info) -> None:
+        """rq's failure path for one job: its exception handlers (report_given_up), then a retry
+        while it has retries, else the FailedJobRegistry."""
+        worker, job = self.worker, run.job
+        job.ended_at, job._status = now(), JobStatus.FAILED
+        worker.execution = run.execution
+        worker.handle_exception(job, *exc_info)
+        worker.handle_job_failure(job=job, queue=run.queue, started_job_registry=run.queue.started_job_registry,
+                                  exc_string="".join(traceback.format_exception(*exc_info)))
 
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        # Every dequeue here goes through the queue's intermediate list (PriorityQueue), also from
-        # two queues, where rq's own dequeue would not: take the job out of it as it starts.
-        super().prepare_job_execution(job, remove_from_intermediate_queue=True)
-
-    def execute_job(self, job: Job, queue: Queue) -> None:
-        self.prepare_execution(job)
-        with self._running_lock:
-            self._running = job
-        try:
-            self.perform_job(job, queue)
-        finally:
-            self._stop_beating()
-        self.set_state(WorkerStatus.IDLE)
-
-    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
-        # Stop heartbeats before rq removes the job from the registries, so none re-creates them.
-        self._stop_beating()
-        super().handle_execution_ended(job, queue, heartbeat_ttl)
-
-    def _stop_beating(self) -> None:
-        with self._running_lock:
-            self._running = None
-
-    @property
-    def busy(self) -> bool:
-        return self._running is not None
+    # ---- beats and stopping ----
 
     def beat(self) -> None:
-        """Refresh the running job's registry entry, execution and this worker's key; or, waiting
-        for a turn to listen, the key alone."""
-        with self._running_lock:
-            if self._running is not None:
-                self.maintain_heartbeats(self._running)
-            elif self._waiting:
-                self.heartbeat()
+        """Refresh the running jobs' registry entries and executions, and this worker's key."""
+        worker = self.worker
+        if worker is None:
+            return
+        with self._room:
+            running = [r for r in self.running if r.execution is not None]
+        ttl = self.pool.heartbeat_ttl
+        with worker.connection.pipeline() as pipe:
+            worker.heartbeat(pipeline=pipe)
+            for run in running:
+                run.execution.heartbeat(run.job.started_job_registry, ttl, pipeline=pipe)
+                run.job.heartbeat(now(), ttl, pipeline=pipe)
+            pipe.execute()
+
+    def join(self, idle_grace: float) -> None:
+        """Wait for the running jobs to end and be recorded while Redis answers (their results have
+        somewhere to go; with Redis gone they are re-queued from their registry once it is back)."""
+        self._taking.join(idle_grace)
+        while self.running and self._recording.is_alive() and self.pool._redis_answers():
+            self._recording.join(0.5)
+        self._recording.join(idle_grace)
+        if self.worker is not None and not self.running:
+            try:
+                self.worker.register_death()
+            except redis.RedisError:
+                pass
+
+
+def _exc_info(exc: BaseException):
+    try:
+        raise exc
+    except BaseException:
+        return sys.exc_info()
 
 
 class WorkerPool:
-    """Starts and stops the rq worker threads of every engine, plus the heartbeat thread."""
+    """The consumers of every engine of the process, and the heartbeat thread."""
 
     def __init__(self, redis_url: str, *, heartbeat_interval: float = 5.0, maintenance_interval: int = 5,
                  poll_interval: int = 1, worker_ttl: int = 20):
@@ -406,42 +505,39 @@ class WorkerPool:
         self.maintenance_interval = maintenance_interval
         self.poll_interval = poll_interval
         self.worker_ttl = worker_ttl
-        self.workers: list[EngineWorker | None] = []
-        self.threads: list[threading.Thread] = []
+        self.consumers: list[Consumer] = []
         self.stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="rq-heartbeat", daemon=True)
-        self.queue_names: list[str] = []  # every queue a thread here listens on
+        self.queue_names: list[str] = []  # every queue a consumer here takes from
         self._maintainer: EngineWorker | None = None
         self.grace = OutageGrace(self.heartbeat_ttl + heartbeat_interval)
 
     def add(self, binding: Binding, device: str, concurrency: int, batch_concurrency: int | None = None) -> None:
-        """Start `concurrency` worker threads feeding this engine; `batch_concurrency` of them (default:
-        all) also take the model's batch jobs when no interactive job waits."""
-        interactive = protocol.queue_name(binding.model_id)
-        batch_threads = concurrency if batch_concurrency is None else batch_concurrency
-        turns = {kind: threading.Semaphore(LISTENERS) for kind in ("batch", "interactive")}
-        for i in range(concurrency):
-            slot = len(self.workers)
-            self.workers.append(None)
-            name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{slot}"
-            queues = [interactive, protocol.batch_queue_name(binding.model_id)] if i < batch_threads else [interactive]
-            self.queue_names += [name for name in queues if name not in self.queue_names]
-            listeners = turns["batch" if i < batch_threads else "interactive"]
-            thread = threading.Thread(target=self._serve, args=(slot, name, queues, binding, listeners),
-                                      name=f"rq-{binding.model_id}-{device}-{i}", daemon=True)
-            self.threads.append(thread)
-            thread.start()
+        """Start a consumer feeding this engine at most `concurrency` jobs at once, at most
+        `batch_concurrency` of them (default: all) the model's batch jobs, taken when no interactive
+        job waits."""
+        queue_names = [protocol.queue_name(binding.model_id)]
+        batch = concurrency if batch_concurrency is None else batch_concurrency
+        if batch > 0:
+            queue_names.append(protocol.batch_queue_name(binding.model_id))
+        self.queue_names += [name for name in queue_names if name not in self.queue_names]
+        name = f"{socket.gethostname()}:{os.getpid()}:{binding.model_id}:{device}:{len(self.consumers)}"
+        consumer = Consumer(self, binding, name, queue_names, concurrency, batch)
+        self.consumers.append(consumer)
+        consumer.start()
         if not self._heartbeat.is_alive():
             self._heartbeat.start()
 
-    def _new_worker(self, name: str, queues: list[str], listeners: threading.Semaphore | None = None,
-                    warming=lambda: False) -> EngineWorker:
+    @property
+    def workers(self) -> list[EngineWorker | None]:
+        """Each consumer's rq worker (None until it has registered)."""
+        return [consumer.worker for consumer in self.consumers]
+
+    def _new_worker(self, name: str, queues: list[str], warming=lambda: False) -> EngineWorker:
         connection = protocol.redis_client(self.redis_url)
         return EngineWorker(queues, name=name, connection=connection, serializer=protocol.SERIALIZER,
-                            worker_ttl=self.worker_ttl, job_monitoring_interval=int(self.heartbeat_interval) or 1,
-                            maintenance_interval=self.maintenance_interval,
-                            exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl,
-                            poll_interval=self.poll_interval, listeners=listeners, grace=self.grace,
+                            worker_ttl=self.worker_ttl, maintenance_interval=self.maintenance_interval,
+                            exception_handlers=[report_given_up], heartbeat_ttl=self.heartbeat_ttl, grace=self.grace,
                             warming=warming)
 
     @property
@@ -449,43 +545,18 @@ class WorkerPool:
         # Three missed beats before a job counts as abandoned.
         return max(3, int(3 * self.heartbeat_interval))
 
-    def _serve(self, slot: int, name: str, queues: list[str], binding: Binding,
-               listeners: threading.Semaphore) -> None:
-        """One worker thread: rq's work loop, restarted if it ends before we stop (rq leaves its
-        loop on some Redis errors, e.g. when Redis restarts in the middle of a job)."""
-        bind(binding)
-        generation, failing = 0, False
-        while not self.stopping.is_set():
-            try:
-                worker = self._new_worker(f"{name}.{generation}", queues, listeners,
-                                          lambda: bool(getattr(binding.engine, "warming", False)))
-                failing = False
-                self.workers[slot] = worker
-                if self.stopping.is_set():
-                    break
-                worker.work(logging_level=None)
-            except Exception as exc:  # Redis unreachable: try again shortly (said once per outage)
-                self.grace.lost()
-                log.log(logging.DEBUG if failing else logging.WARNING, "rq worker loop failed",
-                        extra={"worker": name, "error": str(exc)})
-                failing = True
-            generation += 1
-            if not self.stopping.wait(2.0) and not failing:
-                log.info("restarting rq worker", extra={"worker": name})
-
     def _heartbeat_loop(self) -> None:
         last_maintenance = time.monotonic()
         failing = False
         while not self.stopping.wait(self.heartbeat_interval) or self.busy():
             errors = []
-            for worker in list(self.workers):
+            for consumer in list(self.consumers):
                 try:
-                    if worker is not None:
-                        worker.beat()
+                    consumer.beat()
                 except redis.RedisError as exc:
                     errors.append(str(exc))
-                except Exception:  # a bug: said, but the other workers' jobs must keep their beats
-                    log.exception("job heartbeat failed", extra={"worker": worker.name})
+                except Exception:  # a bug: said, but the other consumers' jobs must keep their beats
+                    log.exception("job heartbeat failed", extra={"worker": consumer.name})
             if errors:
                 self.grace.lost()
             if errors and not failing:
@@ -496,10 +567,10 @@ class WorkerPool:
                 self._maintain()
 
     def _maintain(self) -> None:
-        """Re-queue dead workers' jobs even when every thread here is busy with a long job. On a
+        """Re-queue dead workers' jobs even when every consumer here is busy with long jobs. On a
         worker of its own that never runs a job: rq retries a job lost from a queue's intermediate
         list through the cleaning worker's `handle_job_failure`, which also deletes that worker's
-        current execution, i.e. a busy worker's running job and its heartbeats."""
+        current execution."""
         try:
             if self._maintainer is None or self._maintainer.queue_names() != self.queue_names:
                 name = f"{socket.gethostname()}:{os.getpid()}:maintenance"
@@ -510,31 +581,23 @@ class WorkerPool:
             log.warning("registry maintenance failed", extra={"error": repr(exc)})
 
     def running(self) -> int:
-        """Jobs running on this pool's workers."""
-        return sum(1 for w in self.workers if w is not None and w.busy)
+        """Jobs running on this pool's engines."""
+        return sum(len(consumer.running) for consumer in self.consumers)
 
     def busy(self) -> bool:
         return self.running() > 0
 
     def stop(self) -> None:
-        """Stop taking jobs; running ones finish (call `join` to wait for them)."""
+        """Take no new jobs; running ones finish (call `join` to wait for them)."""
         self.stopping.set()
-        for worker in self.workers:
-            if worker is not None:
-                worker.request_stop()
+        for consumer in self.consumers:
+            with consumer._room:
+                consumer._room.notify_all()
 
     def join(self, idle_grace: float = 2.0) -> None:
-        """Wait for the threads running a job to finish it, while Redis answers (its result has
-        somewhere to go; with Redis gone the job is re-queued from its registry once Redis is back).
-        An idle thread gets `idle_grace` to leave: one stuck in rq's reconnect loop is left behind
-        (the threads are daemons)."""
-        deadline = time.monotonic() + idle_grace
-        for slot, thread in enumerate(self.threads):
-            while thread.is_alive():
-                thread.join(timeout=0.5)
-                worker = self.workers[slot]
-                if time.monotonic() > deadline and not (worker is not None and worker.busy and self._redis_answers()):
-                    break
+        """Wait for the running jobs to end, while Redis answers (see Consumer.join)."""
+        for consumer in self.consumers:
+            consumer.join(idle_grace)
         self._heartbeat.join(timeout=(self.heartbeat_interval + 1) if self._redis_answers() else 0.5)
 
     def _redis_answers(self) -> bool:
@@ -545,4 +608,3 @@ class WorkerPool:
             return False
         finally:
             client.close()
-

@@ -66,6 +66,8 @@ class RequestHandle:
         self._done = threading.Event()
         self._result: dict | None = None
         self._error: EngineError | None = None
+        self._callbacks: list = []
+        self._lock = threading.Lock()
 
     def cancel(self) -> None:
         """Drop the job at the next step (a no-op once it has ended)."""
@@ -84,10 +86,23 @@ class RequestHandle:
             raise self._error
         return self._result
 
+    def add_done_callback(self, fn) -> None:
+        """Call fn(handle) once the job has ended: at once if it has, else on the engine's thread
+        as it ends (so fn must not block)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def end(self, result: dict | None = None, error: EngineError | None = None) -> None:
         """The engine's side: the job ended with its completion object or an error."""
-        self._result, self._error = result, error
-        self._done.set()
+        with self._lock:
+            self._result, self._error = result, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
 
 class Engine:

@@ -327,9 +327,20 @@ return {ms, entries, redis.call('EXISTS', KEYS[2])}
 def open_attempt(client: redis.Redis, job_id: str) -> History:
     """Replay the job's stream and, unless it has ended, fence earlier attempts out of it (see
     `_OPEN_ATTEMPT`); one round trip, which also reads the job's cancel flag."""
-    ms, entries, cancelled = client.register_script(_OPEN_ATTEMPT)(
-        keys=[protocol.stream_key(job_id), protocol.cancel_key(job_id)],
-        args=[protocol.STREAM_TTL, *protocol.TERMINAL_EVENTS])
+    return attempt_opened(queue_attempt(client, job_id))
+
+
+def queue_attempt(client, job_id: str):
+    """`open_attempt`'s script call: on a pipeline, queued with the pipeline's other commands (its
+    reply, among the pipeline's, goes to `attempt_opened`); on a client, its reply. EVAL rather
+    than a registered script's EVALSHA, which costs a pipeline a round trip of its own (SCRIPT EXISTS)."""
+    return client.eval(_OPEN_ATTEMPT, 2, protocol.stream_key(job_id), protocol.cancel_key(job_id),
+                       protocol.STREAM_TTL, *protocol.TERMINAL_EVENTS)
+
+
+def attempt_opened(reply) -> History:
+    """The History of the attempt a `queue_attempt` reply opened."""
+    ms, entries, cancelled = reply
     history = _replay((entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in entries)
     if history.terminal is None:
         history.attempt_ms, history.cancelled = int(ms), bool(cancelled)
