@@ -209,8 +209,8 @@ def log_faster_options(model_id: str, model, options: list[str]) -> None:
 
 def check_engines(engines) -> int:
     """1 when an engine thread has died (an exception escaped its loop): the process then stops,
-    exiting 1 so its supervisor restarts it. The dead engine's jobs fail within a second of their
-    wait (consumer._wait) and rq retries them, at the front of the queue, on any worker."""
+    exiting 1 so its supervisor restarts it. The dead engine's jobs fail within a second
+    (consumer.Consumer._watch) and rq retries them, at the front of the queue, on any worker."""
     dead = [model_id for model_id, engine in engines if not engine.is_alive()]
     if dead:
         log.error("engine thread died; stopping so the process is restarted", extra={"models": dead})

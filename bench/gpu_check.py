@@ -29,7 +29,7 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
   prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
   requests, 2 repeats, and a streamed round at 8 (inter-token latency); each over the engine alone
-  of engine-small; and how fast the host's worker threads take a burst of 64 jobs
+  of engine-small; and how fast the host's consumer takes a burst of 64 jobs
   (bench/pickup_bench.py);
 - engine-xl: the bfloat16 engine on the GPT-2 XL shape at 1, 8 and 32 requests, one repeat (last of
   the benchmarks: the longest, so a budget that runs out costs its rows rather than the stack's);
@@ -659,10 +659,11 @@ def markdown(results: dict) -> str:
                 lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
         pickup = stack.get("pickup_ms")
         if pickup:
-            lines.append(f"\nA burst of {max(cs)} jobs on this host's worker threads (bench/pickup_bench.py, the tiny "
+            lines.append(f"\nA burst of {max(cs)} jobs taken by this host's consumer (bench/pickup_bench.py, the tiny "
                          f"model on the CPU), ms from the enqueue: first in the engine "
                          f"{_num(pickup['first_in_engine_ms'], 1)}, last {_num(pickup['last_in_engine_ms'], 1)}, "
-                         f"all finished {_num(pickup['all_finished_ms'], 1)}.")
+                         f"all finished {_num(pickup['all_finished_ms'], 1)}; the same jobs straight to the engine "
+                         f"{_num(pickup.get('engine_alone_ms'), 1)} (the worker keeps {_num(pickup.get('keeps'), 2)}).")
 
     xl = (phases.get("engine-xl") or {}).get("result")
     if xl:
@@ -828,10 +829,10 @@ def stack_main(argv: list[str]) -> None:
             print(entry["error"], file=sys.stderr, flush=True)
         entry["wall_s"] = time.perf_counter() - started
         write_json(args.json, results)
-    try:  # how fast this host's worker threads take a burst of jobs (bench/pickup_bench.py, on the CPU)
+    try:  # how fast this host's consumer takes a burst of jobs (bench/pickup_bench.py, on the CPU)
         from bench.pickup_bench import burst_times
 
-        bursts = burst_times(jobs=max(concurrency), bursts=4, max_tokens=1)
+        bursts = burst_times(jobs=max(concurrency), bursts=4, max_tokens=args.new_tokens)
         results["pickup_ms"] = {key: statistics.median(b[key] for b in bursts) for key in bursts[0]}
         print(f"a burst of {max(concurrency)} jobs: {results['pickup_ms']}", flush=True)
     except Exception:
@@ -908,7 +909,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
 
 class WorkerCPU:
     """The worker process's CPU time by thread (Linux /proc), to say what a request costs it: all
-    threads, its busiest thread (on a GPU the engine's), and the rest (rq's threads, the event
+    threads, its busiest thread (on a GPU the engine's), and the rest (the consumer's threads, the event
     writer, heartbeats): on a GPU host the rest holds the GIL the engine's thread launches with."""
 
     def __init__(self, pid: int):

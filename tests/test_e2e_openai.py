@@ -32,7 +32,7 @@ QUEUE_DEPTH = 6
 
 @pytest.fixture(scope="module")
 def stack(hf_checkpoint, tmp_path_factory):
-    """redis-server + processor.py (model `tiny`, 4 worker threads, its decode step compiled or not
+    """redis-server + processor.py (model `tiny`, 4 jobs at once, its decode step compiled or not
     as the worker decides by default) + gunicorn."""
     tmp = tmp_path_factory.mktemp("e2e-openai")
     models = tmp / "models.toml"

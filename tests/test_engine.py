@@ -336,7 +336,7 @@ def test_cancel_takes_effect_at_the_next_step(model, tok):
 
 
 def test_a_caller_is_answered_after_its_job_s_last_events_are_written(model, tok):
-    # The caller (an rq thread) woken by its handle returns the job as ended: its stream must then
+    # The caller (the consumer) called back by its handle records the job as ended: its stream must then
     # hold the terminal event, whether the job finished, was cancelled or was refused.
     done_when_written = {}
 

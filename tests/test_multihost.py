@@ -198,8 +198,8 @@ def test_a_worker_host_partitioned_from_redis(healthy):
             r.get("ts", 0) >= healed_at and r.get("msg") in ("event stream writes recovered", "stream entries refused",
                                                              "job finished") for r in log_records(victim)), 60, 0.5)
         # and to count as live again: web refuses a model with no live worker (503)
-        wait_for("the healed worker's rq workers to be registered again",
-                 lambda: len({name for name in registered_workers(bed.url, MODEL) if f":{victim.pid}:" in name}) >= 4,
+        wait_for("the healed worker's rq worker to be registered again",
+                 lambda: any(f":{victim.pid}:" in name for name in registered_workers(bed.url, MODEL)),
                  30, 0.5)
         load.wait_pieces(300)
     row = tally(bed.client(), load, bed.reference, "worker host partitioned from Redis", fault_at, TABLE)

@@ -40,7 +40,7 @@ def models_file(hf_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(redis_server, models_file, tmp_path_factory):
-    """One processor.py for the module (4 rq worker threads), on database 0 of the session Redis."""
+    """One processor.py for the module (4 jobs at once), on database 0 of the session Redis."""
     port = free_port()
     with start_processor(redis_server.url, models_file, concurrency=4, extra_args=["--metrics-port", str(port)],
                          log_dir=tmp_path_factory.mktemp("worker-logs")) as service:

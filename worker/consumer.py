@@ -90,6 +90,7 @@ class Running:
     history: History | None = None
     value: Any = None
     failure: tuple | None = None
+    outcome: Any = None  # once it ended: its result, or the exc_info of its failure (`_outcome`)
     silenced: threading.Event | None = None
     followers: list[Running] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -264,7 +265,9 @@ class Consumer:
                         continue
                 taken = take(self._queues, [free, batch_free], self.pool.poll_interval, worker.connection,
                              CompletionRqJob, protocol.SERIALIZER)
-                if taken:
+                if taken and self.pool.stopping.is_set():  # the stop came while we waited on the queues
+                    self._put_back(taken)
+                elif taken:
                     self._start(taken)
                 elif not self.running:
                     worker.set_state(WorkerStatus.IDLE)
@@ -275,6 +278,14 @@ class Consumer:
                         extra={"worker": self.name, "error": str(exc)}, exc_info=not isinstance(exc, redis.RedisError))
                 failing = True
                 self.pool.stopping.wait(2.0)
+
+    def _put_back(self, taken: list[tuple[Job, Queue]]) -> None:
+        """Return jobs just taken to the front of their queues, in their order, for another worker."""
+        with self.worker.connection.pipeline() as pipe:
+            for job, queue in reversed(taken):
+                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                queue.push_job_id(job.id, pipeline=pipe, at_front=True)
+            pipe.execute()
 
     def _register(self) -> EngineWorker:
         worker = self.pool._new_worker(self.name, self.queue_names,
@@ -293,10 +304,12 @@ class Consumer:
             run = Running(job, queue, started + (job.timeout or Queue.DEFAULT_TIMEOUT))
             runs.append(run)
             try:
-                job.check()
-                payload = protocol.CompletionJob.from_payload(job.args[0])
-            except ForeignJob:
+                job.check()  # also reads the job's data: one another serializer wrote raises here
+            except Exception:
                 run.failure = sys.exc_info()
+                continue
+            try:
+                payload = protocol.CompletionJob.from_payload(job.args[0])
             except (ValidationError, IndexError, TypeError) as exc:
                 first = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
                 refused.append((run, f"Invalid job payload: {first['msg']} ({'.'.join(map(str, first['loc']))}).", None))
@@ -337,7 +350,10 @@ class Consumer:
         with self._room:
             self.running.update(runs)
         for run, message, param in refused:
-            append_event(worker.connection, run.job.id, "error", protocol.error_body(message, param=param))
+            try:
+                append_event(worker.connection, run.job.id, "error", protocol.error_body(message, param=param))
+            except redis.RedisError:
+                run.failure = sys.exc_info()  # retried: its stream must end
         for run in runs:
             if run not in payloads:
                 self._ended.put(run)
@@ -358,12 +374,17 @@ class Consumer:
             kind, data = history.terminal
             run.value = data.get("completion") if kind == "done" else None
         else:
-            append_event(self.worker.connection, run.job.id, "cancelled", {}, entry_id=f"{history.attempt_ms}-1")
+            try:
+                append_event(self.worker.connection, run.job.id, "cancelled", {}, entry_id=f"{history.attempt_ms}-1")
+            except redis.RedisError:
+                run.failure = sys.exc_info()  # retried: its stream must end
         self._ended.put(run)
 
     # ---- recording ----
 
     def _record_loop(self) -> None:
+        unrecorded: list[Running] = []  # ended, their records not written yet (Redis away)
+        failing = False
         while not (self.pool.stopping.is_set() and not self._taking.is_alive() and not self.running):
             try:
                 ended = [self._ended.get(timeout=0.5)]
@@ -373,10 +394,17 @@ class Consumer:
                 ended.append(self._ended.get())
             try:
                 self._watch()
-                if ended:
-                    self._record(ended)
             except Exception:
-                log.exception("recording jobs failed", extra={"worker": self.name})
+                log.exception("watching running jobs failed", extra={"worker": self.name})
+            for run in ended:
+                run.outcome = self._outcome(run)
+            unrecorded = self._record(unrecorded + ended) if unrecorded or ended else []
+            if unrecorded and not failing:
+                self.pool.grace.lost()
+                log.warning("recording ended jobs failed; retrying", extra={"worker": self.name, "jobs": len(unrecorded)})
+            failing = bool(unrecorded)
+            if failing:
+                self.pool.stopping.wait(0.5)
 
     def _watch(self) -> None:
         """Time out jobs past rq's job timeout (taken out of the engine without a `cancelled` event,
@@ -392,34 +420,49 @@ class Consumer:
                 run.silenced = self.binding.writer.silence(run.job.id)
                 run.handle.cancel()
 
-    def _record(self, ended: list[Running]) -> None:
+    def _record(self, ended: list[Running]) -> list[Running]:
         """Record the ends of these jobs (and of the deliveries that follow them): the finished ones
-        in one transaction, the failed ones through rq's failure path."""
-        finished, failed = [], []
+        in one transaction, the failed ones through rq's failure path. Returns those whose records
+        Redis did not take, to be tried again."""
+        finished = [run for run in ended if not isinstance(run.outcome, tuple)]
+        recorded, unrecorded = [], []
+        try:
+            self._write_finished([(delivery, run.outcome) for run in finished for delivery in [run, *run.followers]])
+            recorded += finished
+        except redis.RedisError:
+            unrecorded += finished
         for run in ended:
-            outcome = self._outcome(run)
-            for delivery in [run, *run.followers]:
-                (failed if isinstance(outcome, tuple) else finished).append((delivery, outcome))
-        if finished:
-            worker = self.worker
-            with worker.connection.pipeline() as pipe:
-                for run, value in finished:
-                    job = run.job
-                    job.ended_at, job._result, job._status = now(), value, JobStatus.FINISHED
-                    result_ttl = job.get_result_ttl(worker.default_result_ttl)
-                    if result_ttl != 0:
-                        job._handle_success(result_ttl, pipeline=pipe, worker_name=worker.name,
-                                            execution_id=run.execution.id, execution_started_at=run.execution.created_at,
-                                            execution_ended_at=job.ended_at)
-                    job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-                    run.execution.delete(job=job, pipeline=pipe)
-                pipe.hincrby(worker.key, "successful_job_count", len(finished))
-                pipe.execute()
-        for run, exc_info in failed:
-            self._fail(run, exc_info)
+            if isinstance(run.outcome, tuple):
+                try:
+                    for delivery in [run, *run.followers]:
+                        if delivery.execution is not None:  # not recorded yet
+                            self._fail(delivery, run.outcome)
+                            delivery.execution = None
+                    recorded.append(run)
+                except redis.RedisError:
+                    unrecorded.append(run)
         with self._room:
-            self.running.difference_update(run for run, _ in finished + failed)
+            self.running.difference_update(delivery for run in recorded for delivery in [run, *run.followers])
             self._room.notify()
+        return unrecorded
+
+    def _write_finished(self, finished: list[tuple[Running, Any]]) -> None:
+        if not finished:
+            return
+        worker = self.worker
+        with worker.connection.pipeline() as pipe:
+            for run, value in finished:
+                job = run.job
+                job.ended_at, job._result, job._status = now(), value, JobStatus.FINISHED
+                result_ttl = job.get_result_ttl(worker.default_result_ttl)
+                if result_ttl != 0:
+                    job._handle_success(result_ttl, pipeline=pipe, worker_name=worker.name,
+                                        execution_id=run.execution.id, execution_started_at=run.execution.created_at,
+                                        execution_ended_at=job.ended_at)
+                job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+                run.execution.delete(job=job, pipeline=pipe)
+            pipe.hincrby(worker.key, "successful_job_count", len(finished))
+            pipe.execute()
 
     def _outcome(self, run: Running):
         """A job's result (the completion object, or None when it was refused, cancelled or ended

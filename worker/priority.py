@@ -78,7 +78,7 @@ def take(queues: list[Queue], room: list[int], timeout: float, connection, job_c
     With every queue it may take from empty, block on the first for up to `timeout`, in slices of
     SLICE_S (looking at the others between slices), and return what one wake brings (an empty list
     at the deadline). A job whose hash expired while it was queued is left in the intermediate list
-    for rq's maintenance (as `dequeue_any` leaves it)."""
+    for rq's maintenance (as rq's dequeue leaves it)."""
     script = connection.register_script(_TAKE)
     deadline = time.monotonic() + timeout
     while True:

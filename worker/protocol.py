@@ -126,6 +126,8 @@ def redis_client(url: str, pool_class: type[redis.ConnectionPool] = redis.Connec
 # never imports it.
 QUEUE_PREFIX = "completions:"
 BATCH_QUEUE_PREFIX = "batch:"
+# The function every completion job names (rq's job hash names one): consumers run the payload of
+# jobs that name it on their engine (worker/consumer.py), and never import or call a function a job names.
 JOB_FUNCTION = "worker.consumer.run_completion"
 # The field of an rq worker's record (its hash) that is 1 while its engine compiles its decode step's
 # graphs in the background, serving eagerly meanwhile, else 0 (web's /ready counts them).

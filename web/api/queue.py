@@ -114,8 +114,8 @@ class JobQueue:
     def ended(self, job_ids: list[str]) -> list[str]:
         """Those of these jobs that hold nothing of an engine's any more, in one round trip: those
         rq will not run again (ended, or forgotten), and those whose stream holds their terminal
-        event: the worker writes that event before its rq thread returns and rq records the job
-        finished, which lags under load, and a key's quota of jobs would count the lag."""
+        event: the worker writes that event before its consumer records the job finished in rq,
+        which lags under load, and a key's quota of jobs would count the lag."""
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hget(Job.key_for(job_id), "status")
