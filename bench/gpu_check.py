@@ -975,7 +975,8 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) 
 
     parts: dict[str, list[float]] = {"web": [], "pickup": [], "engine": [], "reply": [], "rq_after_done": []}
     for job_id, start, end in sent:
-        queued, opened = first(job_id, "RPUSH"), first(job_id, "EVALSHA", "nanoserve:stream:")
+        # the attempt's script replays the stream first (worker/events.py _OPEN_ATTEMPT)
+        queued, opened = first(job_id, "RPUSH"), first(job_id, "XRANGE", "nanoserve:stream:")
         done, finished = first(job_id, "XADD", "type done"), first(job_id, "HSET", "status finished")
         if None in (queued, opened, done, finished):
             continue

@@ -307,7 +307,7 @@ def test_ready_counts_the_workers_whose_engine_still_compiles(client, redis_url)
     compiling.set()
     r = redis.Redis.from_url(redis_url)
     worker = EngineWorker([protocol.queue_name("tiny")], connection=r,
-                          serializer=protocol.SERIALIZER, heartbeat_ttl=10, poll_interval=1, warming=compiling.is_set)
+                          serializer=protocol.SERIALIZER, heartbeat_ttl=10, warming=compiling.is_set)
     worker.register_birth()
     worker.heartbeat()
     try:

@@ -336,17 +336,23 @@ class Consumer:
         for run in opening:
             if binding.writer.holds(run.job.id):  # an attempt of ours whose events an outage kept back
                 binding.writer.wait_written(timeout=10.0)
-        with worker.connection.pipeline() as pipe:
-            for run in runs:
-                run.execution = Execution.create(run.job, ttl, pipeline=pipe, worker_name=worker.name)
-                run.job.prepare_for_execution(worker.name, pipeline=pipe)
-                pipe.lrem(run.queue.intermediate_queue_key, 1, run.job.id)
-                pipe.persist(run.job.key)
-            first_attempt = len(pipe)
-            for run in opening:
-                queue_attempt(pipe, run.job.id)
-            worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            replies = pipe.execute()[first_attempt:first_attempt + len(opening)]
+        try:
+            with worker.connection.pipeline() as pipe:
+                for run in runs:
+                    run.execution = Execution.create(run.job, ttl, pipeline=pipe, worker_name=worker.name)
+                    run.job.prepare_for_execution(worker.name, pipeline=pipe)
+                    pipe.lrem(run.queue.intermediate_queue_key, 1, run.job.id)
+                    pipe.persist(run.job.key)
+                first_attempt = len(pipe)
+                for run in opening:
+                    queue_attempt(pipe, run.job.id)
+                worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
+                replies = pipe.execute()[first_attempt:first_attempt + len(opening)]
+        except BaseException:  # none started: they wait in the intermediate lists for rq's maintenance
+            with binding.lock:
+                for run in opening:
+                    binding.running.pop(run.job.id, None)
+            raise
         with self._room:
             self.running.update(runs)
         for run, message, param in refused:
@@ -397,7 +403,11 @@ class Consumer:
             except Exception:
                 log.exception("watching running jobs failed", extra={"worker": self.name})
             for run in ended:
-                run.outcome = self._outcome(run)
+                try:
+                    run.outcome = self._outcome(run)
+                except Exception:
+                    log.exception("reading a job's end failed", extra={"job_id": run.job.id})
+                    run.outcome = sys.exc_info()
             unrecorded = self._record(unrecorded + ended) if unrecorded or ended else []
             if unrecorded and not failing:
                 self.pool.grace.lost()
