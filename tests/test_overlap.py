@@ -193,6 +193,38 @@ def test_the_device_keeps_each_slot_s_last_draw(model, tok):
     assert [generated(sink, j, index)[0] for index in (0, 1)] == on_device
 
 
+def test_a_decode_step_running_ahead_copies_to_the_device_once(model, tok, monkeypatch):
+    """A decode step whose rows draw a step ahead (greedy, EOS banned by logit_bias, as the
+    benchmarks run) sends the device one tensor, its rows' slots and positions: their last tokens
+    come from the device's record of their draws, and their biases from the step before's copy
+    while the batch holds the same requests. Its draws still equal those of a step at a time."""
+    import worker.decode_routes
+    import worker.runner
+    import worker.sampling
+
+    ahead = Engine(model, tok, max_batch=4, overlap=True, event_sink=Sink())
+    jobs = [job(tok, [prompt], max_tokens=12, temperature=0.0, logit_bias={tok.eos_token_id: -100.0})
+            for prompt in PROMPTS[:3]]
+    copies = []
+    for module in (worker.runner, worker.sampling, worker.decode_routes):
+        real = module.to_device
+        monkeypatch.setattr(module, "to_device", lambda *a, real=real, **k: copies.append(a[0]) or real(*a, **k))
+    handles = [ahead.submit(j) for j in jobs]
+    for _ in range(3):  # the prefills, then steps with the new rows' first draws
+        ahead.step()
+    per_step = []
+    while all(s.pending for s in ahead.scheduler.decoding) and len(per_step) < 5:
+        copies.clear()
+        ahead.step()
+        per_step.append(len(copies))
+    assert len(per_step) == 5 and per_step == [1] * 5, per_step
+    while not all(h.done for h in handles):
+        ahead.step()
+    monkeypatch.undo()
+    sync = Engine(model, tok, max_batch=4, overlap=False)
+    assert [h.result()["choices"][0]["text"] for h in handles] == [sync.generate(j)["choices"][0]["text"] for j in jobs]
+
+
 # ---- through the whole stack: a worker running ahead (`processor.py --overlap`) ----
 
 @pytest.mark.slow

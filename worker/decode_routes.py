@@ -162,15 +162,20 @@ class DecodeRoutes:
             return Route(Graph.BUCKET, bucket(rows))
         return Route(Graph.EAGER, rows)
 
-    def run(self, route: Route, tokens: torch.Tensor, slots: list[int], positions: list[int],
+    def where(self, route: Route, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """The rows' slots and positions (2, route.rows) on the device, in one copy, padded to the
+        route's rows (padding rows: position 0 of the spare slot)."""
+        pad = route.rows - len(positions)
+        return to_device([slots + [self.slots] * pad, positions + [0] * pad], self.device)
+
+    def run(self, route: Route, tokens: torch.Tensor, where: torch.Tensor, span: int,
             outputs: list[int] | None = None) -> torch.Tensor:
         """One forward_decode of a BUCKET, SMALL or KERNEL route, each row a token (`tokens`, on the
-        device) at its (slot, position), padded to route.rows: the logits (B, V) of every real row
-        (BUCKET), or of the rows `outputs` (SMALL, KERNEL: the decoding rows, then each chunk's last token)."""
-        real, pad = len(positions), route.rows - len(positions)
+        device) at its (slot, position) (`where`, as `where()` gives them), attending to positions
+        0..span-1: the logits (B, V) of every real row (BUCKET), or of the rows `outputs` (SMALL,
+        KERNEL: the decoding rows, then each chunk's last token)."""
+        real, pad = len(tokens), route.rows - len(tokens)
         tokens = torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens
-        where = to_device([slots + [self.slots] * pad, positions + [0] * pad], self.device)
-        span = max(positions) + 1
         if route.graph is Graph.BUCKET and self.graphs is not None:
             return self.graphs(tokens, where, span)[:real]
         keys = torch.arange(max(span, 2), device=self.device)
@@ -219,7 +224,7 @@ class DecodeRoutes:
                     return
                 began = time.monotonic()
                 self.run(route, torch.zeros(route.rows, dtype=torch.long, device=self.device),
-                         [self.slots] * route.rows, [0] * route.rows,
+                         self.where(route, [self.slots] * route.rows, [0] * route.rows), 1,
                          None if outputs is None else list(range(outputs)))
                 self.live = self.live | {route}  # the engine's next route() takes it
                 log.info("decode graph live", extra={"graph": route.graph.name, "rows": route.rows,

@@ -96,6 +96,7 @@ class Runner:
         self.sampler = Sampler(slots, vocab_size, self.device, grammars)
         # each slot's last drawn token, on the device: the next step's input before the host has it
         self.last = torch.zeros(slots + spare, dtype=torch.long, device=self.device)
+        self._slots: tuple[list[int], torch.Tensor] | None = None  # the decoding rows' slots, host and device
         self.prompt_tokens = self.tokens_generated = 0
         self.batch_sizes = Counter()  # decode forwards by batch size
         self.routes_taken = Counter()  # decode forwards by route (decode_routes.Graph)
@@ -175,14 +176,15 @@ class Runner:
             tokens, lengths, slots, start, span = self._decode_batch(rows)
             return self.model.forward_cached(tokens, lengths, slots, start, self.cache, span=span), None
         # each row a token at its own (slot, position): the decoding rows', then the chunks' prompt tokens
-        tokens = self._last_tokens(rows)
+        slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in riding for _ in range(n)]
+        positions = [s.position for s in rows] + [p for unit, n in riding for p in range(unit.fed, unit.fed + n)]
+        where = self.routes.where(route, slots, positions)
+        tokens = self._last_tokens(rows, where[0, :len(rows)])
         if riding:
             tokens = torch.cat([tokens, to_device([t for unit, n in riding for t in unit.context[unit.fed:unit.fed + n]],
                                                   self.device)])
-        slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in riding for _ in range(n)]
-        positions = [s.position for s in rows] + [p for unit, n in riding for p in range(unit.fed, unit.fed + n)]
         outputs = None if route.graph is Graph.BUCKET else chunk_rows(len(rows), [n for _, n in riding])
-        logits = self.routes.run(route, tokens, slots, positions, outputs)
+        logits = self.routes.run(route, tokens, where, max(positions) + 1, outputs)
         return (logits, None) if not riding else (logits[:len(rows)], logits[len(rows):])
 
     def _decode_with_candidates(self, seqs: list[Sequence], searching: list[Sequence]) -> torch.Tensor:
@@ -236,13 +238,16 @@ class Runner:
     def _decode_batch(self, seqs: list[Sequence]) -> tuple:
         """The decoding sequences as forward_cached's (tokens (B, 1), lengths, slots, start_pos, span)."""
         slots, start = to_device([[s.slot for s in seqs], [s.position for s in seqs]], self.device)
-        return self._last_tokens(seqs)[:, None], torch.ones_like(slots), slots, start, max(s.position for s in seqs) + 1
+        return self._last_tokens(seqs, slots)[:, None], torch.ones_like(slots), slots, start, max(s.position for s in seqs) + 1
 
-    def _last_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _last_tokens(self, seqs: list[Sequence], slots: torch.Tensor | None = None) -> torch.Tensor:
         """The sequences' last tokens (B,) on the device: from the host where it has them all, else
-        from `last`, where a draw still on its way to the host already is."""
+        from `last`, where a draw still on its way to the host already is. `slots`: the sequences'
+        slots on the device, where the step has them, which its draws then index with too (`sample`)."""
+        if slots is not None:
+            self._slots = ([s.slot for s in seqs], slots)
         if any(s.pending for s in seqs):
-            return self.last[to_device([s.slot for s in seqs], self.device)]
+            return self.last[slots if slots is not None else to_device([s.slot for s in seqs], self.device)]
         return to_device([s.tokens[-1] for s in seqs], self.device)
 
     def _prefill_batch(self, group: list[tuple[Prefill, int]]) -> tuple:
@@ -279,7 +284,9 @@ class Runner:
         full = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, rows): every row of the head
         scored = any(s.request.needs_scores for s in rows)  # else the raw logits are read no more
         slots = [s.slot for s in rows]
-        idx = to_device(slots, self.device)
+        # the decoding rows' slots are on the device already, from the step's one copy of its rows
+        idx = self._slots[1] if self._slots is not None and self._slots[0] == slots else to_device(slots, self.device)
+        self._slots = None
         # drawn among the tokenizer's ids only (nanoGPT and GPT-J pad the head past them)
         tokens = self.sampler.sample(full[:, :self.vocab_size], slots, [s.tokens for s in rows], in_place=not scored,
                                      idx=idx)
