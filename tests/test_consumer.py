@@ -17,6 +17,7 @@ from tests import rq_json
 from worker import consumer, protocol
 from worker.consumer import Binding, CompletionRqJob, ForeignJob, WorkerPool
 from worker.engine import RequestHandle
+from worker.errors import RequestCancelled
 from worker.events import StreamWriter
 
 MODEL = "m"
@@ -27,23 +28,26 @@ class SleepingEngine:
     jobs ran at once."""
 
     def __init__(self):
-        self.running = self.most = 0
+        self.running = self.most = self.submitted = 0
         self._lock = threading.Lock()
 
     def is_alive(self) -> bool:
         return True
 
     def submit(self, job: protocol.CompletionJob, resume=None) -> RequestHandle:
-        handle = RequestHandle(job.id, cancel=lambda job_id: None)
+        self.submitted += 1
         with self._lock:
             self.running += 1
             self.most = max(self.most, self.running)
 
-        def end():
+        def end(error=None):
             with self._lock:
+                if handle.done:
+                    return
                 self.running -= 1
-            handle.end({"id": job.id, "choices": [], "usage": {"completion_tokens": 0}})
+            handle.end({"id": job.id, "choices": [], "usage": {"completion_tokens": 0}}, error)
 
+        handle = RequestHandle(job.id, cancel=lambda job_id: end(RequestCancelled(job_id)))
         threading.Timer(job.max_tokens / 10, end).start()
         return handle
 
@@ -226,6 +230,27 @@ def test_a_burst_of_jobs_starts_and_ends_in_a_few_transactions(redis_url, client
     transactions = sum(command == "MULTI" for command in commands)
     assert engine.most == 16
     assert 3 <= transactions <= 8, commands  # the enqueue, and a start and a record for each of a wake or few
+
+
+def test_a_job_past_rqs_timeout_is_taken_out_of_the_engine_failed_and_retried(redis_url, client):
+    """rq's job timeout: the consumer takes the job out of the engine (no `cancelled` event in its
+    stream), fails it so rq retries it, and once its retries run out its stream ends with an error."""
+    from rq.job import Retry
+
+    pool, engine = start_pool(redis_url, 2)
+    try:
+        queue = rq_json.queue(protocol.queue_name(MODEL), client)
+        started = time.monotonic()
+        slow = enqueue(queue, 40, timeout=1, retry=Retry(max=1))  # 4 s a run, 1 s allowed
+        wait_until(lambda: slow.get_status() == JobStatus.FAILED, 10, "the job never failed")
+        took = time.monotonic() - started
+    finally:
+        pool.stop()
+        pool.join(idle_grace=5)
+    assert engine.submitted == 2 and engine.running == 0  # run, retried once, each taken out
+    assert took < 4, took
+    events = [fields[b"type"] for _, fields in client.xrange(protocol.stream_key(slow.id))]
+    assert events == [b"error"]
 
 
 def test_a_consumer_runs_the_job_function_and_nothing_else_a_job_names(redis_url, client, monkeypatch, tmp_path):
