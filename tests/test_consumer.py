@@ -24,32 +24,42 @@ MODEL = "m"
 
 
 class SleepingEngine:
-    """Ends each job after max_tokens / 10 seconds with an empty completion; counts how many of its
-    jobs ran at once."""
+    """Ends each job after max_tokens / 10 seconds with an empty completion, in steps of 20 ms as
+    an engine does (every job due in a step ends in it); counts how many of its jobs ran at once."""
 
     def __init__(self):
-        self.running = self.most = self.submitted = 0
+        self.submitted = self.most = 0
+        self.due: dict[RequestHandle, float] = {}
         self._lock = threading.Lock()
+        threading.Thread(target=self._step, daemon=True).start()
+
+    @property
+    def running(self) -> int:
+        return len(self.due)
 
     def is_alive(self) -> bool:
         return True
 
     def submit(self, job: protocol.CompletionJob, resume=None) -> RequestHandle:
-        self.submitted += 1
+        handle = RequestHandle(job.id, cancel=lambda job_id: self._end(handle, RequestCancelled(job_id)))
         with self._lock:
-            self.running += 1
-            self.most = max(self.most, self.running)
-
-        def end(error=None):
-            with self._lock:
-                if handle.done:
-                    return
-                self.running -= 1
-            handle.end({"id": job.id, "choices": [], "usage": {"completion_tokens": 0}}, error)
-
-        handle = RequestHandle(job.id, cancel=lambda job_id: end(RequestCancelled(job_id)))
-        threading.Timer(job.max_tokens / 10, end).start()
+            self.submitted += 1
+            self.due[handle] = time.monotonic() + job.max_tokens / 10
+            self.most = max(self.most, len(self.due))
         return handle
+
+    def _end(self, handle: RequestHandle, error=None) -> None:
+        with self._lock:
+            if self.due.pop(handle, None) is None:
+                return
+        handle.end({"id": handle.job_id, "choices": [], "usage": {"completion_tokens": 0}}, error)
+
+    def _step(self) -> None:
+        while True:
+            time.sleep(0.02)
+            now = time.monotonic()
+            for handle in [h for h, due in list(self.due.items()) if due <= now]:
+                self._end(handle)
 
 
 @pytest.fixture()
