@@ -224,6 +224,9 @@ def test_pickup_bench_times_bursts_of_jobs_through_a_real_worker_pool():
     assert len(bursts) == 2
     for burst in bursts:  # every job reached the engine, then all finished
         assert 0 < burst["first_in_engine_ms"] <= burst["last_in_engine_ms"] < burst["all_finished_ms"]
+        # the same jobs straight to the engine, and what the worker keeps of that
+        assert burst["engine_alone_ms"] > 0
+        assert burst["keeps"] == pytest.approx(burst["engine_alone_ms"] / burst["all_finished_ms"])
 
 
 @pytest.mark.slow

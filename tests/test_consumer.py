@@ -289,7 +289,7 @@ def test_a_consumer_runs_the_job_function_and_nothing_else_a_job_names(redis_url
     assert (ours_read.success_callback, ours_read.failure_callback, ours_read.stopped_callback) == (None, None, None)
     with pytest.raises(ForeignJob):
         foreign_read.check()
-    with pytest.raises(ForeignJob):
+    with pytest.raises(TypeError):
         ours_read.func  # nothing resolves the function a job names
 
     pool, _ = start_pool(redis_url, 2)

@@ -131,7 +131,7 @@ class CompletionRqJob(Job):
     @property
     def func(self):
         self.check()
-        raise ForeignJob("A completion job runs on a consumer's engine; nothing imports or calls its function.")
+        raise TypeError("A completion job runs on a consumer's engine: nothing imports or calls the function it names.")
 
     success_callback = failure_callback = stopped_callback = property(lambda self: None)
 
@@ -320,19 +320,16 @@ class Consumer:
                     payloads[run] = payload
         # A copy delivered while this engine runs the job must not open an attempt of its own: that
         # would fence the running one out of the job's stream. It ends as the running one does.
+        opening = []
         with binding.lock:
-            leaders = dict(binding.running)
-            opening = []
             for run in payloads:
-                if run.job.id in leaders:
+                if (leader := binding.running.get(run.job.id)) is not None:
                     log.warning("job delivered again while it runs; it ends as the running attempt does",
                                 extra={"job_id": run.job.id})
-                    leaders[run.job.id].followers.append(run)
-                else:
-                    leaders[run.job.id] = run
+                    leader.followers.append(run)
+                else:  # held from now on, so that later deliveries follow it
+                    binding.running[run.job.id] = run
                     opening.append(run)
-            for run in opening:  # placeholders until submitted: later deliveries follow them
-                binding.running[run.job.id] = run
         for run in opening:
             if binding.writer.holds(run.job.id):  # an attempt of ours whose events an outage kept back
                 binding.writer.wait_written(timeout=10.0)

@@ -122,12 +122,12 @@ def redis_client(url: str, pool_class: type[redis.ConnectionPool] = redis.Connec
 
 
 # rq queues per served model: interactive requests, and a batch's lines, which workers take only when
-# no interactive job waits (worker/priority.py). The job function is named by dotted path so web
-# never imports it.
+# no interactive job waits (worker/priority.py).
 QUEUE_PREFIX = "completions:"
 BATCH_QUEUE_PREFIX = "batch:"
-# The function every completion job names (rq's job hash names one): consumers run the payload of
-# jobs that name it on their engine (worker/consumer.py), and never import or call a function a job names.
+# The function name every completion job carries (an rq job's hash names one): a consumer runs the
+# payload of jobs that carry it on its engine and refuses any other (worker/consumer.py); nothing
+# imports or calls it, so no function of that name exists.
 JOB_FUNCTION = "worker.consumer.run_completion"
 # The field of an rq worker's record (its hash) that is 1 while its engine compiles its decode step's
 # graphs in the background, serving eagerly meanwhile, else 0 (web's /ready counts them).
