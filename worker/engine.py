@@ -26,6 +26,13 @@ before draws one token more, which is dropped: never a wrong output, a row's wor
 whose next token depends on the previous one on the host (beam and contrastive search, a grammar,
 multi-token bans) take their tokens in at once, and while one is in the engine every step does.
 
+Several decode steps a step (`decode_steps`, running ahead only): while nothing waits to be
+admitted or prefilled, a step launches up to `decode_steps` decode forwards and draws back to back,
+each fed the draws of the one before from the device, then takes the step before's tokens in: the
+scheduling, the take-in and the event write are paid once for all of them. A sequence that ends
+inside them has its later draws dropped; none runs past its max_tokens. Its cost: a stop, a
+cancellation or a new request is seen up to that many forwards later (docs/notes/decode-steps.md).
+
 A fault of the engine itself (EngineFault) writes no event: the job's handle raises it, and a
 retry can resume the job (output.py).
 
@@ -55,6 +62,9 @@ from worker.strategies import BeamSearch, ContrastiveSearch, Sampling
 log = logging.getLogger(__name__)
 
 _DEFAULT = object()
+# Decode forwards a step runs while nothing waits (off a GPU, and on one): a CPU's forward runs on the
+# engine's thread, so host work saved there is a small part of a step; on a GPU it is most of one.
+DECODE_STEPS = {False: 1, True: 4}
 
 
 class RequestHandle:
@@ -110,7 +120,7 @@ class Engine:
                  prefill_chunk: int | None = None, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
                  cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None,
-                 fused_kernels: bool = True):
+                 decode_steps: int | None = None, fused_kernels: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots; None: 32 on a CPU, on a GPU as many as
         its free memory holds, nanogpt/runtime/kv_cache.default_slots), fewer if `kv_memory_bytes`
@@ -129,6 +139,8 @@ class Engine:
         cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
         batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py).
         overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU.
+        decode_steps: the most decode forwards a step runs while nothing waits for a slot or a prefill
+        (see the module docstring; with `overlap` only); None: DECODE_STEPS of the device.
         prefill_chunk: the most prompt tokens a step feeds (None: scheduler.PREFILL_CHUNK of the device).
         fused_kernels: on a GPU, pad the output layer, add the residual in the layer norms' pass,
         apply the activations in the matmuls' epilogues and run the linear layers of few rows by the
@@ -153,7 +165,10 @@ class Engine:
         self.output = OutputProcessor(tokenizer, tokenizer.eos_token_id if eos_token_id is _DEFAULT else eos_token_id)
         self.strategies = tuple(kind(self.runner, self.output) for kind in (Sampling, BeamSearch, ContrastiveSearch))
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self._ahead: Drawn | None = None  # the step before's draws, not taken in yet
+        self.decode_steps = DECODE_STEPS[self.device.type == "cuda"] if decode_steps is None else decode_steps
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be at least 1, not {self.decode_steps}")
+        self._ahead: list[Drawn] = []  # the step before's draws, not taken in yet
         self._steps = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -227,7 +242,7 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
         events: list[Event] = []
-        self._ahead = None
+        self._ahead = []
         self.scheduler.stop(EngineFault("The worker stopped before the job finished."), events)
         self._emit(events)
         self.scheduler.settle()
@@ -312,28 +327,45 @@ class Engine:
         docstring). Never raises for a request's sake."""
         events: list[Event] = []
         started = time.perf_counter()
-        if self._ahead is not None and not self._overlaps():  # a request needs its tokens on the host to schedule
-            ahead, self._ahead = self._ahead, None
+        if self._ahead and not self._overlaps():  # a request needs its tokens on the host to schedule
+            ahead, self._ahead = self._ahead, []
             try:
-                self._take_in(ahead, ahead=True)
+                for drawn in ahead:
+                    self._take_in(drawn, ahead=True)
             except Exception:
-                self._fault({s.request for s in ahead.rows if self.scheduler.requests.get(s.request.job.id) is s.request},
-                            events)
+                self._fault({s.request for d in ahead for s in d.rows
+                             if self.scheduler.requests.get(s.request.job.id) is s.request}, events)
         batch = self.scheduler.schedule(events)
+        forwards = self._forwards(batch)
         try:
             with torch.no_grad():
-                rows, logits, prefilled = self._execute(batch)
-                self._sample(batch, rows, logits)
+                if forwards > 1:
+                    prefilled = []
+                    self._settle_draws(self._decode_ahead(batch.decoding, forwards), ahead=True)
+                else:
+                    rows, logits, prefilled = self._execute(batch)
+                    self._sample(batch, rows, logits)
             self.scheduler.update(batch, prefilled)
         except Exception:
-            self._ahead = None  # its requests are among the batch's
+            self._ahead = []  # its requests are among the batch's
             self._fault(batch.requests, events)
         for req, completion in self.output.collect(self.scheduler.requests.values(), events):
             self.scheduler.complete(req, completion)
-        self._steps += 1
+        self._steps += forwards
         self.scheduler.cancels.extend(self._emit(events))
         self.scheduler.settle()  # after the write: see Scheduler.settle
-        self.scheduler.timed(batch, time.perf_counter() - started)
+        self.scheduler.timed(batch, (time.perf_counter() - started) / forwards)
+
+    def _forwards(self, batch: Batch) -> int:
+        """The decode forwards this step runs: `decode_steps` (fewer where a sequence would reach its
+        max_tokens) when the step only decodes, every request runs ahead (none needs its tokens on the
+        host), and nothing waits for a slot or a prefill; else one."""
+        if self.decode_steps == 1 or not batch.decoding or batch.chunks or batch.ready or batch.admitted:
+            return 1
+        scheduler = self.scheduler
+        if scheduler.inbox or scheduler.waiting or scheduler.prefilling or not self._overlaps():
+            return 1
+        return max(1, min(self.decode_steps, *(s.max_new - len(s.tokens) - s.pending for s in batch.decoding)))
 
     def _execute(self, batch: Batch) -> tuple[list[Sequence], torch.Tensor | None, list[Prefill]]:
         """The step's forwards (runner.py), then the start of the sequences whose prefill completed
@@ -368,15 +400,33 @@ class Engine:
                 mine = [s for s in batch.decoding if strategy.takes(s.request)]
                 if mine:
                     strategy.draw(mine, None)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            self._take_in(ahead, ahead=True)
-        if drawn is not None and self.overlap and all(s.request.overlaps for s in drawn.rows):
+        ahead = drawn is not None and self.overlap and all(s.request.overlaps for s in drawn.rows)
+        if ahead:
             for s in drawn.rows:
                 s.pending += 1
+        self._settle_draws([drawn] if drawn is not None else [], ahead)
+
+    def _decode_ahead(self, rows: list[Sequence], forwards: int) -> list[Drawn]:
+        """`forwards` decode forwards of `rows`, each drawing from the last and fed its draws from the
+        device: their draws, in order, none taken in."""
+        drawn = []
+        for _ in range(forwards):  # each step's logits freed before the next forward allocates its own
+            drawn.append(self.runner.sample(rows, [self.runner.forward(rows, [], [])[0]]))
+            for s in rows:
+                s.pending += 1
+        return drawn
+
+    def _settle_draws(self, drawn: list[Drawn], ahead: bool) -> None:
+        """After a step's draws (`drawn`, in the order drawn) are launched: take the step before's in,
+        then this step's at once or, `ahead`, in the next step (their rows count them pending)."""
+        before, self._ahead = self._ahead, []
+        for d in before:
+            self._take_in(d, ahead=True)
+        if ahead:
             self._ahead = drawn
-        elif drawn is not None:
-            self._take_in(drawn)
+        else:
+            for d in drawn:
+                self._take_in(d)
 
     def _fault(self, requests, events: list[Event]) -> None:
         """A fault (not a bad request: those were refused at submit). These jobs cannot be trusted to
