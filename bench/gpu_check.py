@@ -1062,7 +1062,9 @@ def profile_main(argv: list[str]) -> None:
                 with torch.profiler.profile(activities=activities) as prof:
                     forwards = run_forwards(engine, args.steps)
                     sync()
+                # the host's own time by operator a forward: which of it or the GPU bounds the forward
                 results["by_concurrency"][str(c)] = {**step_profile(prof, device.type, forwards, step_s),
+                                                     "host_top": host_profile(prof, forwards),
                                                      "until_every_first_token": burst}
             while not all(h.done for h in handles):
                 engine.step()
