@@ -193,11 +193,12 @@ def test_the_device_keeps_each_slot_s_last_draw(model, tok):
     assert [generated(sink, j, index)[0] for index in (0, 1)] == on_device
 
 
-def test_a_decode_step_running_ahead_copies_to_the_device_once(model, tok, monkeypatch):
-    """A decode step whose rows draw a step ahead (greedy, EOS banned by logit_bias, as the
-    benchmarks run) sends the device one tensor, its rows' slots and positions: their last tokens
-    come from the device's record of their draws, and their biases from the step before's copy
-    while the batch holds the same requests. Its draws still equal those of a step at a time."""
+def test_decode_steps_running_ahead_copy_nothing_to_the_device_while_their_rows_stay(model, tok, monkeypatch):
+    """Decode steps whose rows draw a step ahead (greedy, EOS banned by logit_bias, as the
+    benchmarks run) send the device nothing while the batch holds the same sequences: their slots
+    and positions are the step before's, advanced on the device; their last tokens come from the
+    device's record of their draws, and their biases from the step before's copy. A sequence
+    arriving costs its step one copy of the rows. The draws still equal those of a step at a time."""
     import worker.decode_routes
     import worker.runner
     import worker.sampling
@@ -217,7 +218,9 @@ def test_a_decode_step_running_ahead_copies_to_the_device_once(model, tok, monke
         copies.clear()
         ahead.step()
         per_step.append(len(copies))
-    assert len(per_step) == 5 and per_step == [1] * 5, per_step
+    assert len(per_step) == 5 and per_step == [0] * 5, per_step
+    where = ahead.runner._where[3]  # the last forward's, advanced on the device: each row a position before its next
+    assert [p + 1 for p in where[1].tolist()] == [s.position for s in ahead.scheduler.decoding]
     while not all(h.done for h in handles):
         ahead.step()
     monkeypatch.undo()

@@ -97,6 +97,7 @@ class Runner:
         # each slot's last drawn token, on the device: the next step's input before the host has it
         self.last = torch.zeros(slots + spare, dtype=torch.long, device=self.device)
         self._slots: tuple[list[int], torch.Tensor] | None = None  # the decoding rows' slots, host and device
+        self._where: tuple[Route, list[int], list[int], torch.Tensor] | None = None  # the last decode's rows (`where`)
         self.prompt_tokens = self.tokens_generated = 0
         self.batch_sizes = Counter()  # decode forwards by batch size
         self.routes_taken = Counter()  # decode forwards by route (decode_routes.Graph)
@@ -178,7 +179,7 @@ class Runner:
         # each row a token at its own (slot, position): the decoding rows', then the chunks' prompt tokens
         slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in riding for _ in range(n)]
         positions = [s.position for s in rows] + [p for unit, n in riding for p in range(unit.fed, unit.fed + n)]
-        where = self.routes.where(route, slots, positions)
+        where = self.where(route, slots, positions) if not riding else self.routes.where(route, slots, positions)
         tokens = self._last_tokens(rows, where[0, :len(rows)])
         if riding:
             tokens = torch.cat([tokens, to_device([t for unit, n in riding for t in unit.context[unit.fed:unit.fed + n]],
@@ -235,9 +236,24 @@ class Runner:
             done += self._fed(group, out, all_logits)
         return done
 
+    def where(self, route: Route, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """The decoding rows' slots and positions on the device (DecodeRoutes.where): where the last
+        decode ran the same route over the same slots a position earlier (a step's next forward, or
+        the next step's while no sequence came or went), its tensor advanced in place on the device
+        instead of a copy from the host."""
+        last, self._where = self._where, None
+        if last is not None and last[0] == route and last[1] == slots and \
+                all(p == q + 1 for p, q in zip(positions, last[2])):
+            where = last[3]
+            where[1, :len(positions)] += 1
+        else:
+            where = self.routes.where(route, slots, positions)
+        self._where = (route, slots, positions, where)
+        return where
+
     def _decode_batch(self, seqs: list[Sequence]) -> tuple:
         """The decoding sequences as forward_cached's (tokens (B, 1), lengths, slots, start_pos, span)."""
-        slots, start = to_device([[s.slot for s in seqs], [s.position for s in seqs]], self.device)
+        slots, start = self.where(Route(Graph.EAGER, len(seqs)), [s.slot for s in seqs], [s.position for s in seqs])
         return self._last_tokens(seqs, slots)[:, None], torch.ones_like(slots), slots, start, max(s.position for s in seqs) + 1
 
     def _last_tokens(self, seqs: list[Sequence], slots: torch.Tensor | None = None) -> torch.Tensor:
