@@ -231,27 +231,40 @@ def test_several_decode_forwards_a_step_on_the_gpu_give_what_a_step_at_a_time_gi
     test_overlap.test_several_decode_forwards_a_step_give_what_a_step_at_a_time_gives(model, tok)
 
 
+def test_greedy_rows_draw_inside_the_cuda_graphs_what_the_sampler_draws(model, tok):
+    """tests/test_overlap.py's check of the greedy draw recorded beside each batch's decode graphs
+    (nanogpt/runtime/cuda_graphs.py), here replayed from real CUDA graphs."""
+    import test_overlap
+
+    test_overlap.test_greedy_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, 4)
+
+
 def test_decode_steps_never_wait_for_the_gpu(model, tok):
     """A decode step (graphed forward, greedy, seeded top-p and penalized rows, logprobs, the tokens
     to the host) queues its work without one synchronizing call: torch's sync debug mode raises on
     any (a copy from pageable memory, .item(), nonzero); the step before's tokens arrive by their
     copy's event alone."""
     engine, _ = make_engine(model, tok)
-    jobs = [job(tok, [PROMPTS[0]], max_tokens=40, logprobs=2),
-            job(tok, [PROMPTS[1]], max_tokens=40, temperature=0.8, top_p=0.9, seed=1),
-            job(tok, [PROMPTS[3]], max_tokens=40, temperature=1.0, presence_penalty=0.5, seed=2)]
-    handles = [engine.submit(j) for j in jobs]
-    for _ in range(3):  # prefills, first draws
-        engine.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(10):
+    sampled = [job(tok, [PROMPTS[0]], max_tokens=40, logprobs=2),
+               job(tok, [PROMPTS[1]], max_tokens=40, temperature=0.8, top_p=0.9, seed=1),
+               job(tok, [PROMPTS[3]], max_tokens=40, temperature=1.0, presence_penalty=0.5, seed=2)]
+    # greedy rows alone draw inside the graphs (Runner.decode_greedy)
+    greedy = [job(tok, [PROMPTS[0]], max_tokens=60, logit_bias={tok.eos_token_id: -100}),
+              job(tok, [PROMPTS[1]], max_tokens=60, allowed_token_ids=list(range(200, 4000)))]
+    for jobs in (sampled, greedy):
+        handles = [engine.submit(j) for j in jobs]
+        for _ in range(3):  # prefills, first draws
             engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    while not all(h.done for h in handles):
-        engine.step()
-    assert all(len(h.result()["choices"][0]["text"]) for h in handles)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(10):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        while not all(h.done for h in handles):
+            engine.step()
+        assert all(len(h.result()["choices"][0]["text"]) for h in handles)
+    assert sum(engine.runner.graphs.draws.values()) >= 10
 
 
 @DTYPES

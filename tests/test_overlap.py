@@ -193,17 +193,19 @@ def test_the_device_keeps_each_slot_s_last_draw(model, tok):
     assert [generated(sink, j, index)[0] for index in (0, 1)] == on_device
 
 
-def test_decode_steps_running_ahead_copy_nothing_to_the_device_while_their_rows_stay(model, tok, monkeypatch):
+@pytest.mark.parametrize("graphs", [None, True], ids=["eager", "graphed"])
+def test_decode_steps_running_ahead_copy_nothing_to_the_device_while_their_rows_stay(model, tok, monkeypatch, graphs):
     """Decode steps whose rows draw a step ahead (greedy, EOS banned by logit_bias, as the
     benchmarks run) send the device nothing while the batch holds the same sequences: their slots
     and positions are the step before's, advanced on the device; their last tokens come from the
     device's record of their draws, and their biases from the step before's copy. A sequence
-    arriving costs its step one copy of the rows. The draws still equal those of a step at a time."""
+    arriving costs its step one copy of the rows. The draws still equal those of a step at a time.
+    Graphed (CUDA graphs' bodies, run eagerly on the CPU), the rows draw inside the graphs."""
     import worker.decode_routes
     import worker.runner
     import worker.sampling
 
-    ahead = Engine(model, tok, max_batch=4, overlap=True, event_sink=Sink())
+    ahead = Engine(model, tok, max_batch=4, overlap=True, event_sink=Sink(), cuda_graphs=graphs)
     jobs = [job(tok, [prompt], max_tokens=12, temperature=0.0, logit_bias={tok.eos_token_id: -100.0})
             for prompt in PROMPTS[:3]]
     copies = []
@@ -220,7 +222,9 @@ def test_decode_steps_running_ahead_copy_nothing_to_the_device_while_their_rows_
         per_step.append(len(copies))
     assert len(per_step) == 5 and per_step == [0] * 5, per_step
     where = ahead.runner._where[3]  # the last forward's, advanced on the device: each row a position before its next
-    assert [p + 1 for p in where[1].tolist()] == [s.position for s in ahead.scheduler.decoding]
+    decoding = ahead.scheduler.decoding
+    assert [p + 1 for p in where[1, :len(decoding)].tolist()] == [s.position for s in decoding]
+    assert (ahead.runner.graphs is not None and sum(ahead.runner.graphs.draws.values()) >= 5) == bool(graphs)
     while not all(h.done for h in handles):
         ahead.step()
     monkeypatch.undo()
@@ -393,6 +397,35 @@ def test_a_request_arriving_is_admitted_at_the_next_step(model, tok):
         long.result()
     sync = Engine(model, tok, max_batch=4, overlap=False)
     assert_same([handle.result()], [sync.generate(arriving)])
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_greedy_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_steps):
+    """With the decode's graphs (their bodies run eagerly on the CPU, the same code as a GPU's), a
+    batch whose rows all draw greedily draws inside them, step after step fed on the device:
+    logit_bias, allowed_token_ids, banned tokens, stop strings and tokens, n and max_tokens give
+    what the sampler gives a step at a time. A seeded row joining sends the batch through the
+    sampler, and the completions are still the same."""
+    sync = Engine(model, tok, max_batch=8, overlap=False, cuda_graphs=False, event_sink=(sync_sink := Sink()))
+    free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
+    pieces, ids = free["logprobs"]["tokens"], generated(sync_sink, greedy)
+    stop = pieces[5][-2:] + pieces[6][:2]
+    allowed = sorted(set(ids) | {ids[0] + 1, 11, 198})
+    greedy_jobs = [job(tok, [PROMPTS[1]], max_tokens=14, stop=[stop]),
+                   job(tok, PROMPTS[:2], n=2, max_tokens=11, logit_bias={tok.eos_token_id: -100, ids[3]: 5.0}),
+                   job(tok, [PROMPTS[3]], max_tokens=9, allowed_token_ids=allowed),
+                   job(tok, [PROMPTS[2]], max_tokens=10, bad_words=[[ids[1]]],
+                       logit_bias={ids[2]: -100}, stop_token_ids=[ids[4]])]
+    seeded = job(tok, [PROMPTS[0]], max_tokens=12, temperature=0.8, seed=7)
+    graphed = Engine(model, tok, max_batch=8, overlap=True, decode_steps=decode_steps, cuda_graphs=True,
+                     event_sink=(sink := Sink()))
+    got, _, _ = steps_of(graphed, greedy_jobs)
+    assert sum(graphed.runner.graphs.draws.values()) > 0
+    assert_streams_add_up(sink, greedy_jobs, got)
+    mixed, _, _ = steps_of(graphed, [*greedy_jobs, seeded])
+    assert_same(got, steps_of(sync, greedy_jobs)[0])
+    assert_same(mixed, steps_of(sync, [*greedy_jobs, seeded])[0])
+    assert graphed.stats()["kv_slots_used"] == 0
 
 
 def test_decode_steps_must_be_positive(model, tok):

@@ -119,7 +119,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int | None, max_len: int | None = None, event_sink=None,
                  prefill_chunk: int | None = None, eos_token_id=_DEFAULT, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
-                 cuda_graphs: bool = True, prefix_caching: bool = True, overlap: bool | None = None,
+                 cuda_graphs: bool | None = None, prefix_caching: bool = True, overlap: bool | None = None,
                  decode_steps: int | None = None, fused_kernels: bool = True):
         """model: a nanogpt GPT (on its device, in eval mode); tokenizer: models.tokenizer.Tokenizer.
         max_batch: most sequences at once (KV-cache slots; None: 32 on a CPU, on a GPU as many as
@@ -136,8 +136,10 @@ class Engine:
         serving eagerly meanwhile and taking each graph from the step after it compiled (not with
         CUDA graphs, which record the compiled step before the engine runs).
         prefix_caching: reuse the keys and values a free slot holds of a prompt's prefix (worker/prefix_cache.py).
-        cuda_graphs: on a GPU, replay the decode step (compiled or not) from CUDA graphs, one per
-        batch and span bucket, all recorded here before the engine runs (nanogpt/runtime/cuda_graphs.py).
+        cuda_graphs: replay the decode step (compiled or not) from CUDA graphs, one per batch and
+        span bucket, and each batch's greedy draw, all recorded here before the engine runs
+        (nanogpt/runtime/cuda_graphs.py); None: on a GPU. On a CPU (True) the graphs' bodies run
+        eagerly: the same code as a GPU's graphs, which tests check there.
         overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU.
         decode_steps: the most decode forwards a step runs while nothing waits for a slot or a prefill
         (see the module docstring; with `overlap` only); None: DECODE_STEPS of the device.
@@ -339,7 +341,7 @@ class Engine:
         forwards = self._forwards(batch)
         try:
             with torch.no_grad():
-                if forwards > 1:
+                if forwards:
                     prefilled = []
                     self._settle_draws(self._decode_ahead(batch.decoding, forwards), ahead=True)
                 else:
@@ -351,20 +353,20 @@ class Engine:
             self._fault(batch.requests, events)
         for req, completion in self.output.collect(self.scheduler.requests.values(), events):
             self.scheduler.complete(req, completion)
-        self._steps += forwards
+        self._steps += max(forwards, 1)
         self.scheduler.cancels.extend(self._emit(events))
         self.scheduler.settle()  # after the write: see Scheduler.settle
-        self.scheduler.timed(batch, (time.perf_counter() - started) / forwards)
+        self.scheduler.timed(batch, (time.perf_counter() - started) / max(forwards, 1))
 
     def _forwards(self, batch: Batch) -> int:
-        """The decode forwards this step runs: `decode_steps` (fewer where a sequence would reach its
-        max_tokens) when the step only decodes, every request runs ahead (none needs its tokens on the
-        host), and nothing waits for a slot or a prefill; else one."""
-        if self.decode_steps == 1 or not batch.decoding or batch.chunks or batch.ready or batch.admitted:
-            return 1
+        """The decode forwards of a step that only decodes, every request running ahead (none needs
+        its tokens on the host) and nothing waiting for a slot or a prefill: `decode_steps`, fewer
+        where a sequence would reach its max_tokens. 0 for any other step (`_execute` runs it)."""
+        if not self.overlap or not batch.decoding or batch.chunks or batch.ready or batch.admitted:
+            return 0
         scheduler = self.scheduler
         if scheduler.inbox or scheduler.waiting or scheduler.prefilling or not self._overlaps():
-            return 1
+            return 0
         return max(1, min(self.decode_steps, *(s.max_new - len(s.tokens) - s.pending for s in batch.decoding)))
 
     def _execute(self, batch: Batch) -> tuple[list[Sequence], torch.Tensor | None, list[Prefill]]:
@@ -408,7 +410,13 @@ class Engine:
 
     def _decode_ahead(self, rows: list[Sequence], forwards: int) -> list[Drawn]:
         """`forwards` decode forwards of `rows`, each drawing from the last and fed its draws from the
-        device: their draws, in order, none taken in."""
+        device: their draws, in order, none taken in. Rows that all draw greedily draw inside the
+        decode's graphs (Runner.decode_greedy); others through the sampler."""
+        drawn = self.runner.decode_greedy(rows, forwards)
+        if drawn is not None:
+            for s in rows:
+                s.pending += forwards
+            return drawn
         drawn = []
         for _ in range(forwards):  # each step's logits freed before the next forward allocates its own
             drawn.append(self.runner.sample(rows, [self.runner.forward(rows, [], [])[0]]))

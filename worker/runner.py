@@ -41,7 +41,8 @@ from worker.prefix_cache import MAX_TOP
 from worker.beams import BeamGroup, advance
 from worker.decode_routes import DecodeRoutes, Graph, Route, chunk_rows
 from worker.logprobs import score
-from worker.sampling import Sampler
+from worker.logits_processors import NEG_INF
+from worker.sampling import Sampler, apply_logit_bias
 from worker.scheduler import Prefill, Sequence
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Drawn:
 class Runner:
     def __init__(self, model, vocab_size: int, *, max_batch: int | None, max_len: int, kv_memory_bytes: int | None = None,
                  compile: bool = False, compile_in_background: bool = False, prepack: bool = True,
-                 cuda_graphs: bool = True, fused_kernels: bool = True, grammars=None):
+                 cuda_graphs: bool | None = None, fused_kernels: bool = True, grammars=None):
         """The KV cache holds `max_batch` slots of `max_len` positions (None: by the device,
         kv_cache.default_slots), fewer if `kv_memory_bytes` cannot hold that many (`slots`). See
         Engine for `compile`, `compile_in_background`, `prepack`, `cuda_graphs` and `fused_kernels`."""
@@ -90,7 +91,7 @@ class Runner:
         if slots < 1:
             raise ValueError(f"KV-cache budget of {kv_memory_bytes} bytes holds no slot of {max_len} positions")
         self.slots = slots
-        graphed = cuda_graphs and self.device.type == "cuda"
+        graphed = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         spare = DecodeRoutes.padded(compile, graphed)  # a slot for padding rows, a position past the context
         self.cache = KVCache(config, slots + spare, max_len + spare, self.device, dtype)
         self.sampler = Sampler(slots, vocab_size, self.device, grammars)
@@ -116,8 +117,9 @@ class Runner:
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
+        self._bias_for: tuple[list, list[int], int] | None = None  # whose biases the graphs' draw holds
         self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed,
-                                   background=compile_in_background)
+                                   background=compile_in_background, last=self.last, draws=vocab_size)
 
     @property
     def compiled(self) -> bool:
@@ -308,6 +310,56 @@ class Runner:
                                      idx=idx)
         self.last[idx] = tokens
         return self._drawn(rows, full, tokens)
+
+    def decode_greedy(self, rows: list[Sequence], forwards: int) -> list[Drawn] | None:
+        """`forwards` decode forwards of `rows`, each drawing greedily inside the graphs
+        (GraphedDecode.draw) and fed the draws of the one before on the device, with nothing from
+        the host after the first: their draws, in order, none taken in. None where the rows cannot
+        (no graphs, a batch past them, a row whose draw needs more than its logits, logit_bias and
+        banned tokens: sampled, penalized, scored, before its min_tokens, a grammar)."""
+        graphs, route = self.routes.graphs, self.routes.route(len(rows))
+        if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_greedily(s) for s in rows):
+            return None
+        slots, positions = [s.slot for s in rows], [s.position for s in rows]
+        where = self.where(route, slots, positions)
+        tokens = self._last_tokens(rows, where[0, :len(rows)])
+        self._slots = None  # the sampler draws none of these
+        pad = route.rows - len(rows)
+        graphs.load(torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens, where)
+        self._load_bias(rows, route.rows)
+        drawn = []
+        for k in range(forwards):
+            graphs.replay(route.rows, max(positions) + 1 + k)
+            drawn.append(Drawn(rows, graphs.draw(route.rows)[:len(rows), None].clone(), None))
+        if forwards > 1:  # `where` as the rows now stand, for the next decode to advance (`where`)
+            where[1, :len(rows)] += forwards - 1
+            self._where = (route, slots, [p + forwards - 1 for p in positions], where)
+        for slot in slots:
+            self.sampler.step[slot] += forwards
+        self.tokens_generated += forwards * len(rows)
+        self.batch_sizes[len(rows)] += forwards
+        self.routes_taken[route.graph] += forwards
+        return drawn
+
+    def _draws_greedily(self, s: Sequence) -> bool:
+        p = s.request.params
+        return (p.greedy and not p.penalized and p.repetition_penalty == 1 and not p.sequence_bans
+                and p.grammar is None and not s.request.needs_scores and self.sampler.step[s.slot] >= p.min_tokens)
+
+    def _load_bias(self, rows: list[Sequence], batch: int) -> None:
+        """The rows' logit_bias and banned tokens as the graphs' draw adds them (padding rows: none),
+        written when the batch's requests or slots change."""
+        params, slots = [s.request.params for s in rows], [s.slot for s in rows]
+        held = self._bias_for
+        if held is not None and held[2] == batch and held[1] == slots and all(a is b for a, b in zip(held[0], params)):
+            return
+        bias = self.routes.graphs.bias[:batch]
+        bias.zero_()
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(bias, self.sampler.biases(params, self.device), in_place=True)
+        if any(p.masked for p in params):
+            bias[:len(rows)].masked_fill_(self.sampler.banned[to_device(slots, self.device)], NEG_INF)
+        self._bias_for = (params, slots, batch)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:
         """The token each contrastive search chooses among the candidates of this step's decode,

@@ -262,7 +262,7 @@ class Sampler:
         self.ngrams: list[NGramBans | None] = [None] * max_slots
         self.prompt_len = [0] * max_slots  # tokens of the prompt in ngrams[slot]
         self._banning: set[int] = set()  # slots whose row of `banned` is not all False
-        self._placed: tuple[list[SamplingParams], tuple] | None = None  # the last rows' logit_bias (`_biases`)
+        self._placed: tuple[list[SamplingParams], tuple] | None = None  # the last rows' logit_bias (`biases`)
 
     def assign(self, slot: int, params: SamplingParams, choice: int, history: list[int] = (), prompt: list[int] = ()):
         """Give `slot` to choice `choice` of a request with this `prompt`; `history` are tokens it
@@ -329,7 +329,7 @@ class Sampler:
         if any(early):
             logits = apply_token_mask(logits, self.stops[idx], to_device(early, logits.device, torch.bool))
         if any(p.logit_bias for p in params):
-            logits = apply_logit_bias(logits, self._biases(params, logits.device), in_place or logits is not raw)
+            logits = apply_logit_bias(logits, self.biases(params, logits.device), in_place or logits is not raw)
         if any(p.repetition_penalty != 1 for p in params):
             logits = apply_repetition_penalty(logits, self.seen[idx], self.repetition[idx])
         if any(p.penalized for p in params):
@@ -375,7 +375,7 @@ class Sampler:
         if any(p.repetition_penalty != 1 for p in params):
             self.seen[idx, tokens] = True
 
-    def _biases(self, params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor]:
+    def biases(self, params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' logit_bias on the device: copied when the rows' requests change, else the last
         step's (a decode step's rows stay the same requests between admissions)."""
         if self._placed is None or len(self._placed[0]) != len(params) or \

@@ -8,15 +8,22 @@ of SPAN_QUANTUM: the keys past a row's position are masked, so a longer span giv
 logits), all recorded before serving, in one memory pool. The step (eager or compiled
 `forward_decode`) must not sync with the host, as DecodeWindow does not.
 
+Beside each batch's steps, a graph of its greedy draw: the first maximum of each row's logits plus
+its bias (logit_bias, banned tokens), written to the row's slot of the runner's `last` and into the
+batch's rows as the next step's input, one position on. A batch whose rows all draw greedily then
+runs step after step from two replays each, with nothing from the host (runner.py `decode_greedy`).
+
 Every tensor a graph reads outside its pool stays alive, at its address, as long as the graph:
-the cache and weights (the runner's), the rows and keys (each graph's own) and the logits buffer
-that every graph writes its output to (so that a graph's pool memory is only its intermediates,
-which the graphs share: one replays at a time).
+the cache and weights (the runner's), each batch's rows (shared by its graphs), the keys (each
+step graph's own), and the logits, bias and draws buffers that every graph of a kind writes or
+reads (so that a graph's pool memory is only its intermediates, which the graphs share: one
+replays at a time). With `eager` the same bodies run as they are, no graph: how a CPU checks them.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,51 +75,108 @@ def replay_seconds(run, replays: int) -> list[float]:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
-    rows: torch.Tensor  # (3, B) long: tokens, slots, positions, copied in before each replay
-    keys: torch.Tensor  # arange(span)
+    replay: Callable[[], None]  # a CUDA graph's replay, or (eager) the recorded body itself
+    keys: torch.Tensor | None  # arange(span) of a step's graph, which reads it at its address
 
 
 class GraphedDecode:
-    def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int, vocab: int):
+    def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int, vocab: int,
+                 last: torch.Tensor, draws: int, eager: bool = False):
         """step(tokens, slots, positions, cache, keys) -> float32 logits (B, vocab): the decode
         step, B at most `max_batch`; keys = arange(span), span at most `max_span`. Graphs are
         recorded on padding rows (position 0 of `spare_slot`, a slot no sequence holds), since
-        recording runs the step once first."""
+        recording runs the step once first. last: each slot's last drawn token (the runner's),
+        which the greedy draw (`draw`) writes; draws: the ids it draws among (the tokenizer's).
+        eager: run the recorded bodies as they are, no CUDA graph (a CPU: the same code, checked
+        there)."""
         self.step, self.cache, self.spare_slot = step, cache, spare_slot
-        self.max_batch, self.max_span = max_batch, max_span
+        self.max_batch, self.max_span, self.eager = max_batch, max_span, eager
         self.device = cache.k[0].device
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None if eager else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.draw_graphs: dict[int, _Graph] = {}
+        # each batch's rows, (3, B) long: tokens, slots, positions, shared by its span buckets' graphs
+        self.rows: dict[int, torch.Tensor] = {}
         self.logits = torch.empty(max_batch, vocab, device=self.device)  # every graph's output
+        # the greedy draw's: each row's additive bias over the ids drawn among (logit_bias, -inf
+        # where banned), and the rows' tokens
+        self.last, self.bias = last, torch.zeros(max_batch, draws, device=self.device)
+        self.drawn = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.replays = Counter()  # by (batch, span)
+        self.draws = Counter()  # greedy draws by batch
 
     def record(self, batches: list[int]) -> None:
-        """A graph for every batch of `batches` and every span bucket."""
+        """A graph for every batch of `batches` and every span bucket, and each batch's draw."""
         for batch in batches:
             for span in span_buckets(self.max_span):
                 self._record(batch, span)
+            self._record_draw(batch)
 
     def __call__(self, tokens: torch.Tensor, where: torch.Tensor, span: int) -> torch.Tensor:
         """Logits (B, V) of the rows: tokens (B,) at their slots and positions (where: (2, B)), all on
         the device, copied into the graph's rows; attending to keys 0 .. span-1. A copy, since the
         next replay overwrites the buffer."""
-        key = (len(tokens), span_bucket(span, self.max_span))
+        self.load(tokens, where)
+        self.replay(len(tokens), span)
+        return self.logits[:len(tokens)].clone()
+
+    def replay(self, batch: int, span: int) -> None:
+        """The step of the batch's rows as they are (`__call__` fills them; `draw` advances them),
+        attending to keys 0 .. span-1: its logits in `logits[:batch]`."""
+        key = (batch, span_bucket(span, self.max_span))
         entry = self.graphs.get(key) or self._record(*key)  # a batch the runner did not record
-        entry.rows[0].copy_(tokens)
-        entry.rows[1:].copy_(where)
-        entry.graph.replay()
+        entry.replay()
         self.replays[key] += 1
-        return self.logits[:key[0]].clone()
+
+    def draw(self, batch: int) -> torch.Tensor:
+        """The batch's greedy draws from its last step's logits plus `bias` (B,), the first maximum
+        as transformers' greedy search takes it; each written to its slot of `last` and fed to the
+        batch's next step, one position on: `replay` then runs that step with no input from the host.
+        The draws' buffer: the next draw overwrites it."""
+        (self.draw_graphs.get(batch) or self._record_draw(batch)).replay()
+        self.draws[batch] += 1
+        return self.drawn[:batch]
+
+    def load(self, tokens: torch.Tensor, where: torch.Tensor) -> None:
+        """Fill the batch's rows: tokens (B,) at their slots and positions (where: (2, B)), on the device."""
+        rows = self._rows(len(tokens))
+        rows[0].copy_(tokens)
+        rows[1:].copy_(where)
+
+    def _rows(self, batch: int) -> torch.Tensor:
+        if batch not in self.rows:
+            self.rows[batch] = torch.zeros(3, batch, dtype=torch.long, device=self.device)
+            self.rows[batch][1] = self.spare_slot
+        return self.rows[batch]
 
     def _record(self, batch: int, span: int) -> _Graph:
-        rows = torch.zeros(3, batch, dtype=torch.long, device=self.device)
-        rows[1] = self.spare_slot
-        keys = torch.arange(span, device=self.device)
+        rows, keys = self._rows(batch), torch.arange(span, device=self.device)
 
         def run():
             self.logits[:batch].copy_(self.step(rows[0], rows[1], rows[2], self.cache, keys))
 
-        with torch.cuda.device(self.device):
-            self.graphs[batch, span] = entry = _Graph(record(run, self.pool), rows, keys)
+        self.graphs[batch, span] = entry = _Graph(self._recorded(run), keys)
         return entry
+
+    def _record_draw(self, batch: int) -> _Graph:
+        rows, width = self._rows(batch), self.bias.shape[1]
+
+        def run():
+            tokens = (self.logits[:batch, :width] + self.bias[:batch]).max(-1).indices
+            self.drawn[:batch].copy_(tokens)
+            self.last.index_put_((rows[1],), tokens)
+            rows[0].copy_(tokens)
+            rows[2].add_(1)
+
+        saved = rows.clone()
+        self.draw_graphs[batch] = entry = _Graph(self._recorded(run), None)
+        rows.copy_(saved)  # recording ran it: the padding rows back at position 0
+        return entry
+
+    def _recorded(self, run) -> Callable[[], None]:
+        if self.eager:
+            with torch.no_grad():
+                run()  # as recording a graph runs it once
+            return run
+        with torch.cuda.device(self.device):
+            return record(run, self.pool).replay
