@@ -231,12 +231,12 @@ def test_several_decode_forwards_a_step_on_the_gpu_give_what_a_step_at_a_time_gi
     test_overlap.test_several_decode_forwards_a_step_give_what_a_step_at_a_time_gives(model, tok)
 
 
-def test_greedy_rows_draw_inside_the_cuda_graphs_what_the_sampler_draws(model, tok):
-    """tests/test_overlap.py's check of the greedy draw recorded beside each batch's decode graphs
-    (nanogpt/runtime/cuda_graphs.py), here replayed from real CUDA graphs."""
+def test_rows_draw_inside_the_cuda_graphs_what_the_sampler_draws(model, tok):
+    """tests/test_overlap.py's check of the draws recorded beside each batch's decode graphs
+    (nanogpt/runtime/cuda_graphs.py, worker/sampling.py GraphDraws), replayed from CUDA graphs."""
     import test_overlap
 
-    test_overlap.test_greedy_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, 4)
+    test_overlap.test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, 4)
 
 
 def test_decode_steps_never_wait_for_the_gpu(model, tok):
@@ -248,7 +248,7 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
     sampled = [job(tok, [PROMPTS[0]], max_tokens=40, logprobs=2),
                job(tok, [PROMPTS[1]], max_tokens=40, temperature=0.8, top_p=0.9, seed=1),
                job(tok, [PROMPTS[3]], max_tokens=40, temperature=1.0, presence_penalty=0.5, seed=2)]
-    # greedy rows alone draw inside the graphs (Runner.decode_greedy)
+    # rows drawing from their logits alone draw inside the graphs (Runner.decode_in_graphs)
     greedy = [job(tok, [PROMPTS[0]], max_tokens=60, logit_bias={tok.eos_token_id: -100}),
               job(tok, [PROMPTS[1]], max_tokens=60, allowed_token_ids=list(range(200, 4000)))]
     for jobs in (sampled, greedy):

@@ -400,13 +400,15 @@ def test_a_request_arriving_is_admitted_at_the_next_step(model, tok):
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
-def test_greedy_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_steps):
+def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_steps):
     """With the decode's graphs (their bodies run eagerly on the CPU, the same code as a GPU's), a
-    batch whose rows all draw greedily draws inside them, step after step fed on the device:
-    logit_bias, allowed_token_ids, banned tokens, stop strings and tokens, n and max_tokens give
-    what the sampler gives a step at a time. A seeded row joining sends the batch through the
-    sampler, and the completions are still the same."""
+    batch whose rows draw from their logits alone draws inside them, step after step fed on the
+    device: greedy rows with logit_bias, allowed_token_ids, banned tokens, stop strings and tokens,
+    n and max_tokens, then seeded rows at a temperature beside them, give what the sampler gives a
+    step at a time with the same noise (a GPU's, `Sampler.hashed`). A top_p row joining sends the
+    batch through the sampler, and the completions are still the same."""
     sync = Engine(model, tok, max_batch=8, overlap=False, cuda_graphs=False, event_sink=(sync_sink := Sink()))
+    sync.runner.sampler.hashed = True
     free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
     pieces, ids = free["logprobs"]["tokens"], generated(sync_sink, greedy)
     stop = pieces[5][-2:] + pieces[6][:2]
@@ -416,15 +418,32 @@ def test_greedy_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, d
                    job(tok, [PROMPTS[3]], max_tokens=9, allowed_token_ids=allowed),
                    job(tok, [PROMPTS[2]], max_tokens=10, bad_words=[[ids[1]]],
                        logit_bias={ids[2]: -100}, stop_token_ids=[ids[4]])]
-    seeded = job(tok, [PROMPTS[0]], max_tokens=12, temperature=0.8, seed=7)
+    sampled_jobs = [*greedy_jobs[:2],
+                    job(tok, PROMPTS[2:4], n=2, temperature=0.8, seed=7, max_tokens=12,
+                        logit_bias={tok.eos_token_id: -100}),
+                    job(tok, [PROMPTS[0]], temperature=1.3, seed=8, max_tokens=13, allowed_token_ids=allowed)]
+    truncated = job(tok, [PROMPTS[0]], max_tokens=12, temperature=0.8, top_p=0.9, seed=9)
     graphed = Engine(model, tok, max_batch=8, overlap=True, decode_steps=decode_steps, cuda_graphs=True,
                      event_sink=(sink := Sink()))
+    graphed.runner.sampler.hashed = True
+    draws = graphed.runner.graphs.draws
     got, _, _ = steps_of(graphed, greedy_jobs)
-    assert sum(graphed.runner.graphs.draws.values()) > 0
+    assert sum(n for (_, kind), n in draws.items() if kind == "greedy") > 0
     assert_streams_add_up(sink, greedy_jobs, got)
-    mixed, _, _ = steps_of(graphed, [*greedy_jobs, seeded])
     assert_same(got, steps_of(sync, greedy_jobs)[0])
-    assert_same(mixed, steps_of(sync, [*greedy_jobs, seeded])[0])
+    got, _, _ = steps_of(graphed, sampled_jobs)
+    assert sum(n for (_, kind), n in draws.items() if kind == "sampled") > 0
+    assert_same(got, steps_of(sync, sampled_jobs)[0])
+    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, truncated]]
+    while not any(s.request.job.id == truncated.id for s in graphed.scheduler.decoding):
+        graphed.step()
+    before = sum(draws.values())
+    for _ in range(4):  # while the top_p row runs, its batch draws through the sampler
+        graphed.step()
+    assert not handles[-1].done and sum(draws.values()) == before
+    while not all(h.done for h in handles):
+        graphed.step()
+    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, truncated])[0])
     assert graphed.stats()["kv_slots_used"] == 0
 
 

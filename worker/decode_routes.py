@@ -86,14 +86,14 @@ def chunk_rows(rows: int, chunks: list[int]) -> list[int]:
 
 class DecodeRoutes:
     def __init__(self, model, cache, slots: int, max_len: int, *, compile: bool, graphed: bool,
-                 background: bool = False, last: torch.Tensor | None = None, draws: int | None = None):
+                 background: bool = False, last: torch.Tensor | None = None, draws: dict | None = None):
         """The routes of an engine over `cache`, whose sequences hold slots 0..slots-1 (and, where
         `pads`, the cache has the spare slot `slots`). compile: torch.compile forward_decode, every
         graph before serving, or with `background` on a thread of its own while the engine serves
         eagerly (not with CUDA graphs, which record the compiled step); the engine stays eager where
         compiling fails. graphed: replay the BUCKET decode from CUDA graphs, recorded here (launched
         kernel by kernel where recording fails; on a CPU their bodies run eagerly), and each batch's
-        greedy draw among the first `draws` ids into `last` (nanogpt/runtime/cuda_graphs.py)."""
+        `draws` (kind -> logits -> tokens) into `last` (nanogpt/runtime/cuda_graphs.py)."""
         self.model, self.cache, self.slots, self.device = model, cache, slots, model.device
         self.pads = self.padded(compile, graphed)
         self.compiled, self.graphs = compile, None
@@ -236,8 +236,8 @@ class DecodeRoutes:
             return
         log.info("decode step compiled", extra={"graphs": len(self.planned), "seconds": round(time.monotonic() - started, 2)})
 
-    def _record_graphs(self, max_len: int, last: torch.Tensor, draws: int) -> None:
-        """The BUCKET decode's CUDA graphs, every batch and span bucket, and each batch's greedy draw,
+    def _record_graphs(self, max_len: int, last: torch.Tensor, draws: dict) -> None:
+        """The BUCKET decode's CUDA graphs, every batch and span bucket, and each batch's draws,
         recorded before serving."""
         graphs = GraphedDecode(self._call, self.cache, spare_slot=self.slots, max_batch=bucket(self.slots),
                                max_span=max_len, vocab=self.model.config.vocab_size, last=last, draws=draws,

@@ -410,9 +410,9 @@ class Engine:
 
     def _decode_ahead(self, rows: list[Sequence], forwards: int) -> list[Drawn]:
         """`forwards` decode forwards of `rows`, each drawing from the last and fed its draws from the
-        device: their draws, in order, none taken in. Rows that all draw greedily draw inside the
-        decode's graphs (Runner.decode_greedy); others through the sampler."""
-        drawn = self.runner.decode_greedy(rows, forwards)
+        device: their draws, in order, none taken in. Rows that draw from their logits alone draw
+        inside the decode's graphs (Runner.decode_in_graphs); others through the sampler."""
+        drawn = self.runner.decode_in_graphs(rows, forwards)
         if drawn is not None:
             for s in rows:
                 s.pending += forwards

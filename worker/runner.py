@@ -39,10 +39,9 @@ from nanogpt.runtime.transfer import ToHost, to_device
 from worker import contrastive
 from worker.prefix_cache import MAX_TOP
 from worker.beams import BeamGroup, advance
-from worker.decode_routes import DecodeRoutes, Graph, Route, chunk_rows
+from worker.decode_routes import DecodeRoutes, Graph, Route, bucket, chunk_rows
 from worker.logprobs import score
-from worker.logits_processors import NEG_INF
-from worker.sampling import Sampler, apply_logit_bias
+from worker.sampling import GraphDraws, Sampler, draw_keys
 from worker.scheduler import Prefill, Sequence
 
 log = logging.getLogger(__name__)
@@ -117,9 +116,12 @@ class Runner:
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self._bias_for: tuple[list, list[int], int] | None = None  # whose biases the graphs' draw holds
+        # what the graphs' draws read (their rows' bias, temperature, keys) and whose rows it holds
+        self.draws = GraphDraws(bucket(slots), vocab_size, self.device) if graphed else None
+        self._draws_for: tuple[list, list[int], int] | None = None
         self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed,
-                                   background=compile_in_background, last=self.last, draws=vocab_size)
+                                   background=compile_in_background, last=self.last,
+                                   draws=self.draws.kinds() if graphed else None)
 
     @property
     def compiled(self) -> bool:
@@ -311,26 +313,36 @@ class Runner:
         self.last[idx] = tokens
         return self._drawn(rows, full, tokens)
 
-    def decode_greedy(self, rows: list[Sequence], forwards: int) -> list[Drawn] | None:
-        """`forwards` decode forwards of `rows`, each drawing greedily inside the graphs
-        (GraphedDecode.draw) and fed the draws of the one before on the device, with nothing from
-        the host after the first: their draws, in order, none taken in. None where the rows cannot
-        (no graphs, a batch past them, a row whose draw needs more than its logits, logit_bias and
-        banned tokens: sampled, penalized, scored, before its min_tokens, a grammar)."""
+    def decode_in_graphs(self, rows: list[Sequence], forwards: int) -> list[Drawn] | None:
+        """`forwards` decode forwards of `rows`, each drawing inside the decode's graphs
+        (GraphedDecode.draw, sampling.GraphDraws) and fed the draws of the one before on the device:
+        their draws, in order, none taken in. None where the rows cannot (no graphs, a batch past
+        them, a row whose draw needs more than its logits, logit_bias, banned tokens and
+        temperature: truncated, penalized, scored, before its min_tokens, a grammar)."""
         graphs, route = self.routes.graphs, self.routes.route(len(rows))
-        if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_greedily(s) for s in rows):
+        if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_in_graphs(s) for s in rows):
             return None
+        kind = "greedy" if all(s.request.params.greedy for s in rows) else "sampled"
+        if kind == "sampled" and not self.sampler.hashed:
+            return None  # the sampler's noise is another generator's: its draws would differ
         slots, positions = [s.slot for s in rows], [s.position for s in rows]
         where = self.where(route, slots, positions)
         tokens = self._last_tokens(rows, where[0, :len(rows)])
         self._slots = None  # the sampler draws none of these
         pad = route.rows - len(rows)
         graphs.load(torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens, where)
-        self._load_bias(rows, route.rows)
+        held, params = self._draws_for, [s.request.params for s in rows]
+        if held is None or held[2] != route.rows or held[1] != slots or any(a is not b for a, b in zip(held[0], params)):
+            self.draws.load(self.sampler, slots, route.rows)
+            self._draws_for = (params, slots, route.rows)
         drawn = []
         for k in range(forwards):
+            if kind == "sampled":  # each row's draw key of this step, as the sampler's (draw_keys)
+                self.draws.keys[:len(rows)] = to_device(draw_keys(
+                    [p.seed for p in params], [self.sampler.choice[s] for s in slots],
+                    [self.sampler.step[s] + k for s in slots]), self.device)
             graphs.replay(route.rows, max(positions) + 1 + k)
-            drawn.append(Drawn(rows, graphs.draw(route.rows)[:len(rows), None].clone(), None))
+            drawn.append(Drawn(rows, graphs.draw(route.rows, kind)[:len(rows), None].clone(), None))
         if forwards > 1:  # `where` as the rows now stand, for the next decode to advance (`where`)
             where[1, :len(rows)] += forwards - 1
             self._where = (route, slots, [p + forwards - 1 for p in positions], where)
@@ -341,25 +353,11 @@ class Runner:
         self.routes_taken[route.graph] += forwards
         return drawn
 
-    def _draws_greedily(self, s: Sequence) -> bool:
+    def _draws_in_graphs(self, s: Sequence) -> bool:
         p = s.request.params
-        return (p.greedy and not p.penalized and p.repetition_penalty == 1 and not p.sequence_bans
-                and p.grammar is None and not s.request.needs_scores and self.sampler.step[s.slot] >= p.min_tokens)
-
-    def _load_bias(self, rows: list[Sequence], batch: int) -> None:
-        """The rows' logit_bias and banned tokens as the graphs' draw adds them (padding rows: none),
-        written when the batch's requests or slots change."""
-        params, slots = [s.request.params for s in rows], [s.slot for s in rows]
-        held = self._bias_for
-        if held is not None and held[2] == batch and held[1] == slots and all(a is b for a, b in zip(held[0], params)):
-            return
-        bias = self.routes.graphs.bias[:batch]
-        bias.zero_()
-        if any(p.logit_bias for p in params):
-            apply_logit_bias(bias, self.sampler.biases(params, self.device), in_place=True)
-        if any(p.masked for p in params):
-            bias[:len(rows)].masked_fill_(self.sampler.banned[to_device(slots, self.device)], NEG_INF)
-        self._bias_for = (params, slots, batch)
+        return (not p.truncated and p.min_p == 0 and not p.penalized and p.repetition_penalty == 1
+                and not p.sequence_bans and p.grammar is None and not s.request.needs_scores
+                and self.sampler.step[s.slot] >= p.min_tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:
         """The token each contrastive search chooses among the candidates of this step's decode,

@@ -263,6 +263,8 @@ class Sampler:
         self.prompt_len = [0] * max_slots  # tokens of the prompt in ngrams[slot]
         self._banning: set[int] = set()  # slots whose row of `banned` is not all False
         self._placed: tuple[list[SamplingParams], tuple] | None = None  # the last rows' logit_bias (`biases`)
+        # Gumbel noise by `hashed_gumbel` (off a CPU; GraphDraws' too) rather than numpy's generator
+        self.hashed = torch.device(device).type != "cpu"
 
     def assign(self, slot: int, params: SamplingParams, choice: int, history: list[int] = (), prompt: list[int] = ()):
         """Give `slot` to choice `choice` of a request with this `prompt`; `history` are tokens it
@@ -352,7 +354,7 @@ class Sampler:
             s = idx[rows]
             keys = draw_keys([params[b].seed for b in random], [self.choice[slots[b]] for b in random],
                              [self.step[slots[b]] for b in random])
-            noise = gumbel_noise(keys, x.shape[-1], x.device)
+            noise = gumbel_noise(keys, x.shape[-1], x.device, self.hashed)
             min_p = self.min_p[s] if any(params[b].min_p > 0 for b in random) else None
             tokens[rows] = draw(x[rows], self.temperature[s], self.top_k[s], self.top_p[s], noise,
                                 [params[b].truncated for b in random], min_p)
@@ -396,3 +398,47 @@ class Sampler:
                     ngrams.push(token)
                 bans += [(b, t) for t in ngrams.banned()]
         return bans
+
+
+class GraphDraws:
+    """The draws a GPU engine records beside its decode graphs (nanogpt/runtime/cuda_graphs.py):
+    for rows whose token follows from their logits, logit_bias, banned tokens and temperature alone,
+    the tokens `Sampler.sample` draws, from buffers of a batch bucket's rows (`load`) instead of the
+    sampler's per-step choices on the host. Gumbel noise by `hashed_gumbel`, as the sampler's where
+    it hashes (`Sampler.hashed`): the same draws whichever of the two a step takes."""
+
+    def __init__(self, max_batch: int, vocab_size: int, device):
+        self.vocab_size = vocab_size
+        f32 = dict(device=device, dtype=torch.float32)
+        self.bias = torch.zeros(max_batch, vocab_size, **f32)  # logit_bias; -inf where banned
+        self.temperature = torch.ones(max_batch, **f32)
+        self.greedy = torch.ones(max_batch, device=device, dtype=torch.bool)
+        self.keys = torch.zeros(max_batch, device=device, dtype=torch.long)  # the step's draw keys
+
+    def kinds(self) -> dict:
+        return {"greedy": self.greedy_draw, "sampled": self.sampled_draw}
+
+    def load(self, sampler: "Sampler", slots: list[int], batch: int) -> None:
+        """Rows 0..len(slots)-1 take the settings of those slots (padding rows past them: none)."""
+        params = [sampler.params[s] for s in slots]
+        idx = to_device(slots, self.bias.device)
+        self.bias[:batch].zero_()
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(self.bias[:batch], sampler.biases(params, self.bias.device), in_place=True)
+        if any(p.masked for p in params):
+            self.bias[:len(slots)].masked_fill_(sampler.banned[idx], float("-inf"))
+        self.temperature[:len(slots)] = sampler.temperature[idx]
+        self.greedy[:batch] = True
+        self.greedy[:len(slots)] = to_device([p.greedy for p in params], self.bias.device, torch.bool)
+
+    def greedy_draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum, as the sampler's greedy rows (logits (B, rows of the head))."""
+        return first_max(logits[:, :self.vocab_size] + self.bias[:len(logits)])
+
+    def sampled_draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy rows' first maximum, the others' Gumbel-max draw at their temperature (`draw`'s
+        untruncated rows), by `keys`."""
+        B = len(logits)
+        x = logits[:, :self.vocab_size] + self.bias[:B]
+        drawn = first_max(x / self.temperature[:B, None] + hashed_gumbel(self.keys[:B], self.vocab_size))
+        return torch.where(self.greedy[:B], first_max(x), drawn)

@@ -8,15 +8,15 @@ of SPAN_QUANTUM: the keys past a row's position are masked, so a longer span giv
 logits), all recorded before serving, in one memory pool. The step (eager or compiled
 `forward_decode`) must not sync with the host, as DecodeWindow does not.
 
-Beside each batch's steps, a graph of its greedy draw: the first maximum of each row's logits plus
-its bias (logit_bias, banned tokens), written to the row's slot of the runner's `last` and into the
-batch's rows as the next step's input, one position on. A batch whose rows all draw greedily then
-runs step after step from two replays each, with nothing from the host (runner.py `decode_greedy`).
+Beside each batch's steps, graphs of its draws (the worker's: greedy, or Gumbel-max at each row's
+temperature), their tokens written to the rows' slots of the runner's `last` and into the batch's
+rows as the next step's input, one position on. A batch whose rows draw from their logits alone
+then runs step after step from two replays each (worker/runner.py `decode_in_graphs`).
 
 Every tensor a graph reads outside its pool stays alive, at its address, as long as the graph:
 the cache and weights (the runner's), each batch's rows (shared by its graphs), the keys (each
-step graph's own), and the logits, bias and draws buffers that every graph of a kind writes or
-reads (so that a graph's pool memory is only its intermediates, which the graphs share: one
+step graph's own), the logits and draws buffers every graph of a kind writes, and the draws' own
+buffers (so that a graph's pool memory is only its intermediates, which the graphs share: one
 replays at a time). With `eager` the same bodies run as they are, no graph: how a CPU checks them.
 """
 from __future__ import annotations
@@ -81,36 +81,35 @@ class _Graph:
 
 class GraphedDecode:
     def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int, vocab: int,
-                 last: torch.Tensor, draws: int, eager: bool = False):
+                 last: torch.Tensor, draws: dict[str, Callable[[torch.Tensor], torch.Tensor]], eager: bool = False):
         """step(tokens, slots, positions, cache, keys) -> float32 logits (B, vocab): the decode
         step, B at most `max_batch`; keys = arange(span), span at most `max_span`. Graphs are
         recorded on padding rows (position 0 of `spare_slot`, a slot no sequence holds), since
-        recording runs the step once first. last: each slot's last drawn token (the runner's),
-        which the greedy draw (`draw`) writes; draws: the ids it draws among (the tokenizer's).
-        eager: run the recorded bodies as they are, no CUDA graph (a CPU: the same code, checked
-        there)."""
+        recording runs the step once first. draws: each kind of draw recorded for every batch,
+        logits (B, vocab) -> tokens (B,) from buffers of its own, without host syncs; last: each
+        slot's last drawn token (the runner's), which a draw writes. eager: run the recorded
+        bodies as they are, no CUDA graph (a CPU: the same code, checked there)."""
         self.step, self.cache, self.spare_slot = step, cache, spare_slot
         self.max_batch, self.max_span, self.eager = max_batch, max_span, eager
         self.device = cache.k[0].device
         self.pool = None if eager else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.draw_graphs: dict[int, _Graph] = {}
+        self.draw_graphs: dict[tuple[int, str], _Graph] = {}
         # each batch's rows, (3, B) long: tokens, slots, positions, shared by its span buckets' graphs
         self.rows: dict[int, torch.Tensor] = {}
         self.logits = torch.empty(max_batch, vocab, device=self.device)  # every graph's output
-        # the greedy draw's: each row's additive bias over the ids drawn among (logit_bias, -inf
-        # where banned), and the rows' tokens
-        self.last, self.bias = last, torch.zeros(max_batch, draws, device=self.device)
-        self.drawn = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        self.last, self.draw_kinds = last, draws
+        self.drawn = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # every draw's output
         self.replays = Counter()  # by (batch, span)
-        self.draws = Counter()  # greedy draws by batch
+        self.draws = Counter()  # by (batch, kind)
 
     def record(self, batches: list[int]) -> None:
-        """A graph for every batch of `batches` and every span bucket, and each batch's draw."""
+        """A graph for every batch of `batches` and every span bucket, and each batch's draws."""
         for batch in batches:
             for span in span_buckets(self.max_span):
                 self._record(batch, span)
-            self._record_draw(batch)
+            for kind in self.draw_kinds:
+                self._record_draw(batch, kind)
 
     def __call__(self, tokens: torch.Tensor, where: torch.Tensor, span: int) -> torch.Tensor:
         """Logits (B, V) of the rows: tokens (B,) at their slots and positions (where: (2, B)), all on
@@ -128,13 +127,12 @@ class GraphedDecode:
         entry.replay()
         self.replays[key] += 1
 
-    def draw(self, batch: int) -> torch.Tensor:
-        """The batch's greedy draws from its last step's logits plus `bias` (B,), the first maximum
-        as transformers' greedy search takes it; each written to its slot of `last` and fed to the
-        batch's next step, one position on: `replay` then runs that step with no input from the host.
-        The draws' buffer: the next draw overwrites it."""
-        (self.draw_graphs.get(batch) or self._record_draw(batch)).replay()
-        self.draws[batch] += 1
+    def draw(self, batch: int, kind: str) -> torch.Tensor:
+        """The batch's tokens (B,) drawn by `kind` from its last step's logits, each written to its
+        slot of `last` and fed to the batch's next step, one position on: `replay` then runs that
+        step with no input from the host. The draws' buffer: the next draw overwrites it."""
+        (self.draw_graphs.get((batch, kind)) or self._record_draw(batch, kind)).replay()
+        self.draws[batch, kind] += 1
         return self.drawn[:batch]
 
     def load(self, tokens: torch.Tensor, where: torch.Tensor) -> None:
@@ -158,18 +156,18 @@ class GraphedDecode:
         self.graphs[batch, span] = entry = _Graph(self._recorded(run), keys)
         return entry
 
-    def _record_draw(self, batch: int) -> _Graph:
-        rows, width = self._rows(batch), self.bias.shape[1]
+    def _record_draw(self, batch: int, kind: str) -> _Graph:
+        rows, draw = self._rows(batch), self.draw_kinds[kind]
 
         def run():
-            tokens = (self.logits[:batch, :width] + self.bias[:batch]).max(-1).indices
+            tokens = draw(self.logits[:batch])
             self.drawn[:batch].copy_(tokens)
             self.last.index_put_((rows[1],), tokens)
             rows[0].copy_(tokens)
             rows[2].add_(1)
 
         saved = rows.clone()
-        self.draw_graphs[batch] = entry = _Graph(self._recorded(run), None)
+        self.draw_graphs[batch, kind] = entry = _Graph(self._recorded(run), None)
         rows.copy_(saved)  # recording ran it: the padding rows back at position 0
         return entry
 
