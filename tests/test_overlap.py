@@ -404,9 +404,10 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     """With the decode's graphs (their bodies run eagerly on the CPU, the same code as a GPU's), a
     batch whose rows draw from their logits alone draws inside them, step after step fed on the
     device: greedy rows with logit_bias, allowed_token_ids, banned tokens, stop strings and tokens,
-    n and max_tokens, then seeded rows at a temperature beside them, give what the sampler gives a
-    step at a time with the same noise (a GPU's, `Sampler.hashed`). A top_p row joining sends the
-    batch through the sampler, and the completions are still the same."""
+    n and max_tokens, then seeded rows at a temperature beside them, then truncated ones (top_k,
+    top_p, min_p), give what the sampler gives a step at a time with the same noise (a GPU's,
+    `Sampler.hashed`). A penalized row joining sends the batch through the sampler, and the
+    completions are still the same."""
     sync = Engine(model, tok, max_batch=8, overlap=False, cuda_graphs=False, event_sink=(sync_sink := Sink()))
     sync.runner.sampler.hashed = True
     free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
@@ -422,7 +423,10 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
                     job(tok, PROMPTS[2:4], n=2, temperature=0.8, seed=7, max_tokens=12,
                         logit_bias={tok.eos_token_id: -100}),
                     job(tok, [PROMPTS[0]], temperature=1.3, seed=8, max_tokens=13, allowed_token_ids=allowed)]
-    truncated = job(tok, [PROMPTS[0]], max_tokens=12, temperature=0.8, top_p=0.9, seed=9)
+    truncated_jobs = [*sampled_jobs,
+                      job(tok, [PROMPTS[0]], max_tokens=12, temperature=0.8, top_p=0.9, seed=9),
+                      job(tok, [PROMPTS[3]], max_tokens=10, temperature=1.1, top_k=5, min_p=0.05, seed=10)]
+    penalized = job(tok, [PROMPTS[1]], max_tokens=12, temperature=0.7, presence_penalty=0.5, seed=11)
     graphed = Engine(model, tok, max_batch=8, overlap=True, decode_steps=decode_steps, cuda_graphs=True,
                      event_sink=(sink := Sink()))
     graphed.runner.sampler.hashed = True
@@ -434,16 +438,19 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     got, _, _ = steps_of(graphed, sampled_jobs)
     assert sum(n for (_, kind), n in draws.items() if kind == "sampled") > 0
     assert_same(got, steps_of(sync, sampled_jobs)[0])
-    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, truncated]]
-    while not any(s.request.job.id == truncated.id for s in graphed.scheduler.decoding):
+    got, _, _ = steps_of(graphed, truncated_jobs)
+    assert sum(n for (_, kind), n in draws.items() if kind == "truncated") > 0
+    assert_same(got, steps_of(sync, truncated_jobs)[0])
+    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, penalized]]
+    while not any(s.request.job.id == penalized.id for s in graphed.scheduler.decoding):
         graphed.step()
     before = sum(draws.values())
-    for _ in range(4):  # while the top_p row runs, its batch draws through the sampler
+    for _ in range(4):  # while the penalized row runs, its batch draws through the sampler
         graphed.step()
     assert not handles[-1].done and sum(draws.values()) == before
     while not all(h.done for h in handles):
         graphed.step()
-    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, truncated])[0])
+    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, penalized])[0])
     assert graphed.stats()["kv_slots_used"] == 0
 
 

@@ -317,13 +317,13 @@ class Runner:
         """`forwards` decode forwards of `rows`, each drawing inside the decode's graphs
         (GraphedDecode.draw, sampling.GraphDraws) and fed the draws of the one before on the device:
         their draws, in order, none taken in. None where the rows cannot (no graphs, a batch past
-        them, a row whose draw needs more than its logits, logit_bias, banned tokens and
-        temperature: truncated, penalized, scored, before its min_tokens, a grammar)."""
+        them, a row whose draw needs more than its logits and sampling settings: penalized,
+        scored, before its min_tokens, a grammar)."""
         graphs, route = self.routes.graphs, self.routes.route(len(rows))
         if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_in_graphs(s) for s in rows):
             return None
-        kind = "greedy" if all(s.request.params.greedy for s in rows) else "sampled"
-        if kind == "sampled" and not self.sampler.hashed:
+        kind = GraphDraws.kind([s.request.params for s in rows])
+        if kind != "greedy" and not self.sampler.hashed:
             return None  # the sampler's noise is another generator's: its draws would differ
         slots, positions = [s.slot for s in rows], [s.position for s in rows]
         where = self.where(route, slots, positions)
@@ -337,7 +337,7 @@ class Runner:
             self._draws_for = (params, slots, route.rows)
         drawn = []
         for k in range(forwards):
-            if kind == "sampled":  # each row's draw key of this step, as the sampler's (draw_keys)
+            if kind != "greedy":  # each row's draw key of this step, as the sampler's (draw_keys)
                 self.draws.keys[:len(rows)] = to_device(draw_keys(
                     [p.seed for p in params], [self.sampler.choice[s] for s in slots],
                     [self.sampler.step[s] + k for s in slots]), self.device)
@@ -355,8 +355,7 @@ class Runner:
 
     def _draws_in_graphs(self, s: Sequence) -> bool:
         p = s.request.params
-        return (not p.truncated and p.min_p == 0 and not p.penalized and p.repetition_penalty == 1
-                and not p.sequence_bans and p.grammar is None and not s.request.needs_scores
+        return (not p.penalized and p.repetition_penalty == 1 and not p.sequence_bans and p.grammar is None and not s.request.needs_scores
                 and self.sampler.step[s.slot] >= p.min_tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:

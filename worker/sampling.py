@@ -402,34 +402,49 @@ class Sampler:
 
 class GraphDraws:
     """The draws a GPU engine records beside its decode graphs (nanogpt/runtime/cuda_graphs.py):
-    for rows whose token follows from their logits, logit_bias, banned tokens and temperature alone,
-    the tokens `Sampler.sample` draws, from buffers of a batch bucket's rows (`load`) instead of the
-    sampler's per-step choices on the host. Gumbel noise by `hashed_gumbel`, as the sampler's where
-    it hashes (`Sampler.hashed`): the same draws whichever of the two a step takes."""
+    for rows whose token follows from their logits, logit_bias, banned tokens, temperature, min_p,
+    top_k and top_p alone, the tokens `Sampler.sample` draws, from buffers of a batch bucket's rows
+    (`load`) instead of the sampler's per-step choices on the host. Gumbel noise by
+    `hashed_gumbel`, as the sampler's where it hashes (`Sampler.hashed`): the same draws whichever
+    of the two a step takes."""
 
     def __init__(self, max_batch: int, vocab_size: int, device):
         self.vocab_size = vocab_size
         f32 = dict(device=device, dtype=torch.float32)
+        flags = dict(device=device, dtype=torch.bool)
         self.bias = torch.zeros(max_batch, vocab_size, **f32)  # logit_bias; -inf where banned
-        self.temperature = torch.ones(max_batch, **f32)
-        self.greedy = torch.ones(max_batch, device=device, dtype=torch.bool)
+        # temperature, top_p, top_k, min_p: as the sampler's settings; padding rows greedy
+        self.settings = torch.tensor([[1.0, 1.0, 0.0, 0.0]], **f32).repeat(max_batch, 1)
+        self.temperature, self.top_p, self.top_k, self.min_p = self.settings.unbind(1)
+        self.greedy = torch.ones(max_batch, **flags)
+        self.truncated = torch.zeros(max_batch, **flags)
         self.keys = torch.zeros(max_batch, device=device, dtype=torch.long)  # the step's draw keys
 
     def kinds(self) -> dict:
-        return {"greedy": self.greedy_draw, "sampled": self.sampled_draw}
+        """Each kind of draw, cheapest first: greedy rows alone; rows at a temperature; and any of
+        those, truncated (top_k, top_p) or with min_p (their probabilities sorted)."""
+        return {"greedy": self.greedy_draw, "sampled": self.sampled_draw, "truncated": self.truncated_draw}
+
+    @staticmethod
+    def kind(params: list[SamplingParams]) -> str:
+        """The cheapest kind that draws every row of `params`."""
+        if any(p.truncated or p.min_p > 0 for p in params):
+            return "truncated"
+        return "greedy" if all(p.greedy for p in params) else "sampled"
 
     def load(self, sampler: "Sampler", slots: list[int], batch: int) -> None:
         """Rows 0..len(slots)-1 take the settings of those slots (padding rows past them: none)."""
-        params = [sampler.params[s] for s in slots]
-        idx = to_device(slots, self.bias.device)
+        params, device = [sampler.params[s] for s in slots], self.bias.device
+        idx, n = to_device(slots, device), len(slots)
         self.bias[:batch].zero_()
         if any(p.logit_bias for p in params):
-            apply_logit_bias(self.bias[:batch], sampler.biases(params, self.bias.device), in_place=True)
+            apply_logit_bias(self.bias[:batch], sampler.biases(params, device), in_place=True)
         if any(p.masked for p in params):
-            self.bias[:len(slots)].masked_fill_(sampler.banned[idx], float("-inf"))
-        self.temperature[:len(slots)] = sampler.temperature[idx]
+            self.bias[:n].masked_fill_(sampler.banned[idx], float("-inf"))
+        self.settings[:n] = sampler.settings[idx, :4]
         self.greedy[:batch] = True
-        self.greedy[:len(slots)] = to_device([p.greedy for p in params], self.bias.device, torch.bool)
+        self.greedy[:n] = to_device([p.greedy for p in params], device, torch.bool)
+        self.truncated[:n] = to_device([p.truncated for p in params], device, torch.bool)
 
     def greedy_draw(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as the sampler's greedy rows (logits (B, rows of the head))."""
@@ -441,4 +456,15 @@ class GraphDraws:
         B = len(logits)
         x = logits[:, :self.vocab_size] + self.bias[:B]
         drawn = first_max(x / self.temperature[:B, None] + hashed_gumbel(self.keys[:B], self.vocab_size))
+        return torch.where(self.greedy[:B], first_max(x), drawn)
+
+    def truncated_draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """`sampled_draw`, min_p applied, and the truncated rows' draws from their truncated
+        distribution (`draw`)."""
+        B = len(logits)
+        x = logits[:, :self.vocab_size] + self.bias[:B]
+        scaled = apply_min_p(x / self.temperature[:B, None], self.min_p[:B])
+        noise = hashed_gumbel(self.keys[:B], self.vocab_size)
+        cut = draw_truncated(torch.softmax(scaled, dim=-1), self.top_k[:B], self.top_p[:B], noise)
+        drawn = torch.where(self.truncated[:B], cut, first_max(scaled + noise))
         return torch.where(self.greedy[:B], first_max(x), drawn)

@@ -8,10 +8,10 @@ of SPAN_QUANTUM: the keys past a row's position are masked, so a longer span giv
 logits), all recorded before serving, in one memory pool. The step (eager or compiled
 `forward_decode`) must not sync with the host, as DecodeWindow does not.
 
-Beside each batch's steps, graphs of its draws (the worker's: greedy, or Gumbel-max at each row's
-temperature), their tokens written to the rows' slots of the runner's `last` and into the batch's
-rows as the next step's input, one position on. A batch whose rows draw from their logits alone
-then runs step after step from two replays each (worker/runner.py `decode_in_graphs`).
+Beside each batch's steps, graphs of its draws (the worker's: worker/sampling.py `GraphDraws`),
+their tokens written to the rows' slots of the runner's `last` and into the batch's rows as the
+next step's input, one position on. A batch whose rows draw from their logits and sampling
+settings alone then runs step after step from two replays each (worker/runner.py `decode_in_graphs`).
 
 Every tensor a graph reads outside its pool stays alive, at its address, as long as the graph:
 the cache and weights (the runner's), each batch's rows (shared by its graphs), the keys (each
