@@ -253,7 +253,9 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
               job(tok, [PROMPTS[1]], max_tokens=60, allowed_token_ids=list(range(200, 4000)))]
     truncated = [job(tok, [PROMPTS[0]], max_tokens=60, temperature=0.9, top_p=0.9, seed=3),
                  job(tok, [PROMPTS[1]], max_tokens=60, temperature=0.7, min_p=0.05, seed=4)]
-    for jobs in (sampled, greedy, truncated):
+    penalized = [job(tok, [PROMPTS[0]], max_tokens=60, temperature=0.9, presence_penalty=0.4, seed=5),
+                 job(tok, [PROMPTS[1]], max_tokens=60, repetition_penalty=1.3)]
+    for jobs in (sampled, greedy, truncated, penalized):
         handles = [engine.submit(j) for j in jobs]
         for _ in range(3):  # prefills, first draws
             engine.step()
@@ -267,7 +269,7 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
             engine.step()
         assert all(len(h.result()["choices"][0]["text"]) for h in handles)
     kinds = {kind for (_, kind), n in engine.runner.graphs.draws.items() if n}
-    assert {"greedy", "truncated"} <= kinds
+    assert {"greedy", "truncated", "penalized"} <= kinds
 
 
 @DTYPES

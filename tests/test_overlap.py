@@ -405,9 +405,9 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     batch whose rows draw from their logits alone draws inside them, step after step fed on the
     device: greedy rows with logit_bias, allowed_token_ids, banned tokens, stop strings and tokens,
     n and max_tokens, then seeded rows at a temperature beside them, then truncated ones (top_k,
-    top_p, min_p), give what the sampler gives a step at a time with the same noise (a GPU's,
-    `Sampler.hashed`). A penalized row joining sends the batch through the sampler, and the
-    completions are still the same."""
+    top_p, min_p), then penalized ones (presence, frequency, repetition), give what the sampler gives
+    a step at a time with the same noise (a GPU's, `Sampler.hashed`). A row asking for logprobs
+    joining sends the batch through the sampler, and the completions are still the same."""
     sync = Engine(model, tok, max_batch=8, overlap=False, cuda_graphs=False, event_sink=(sync_sink := Sink()))
     sync.runner.sampler.hashed = True
     free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
@@ -426,7 +426,11 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     truncated_jobs = [*sampled_jobs,
                       job(tok, [PROMPTS[0]], max_tokens=12, temperature=0.8, top_p=0.9, seed=9),
                       job(tok, [PROMPTS[3]], max_tokens=10, temperature=1.1, top_k=5, min_p=0.05, seed=10)]
-    penalized = job(tok, [PROMPTS[1]], max_tokens=12, temperature=0.7, presence_penalty=0.5, seed=11)
+    penalized_jobs = [*truncated_jobs,
+                      job(tok, [PROMPTS[1]], max_tokens=12, temperature=0.7, presence_penalty=0.5,
+                          frequency_penalty=0.3, seed=11),
+                      job(tok, [PROMPTS[2]], max_tokens=12, repetition_penalty=1.4)]
+    scored = job(tok, [PROMPTS[1]], max_tokens=12, temperature=0.7, logprobs=2, seed=12)
     graphed = Engine(model, tok, max_batch=8, overlap=True, decode_steps=decode_steps, cuda_graphs=True,
                      event_sink=(sink := Sink()))
     graphed.runner.sampler.hashed = True
@@ -441,16 +445,19 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     got, _, _ = steps_of(graphed, truncated_jobs)
     assert sum(n for (_, kind), n in draws.items() if kind == "truncated") > 0
     assert_same(got, steps_of(sync, truncated_jobs)[0])
-    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, penalized]]
-    while not any(s.request.job.id == penalized.id for s in graphed.scheduler.decoding):
+    got, _, _ = steps_of(graphed, penalized_jobs)
+    assert sum(n for (_, kind), n in draws.items() if kind == "penalized") > 0
+    assert_same(got, steps_of(sync, penalized_jobs)[0])
+    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, scored]]
+    while not any(s.request.job.id == scored.id for s in graphed.scheduler.decoding):
         graphed.step()
     before = sum(draws.values())
-    for _ in range(4):  # while the penalized row runs, its batch draws through the sampler
+    for _ in range(4):  # while the row asking for logprobs runs, its batch draws through the sampler
         graphed.step()
     assert not handles[-1].done and sum(draws.values()) == before
     while not all(h.done for h in handles):
         graphed.step()
-    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, penalized])[0])
+    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, scored])[0])
     assert graphed.stats()["kv_slots_used"] == 0
 
 

@@ -93,7 +93,7 @@ class Runner:
         graphed = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         spare = DecodeRoutes.padded(compile, graphed)  # a slot for padding rows, a position past the context
         self.cache = KVCache(config, slots + spare, max_len + spare, self.device, dtype)
-        self.sampler = Sampler(slots, vocab_size, self.device, grammars)
+        self.sampler = Sampler(slots + spare, vocab_size, self.device, grammars)  # the spare: padding rows' draws
         # each slot's last drawn token, on the device: the next step's input before the host has it
         self.last = torch.zeros(slots + spare, dtype=torch.long, device=self.device)
         self._slots: tuple[list[int], torch.Tensor] | None = None  # the decoding rows' slots, host and device
@@ -117,7 +117,7 @@ class Runner:
             # new shape, milliseconds of host time, and the eager steps' spans change every step
             torch.backends.cuda.enable_cudnn_sdp(False)
         # what the graphs' draws read (their rows' bias, temperature, keys) and whose rows it holds
-        self.draws = GraphDraws(bucket(slots), vocab_size, self.device) if graphed else None
+        self.draws = GraphDraws(bucket(slots), self.sampler) if graphed else None
         self._draws_for: tuple[list, list[int], int] | None = None
         self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed,
                                    background=compile_in_background, last=self.last,
@@ -317,8 +317,8 @@ class Runner:
         """`forwards` decode forwards of `rows`, each drawing inside the decode's graphs
         (GraphedDecode.draw, sampling.GraphDraws) and fed the draws of the one before on the device:
         their draws, in order, none taken in. None where the rows cannot (no graphs, a batch past
-        them, a row whose draw needs more than its logits and sampling settings: penalized,
-        scored, before its min_tokens, a grammar)."""
+        them, a row whose draw needs more than its logits, sampling settings and penalties:
+        scored, before its min_tokens, a grammar, multi-token bans)."""
         graphs, route = self.routes.graphs, self.routes.route(len(rows))
         if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_in_graphs(s) for s in rows):
             return None
@@ -333,7 +333,7 @@ class Runner:
         graphs.load(torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens, where)
         held, params = self._draws_for, [s.request.params for s in rows]
         if held is None or held[2] != route.rows or held[1] != slots or any(a is not b for a, b in zip(held[0], params)):
-            self.draws.load(self.sampler, slots, route.rows)
+            self.draws.load(slots, route.rows)
             self._draws_for = (params, slots, route.rows)
         drawn = []
         for k in range(forwards):
@@ -355,7 +355,7 @@ class Runner:
 
     def _draws_in_graphs(self, s: Sequence) -> bool:
         p = s.request.params
-        return (not p.penalized and p.repetition_penalty == 1 and not p.sequence_bans and p.grammar is None and not s.request.needs_scores
+        return (not p.sequence_bans and p.grammar is None and not s.request.needs_scores
                 and self.sampler.step[s.slot] >= p.min_tokens)
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:

@@ -402,17 +402,19 @@ class Sampler:
 
 class GraphDraws:
     """The draws a GPU engine records beside its decode graphs (nanogpt/runtime/cuda_graphs.py):
-    for rows whose token follows from their logits, logit_bias, banned tokens, temperature, min_p,
-    top_k and top_p alone, the tokens `Sampler.sample` draws, from buffers of a batch bucket's rows
-    (`load`) instead of the sampler's per-step choices on the host. Gumbel noise by
-    `hashed_gumbel`, as the sampler's where it hashes (`Sampler.hashed`): the same draws whichever
-    of the two a step takes."""
+    for rows whose token follows from their logits, logit_bias, banned tokens, penalties,
+    temperature, min_p, top_k and top_p alone, the tokens `Sampler.sample` draws, from buffers of a
+    batch bucket's rows (`load`) and the sampler's per-slot tables, instead of the sampler's
+    per-step choices on the host. Gumbel noise by `hashed_gumbel`, as the sampler's where it
+    hashes (`Sampler.hashed`): the same draws whichever of the two a step takes."""
 
-    def __init__(self, max_batch: int, vocab_size: int, device):
-        self.vocab_size = vocab_size
+    def __init__(self, max_batch: int, sampler: "Sampler"):
+        """`sampler`'s tables hold a slot for the graphs' padding rows (their slots)."""
+        self.sampler, self.vocab_size = sampler, sampler.vocab_size
+        device = sampler.settings.device
         f32 = dict(device=device, dtype=torch.float32)
         flags = dict(device=device, dtype=torch.bool)
-        self.bias = torch.zeros(max_batch, vocab_size, **f32)  # logit_bias; -inf where banned
+        self.bias = torch.zeros(max_batch, self.vocab_size, **f32)  # logit_bias; -inf where banned
         # temperature, top_p, top_k, min_p: as the sampler's settings; padding rows greedy
         self.settings = torch.tensor([[1.0, 1.0, 0.0, 0.0]], **f32).repeat(max_batch, 1)
         self.temperature, self.top_p, self.top_k, self.min_p = self.settings.unbind(1)
@@ -421,21 +423,25 @@ class GraphDraws:
         self.keys = torch.zeros(max_batch, device=device, dtype=torch.long)  # the step's draw keys
 
     def kinds(self) -> dict:
-        """Each kind of draw, cheapest first: greedy rows alone; rows at a temperature; and any of
-        those, truncated (top_k, top_p) or with min_p (their probabilities sorted)."""
-        return {"greedy": self.greedy_draw, "sampled": self.sampled_draw, "truncated": self.truncated_draw}
+        """Each kind of draw (logits (B, rows of the head), the rows' slots (B,) -> tokens (B,)),
+        cheapest first: greedy rows alone; rows at a temperature; any of those, truncated (top_k,
+        top_p) or with min_p (their probabilities sorted); and any of those, penalized."""
+        return {"greedy": self.greedy_draw, "sampled": self.sampled_draw, "truncated": self.truncated_draw,
+                "penalized": self.penalized_draw}
 
     @staticmethod
     def kind(params: list[SamplingParams]) -> str:
         """The cheapest kind that draws every row of `params`."""
+        if any(p.penalized or p.repetition_penalty != 1 for p in params):
+            return "penalized"
         if any(p.truncated or p.min_p > 0 for p in params):
             return "truncated"
         return "greedy" if all(p.greedy for p in params) else "sampled"
 
-    def load(self, sampler: "Sampler", slots: list[int], batch: int) -> None:
+    def load(self, slots: list[int], batch: int) -> None:
         """Rows 0..len(slots)-1 take the settings of those slots (padding rows past them: none)."""
-        params, device = [sampler.params[s] for s in slots], self.bias.device
-        idx, n = to_device(slots, device), len(slots)
+        sampler, device = self.sampler, self.bias.device
+        params, idx, n = [sampler.params[s] for s in slots], to_device(slots, device), len(slots)
         self.bias[:batch].zero_()
         if any(p.logit_bias for p in params):
             apply_logit_bias(self.bias[:batch], sampler.biases(params, device), in_place=True)
@@ -446,11 +452,11 @@ class GraphDraws:
         self.greedy[:n] = to_device([p.greedy for p in params], device, torch.bool)
         self.truncated[:n] = to_device([p.truncated for p in params], device, torch.bool)
 
-    def greedy_draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's first maximum, as the sampler's greedy rows (logits (B, rows of the head))."""
+    def greedy_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum, as the sampler's greedy rows."""
         return first_max(logits[:, :self.vocab_size] + self.bias[:len(logits)])
 
-    def sampled_draw(self, logits: torch.Tensor) -> torch.Tensor:
+    def sampled_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Greedy rows' first maximum, the others' Gumbel-max draw at their temperature (`draw`'s
         untruncated rows), by `keys`."""
         B = len(logits)
@@ -458,11 +464,24 @@ class GraphDraws:
         drawn = first_max(x / self.temperature[:B, None] + hashed_gumbel(self.keys[:B], self.vocab_size))
         return torch.where(self.greedy[:B], first_max(x), drawn)
 
-    def truncated_draw(self, logits: torch.Tensor) -> torch.Tensor:
+    def truncated_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """`sampled_draw`, min_p applied, and the truncated rows' draws from their truncated
         distribution (`draw`)."""
-        B = len(logits)
-        x = logits[:, :self.vocab_size] + self.bias[:B]
+        return self._draw(logits[:, :self.vocab_size] + self.bias[:len(logits)])
+
+    def penalized_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`truncated_draw` after the repetition, presence and frequency penalties of the rows'
+        slots (identities where off), the draws then counted in those slots' tables (`advance`)."""
+        s = self.sampler
+        x = logits[:, :self.vocab_size] + self.bias[:len(logits)]
+        x = apply_repetition_penalty(x, s.seen[slots], s.repetition[slots])
+        tokens = self._draw(apply_penalties(x, s.counts[slots], s.presence[slots], s.frequency[slots]))
+        s.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        s.seen[slots, tokens] = True
+        return tokens
+
+    def _draw(self, x: torch.Tensor) -> torch.Tensor:
+        B = len(x)
         scaled = apply_min_p(x / self.temperature[:B, None], self.min_p[:B])
         noise = hashed_gumbel(self.keys[:B], self.vocab_size)
         cut = draw_truncated(torch.softmax(scaled, dim=-1), self.top_k[:B], self.top_p[:B], noise)

@@ -81,12 +81,12 @@ class _Graph:
 
 class GraphedDecode:
     def __init__(self, step, cache, *, spare_slot: int, max_batch: int, max_span: int, vocab: int,
-                 last: torch.Tensor, draws: dict[str, Callable[[torch.Tensor], torch.Tensor]], eager: bool = False):
+                 last: torch.Tensor, draws: dict[str, Callable[..., torch.Tensor]], eager: bool = False):
         """step(tokens, slots, positions, cache, keys) -> float32 logits (B, vocab): the decode
         step, B at most `max_batch`; keys = arange(span), span at most `max_span`. Graphs are
         recorded on padding rows (position 0 of `spare_slot`, a slot no sequence holds), since
         recording runs the step once first. draws: each kind of draw recorded for every batch,
-        logits (B, vocab) -> tokens (B,) from buffers of its own, without host syncs; last: each
+        (logits (B, vocab), slots (B,)) -> tokens (B,), without host syncs; last: each
         slot's last drawn token (the runner's), which a draw writes. eager: run the recorded
         bodies as they are, no CUDA graph (a CPU: the same code, checked there)."""
         self.step, self.cache, self.spare_slot = step, cache, spare_slot
@@ -160,7 +160,7 @@ class GraphedDecode:
         rows, draw = self._rows(batch), self.draw_kinds[kind]
 
         def run():
-            tokens = draw(self.logits[:batch])
+            tokens = draw(self.logits[:batch], rows[1])
             self.drawn[:batch].copy_(tokens)
             self.last.index_put_((rows[1],), tokens)
             rows[0].copy_(tokens)
