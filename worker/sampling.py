@@ -477,7 +477,7 @@ class GraphDraws:
         x = apply_repetition_penalty(x, s.seen[slots], s.repetition[slots])
         tokens = self._draw(apply_penalties(x, s.counts[slots], s.presence[slots], s.frequency[slots]))
         s.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
-        s.seen[slots, tokens] = True
+        s.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))  # no host scalar in a graph
         return tokens
 
     def _draw(self, x: torch.Tensor) -> torch.Tensor:
