@@ -382,3 +382,39 @@ def test_draw_keys_of_a_batch_are_splitmix64_of_seed_choice_and_step():
     want = [mix((mix((mix(s & mask) + c) & mask) + t) & mask) >> 1 for s, c, t in rows]
     assert sampling.draw_keys(*map(list, zip(*rows))) == want
     assert draw_key(*rows[0]) == want[0]
+
+
+def test_the_graphs_draws_take_nothing_from_the_host(monkeypatch):
+    """Every kind of GraphDraws' draw, as a GPU records it in a CUDA graph (truncated rows fully
+    sorted, as off a CPU), runs no operator that waits for the device or gives a shape that depends
+    on the data (.item(), nonzero, masked_select, ...): either would break the graph's capture.
+    Checked by the operators the bodies dispatch, on the CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    V, B = 300, 4
+    sampler = Sampler(B + 1, V)
+    for slot, params in enumerate([SamplingParams(temperature=0.0, logit_bias={3: 2.0}),
+                                   SamplingParams(temperature=0.8, seed=1, allowed_token_ids=tuple(range(50))),
+                                   SamplingParams(temperature=1.1, top_p=0.8, top_k=9, min_p=0.05, seed=2),
+                                   SamplingParams(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.2)]):
+        sampler.assign(slot, params, 0, [5, 6], [7])
+    draws = sampling.GraphDraws(B, sampler)
+    draws.load(list(range(B)), B)
+    truncated = sampling.draw_truncated
+    monkeypatch.setattr(sampling, "draw_truncated", lambda *a: truncated(*a, full_sort=True))
+    waits = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "_unique2",
+             "item", "allclose", "index_select_backward", "repeat_interleave"}
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits, slots = torch.randn(B, V + 7), torch.arange(B)
+    for kind, draw in draws.kinds().items():
+        seen.clear()
+        with Ops():
+            tokens = draw(logits, slots)
+        assert seen and not waits & set(seen), (kind, waits & set(seen))
+        assert tokens.shape == (B,) and bool((tokens < V).all()), kind
