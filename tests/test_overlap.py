@@ -406,21 +406,22 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     device: greedy rows with logit_bias, allowed_token_ids, banned tokens, stop strings and tokens,
     n and max_tokens, then seeded rows at a temperature beside them, then truncated ones (top_k,
     top_p, min_p), then penalized ones (presence, frequency, repetition), give what the sampler gives
-    a step at a time with the same noise (a GPU's, `Sampler.hashed`). A row asking for logprobs
-    joining sends the batch through the sampler, and the completions are still the same."""
+    a step at a time with the same noise (a GPU's, `Sampler.hashed`), logprobs too. A row short of
+    its min_tokens joining sends the batch through the sampler, and the completions are still the
+    same."""
     sync = Engine(model, tok, max_batch=8, overlap=False, cuda_graphs=False, event_sink=(sync_sink := Sink()))
     sync.runner.sampler.hashed = True
     free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
     pieces, ids = free["logprobs"]["tokens"], generated(sync_sink, greedy)
     stop = pieces[5][-2:] + pieces[6][:2]
     allowed = sorted(set(ids) | {ids[0] + 1, 11, 198})
-    greedy_jobs = [job(tok, [PROMPTS[1]], max_tokens=14, stop=[stop]),
+    greedy_jobs = [job(tok, [PROMPTS[1]], max_tokens=14, stop=[stop], logprobs=2),
                    job(tok, PROMPTS[:2], n=2, max_tokens=11, logit_bias={tok.eos_token_id: -100, ids[3]: 5.0}),
                    job(tok, [PROMPTS[3]], max_tokens=9, allowed_token_ids=allowed),
                    job(tok, [PROMPTS[2]], max_tokens=10, bad_words=[[ids[1]]],
                        logit_bias={ids[2]: -100}, stop_token_ids=[ids[4]])]
     sampled_jobs = [*greedy_jobs[:2],
-                    job(tok, PROMPTS[2:4], n=2, temperature=0.8, seed=7, max_tokens=12,
+                    job(tok, PROMPTS[2:4], n=2, temperature=0.8, seed=7, max_tokens=12, logprobs=1,
                         logit_bias={tok.eos_token_id: -100}),
                     job(tok, [PROMPTS[0]], temperature=1.3, seed=8, max_tokens=13, allowed_token_ids=allowed)]
     truncated_jobs = [*sampled_jobs,
@@ -430,7 +431,7 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
                       job(tok, [PROMPTS[1]], max_tokens=12, temperature=0.7, presence_penalty=0.5,
                           frequency_penalty=0.3, seed=11),
                       job(tok, [PROMPTS[2]], max_tokens=12, repetition_penalty=1.4)]
-    scored = job(tok, [PROMPTS[1]], max_tokens=12, temperature=0.7, logprobs=2, seed=12)
+    early = job(tok, [PROMPTS[1]], max_tokens=18, temperature=0.7, min_tokens=15, seed=12)  # > 4 steps of 4
     graphed = Engine(model, tok, max_batch=8, overlap=True, decode_steps=decode_steps, cuda_graphs=True,
                      event_sink=(sink := Sink()))
     graphed.runner.sampler.hashed = True
@@ -448,16 +449,16 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     got, _, _ = steps_of(graphed, penalized_jobs)
     assert sum(n for (_, kind), n in draws.items() if kind == "penalized") > 0
     assert_same(got, steps_of(sync, penalized_jobs)[0])
-    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, scored]]
-    while not any(s.request.job.id == scored.id for s in graphed.scheduler.decoding):
+    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, early]]
+    while not any(s.request.job.id == early.id for s in graphed.scheduler.decoding):
         graphed.step()
     before = sum(draws.values())
-    for _ in range(4):  # while the row asking for logprobs runs, its batch draws through the sampler
+    for _ in range(4):  # while a row is short of its min_tokens, its batch draws through the sampler
         graphed.step()
     assert not handles[-1].done and sum(draws.values()) == before
     while not all(h.done for h in handles):
         graphed.step()
-    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, scored])[0])
+    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, early])[0])
     assert graphed.stats()["kv_slots_used"] == 0
 
 

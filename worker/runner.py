@@ -317,8 +317,9 @@ class Runner:
         """`forwards` decode forwards of `rows`, each drawing inside the decode's graphs
         (GraphedDecode.draw, sampling.GraphDraws) and fed the draws of the one before on the device:
         their draws, in order, none taken in. None where the rows cannot (no graphs, a batch past
-        them, a row whose draw needs more than its logits, sampling settings and penalties:
-        scored, before its min_tokens, a grammar, multi-token bans)."""
+        them, a row whose draw needs more than its logits, sampling settings and penalties: before
+        its min_tokens, a grammar, multi-token bans). Logprobs are scored from the raw logits
+        after each draw, as `sample` scores them."""
         graphs, route = self.routes.graphs, self.routes.route(len(rows))
         if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_in_graphs(s) for s in rows):
             return None
@@ -342,21 +343,20 @@ class Runner:
                     [p.seed for p in params], [self.sampler.choice[s] for s in slots],
                     [self.sampler.step[s] + k for s in slots]), self.device)
             graphs.replay(route.rows, max(positions) + 1 + k)
-            drawn.append(Drawn(rows, graphs.draw(route.rows, kind)[:len(rows), None].clone(), None))
+            # scored from the raw logits before the next replay overwrites them (queued behind it)
+            drawn.append(self._drawn(rows, graphs.logits[:len(rows)], graphs.draw(route.rows, kind)[:len(rows)].clone()))
         if forwards > 1:  # `where` as the rows now stand, for the next decode to advance (`where`)
             where[1, :len(rows)] += forwards - 1
             self._where = (route, slots, [p + forwards - 1 for p in positions], where)
         for slot in slots:
             self.sampler.step[slot] += forwards
-        self.tokens_generated += forwards * len(rows)
         self.batch_sizes[len(rows)] += forwards
         self.routes_taken[route.graph] += forwards
         return drawn
 
     def _draws_in_graphs(self, s: Sequence) -> bool:
         p = s.request.params
-        return (not p.sequence_bans and p.grammar is None and not s.request.needs_scores
-                and self.sampler.step[s.slot] >= p.min_tokens)
+        return not p.sequence_bans and p.grammar is None and self.sampler.step[s.slot] >= p.min_tokens
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:
         """The token each contrastive search chooses among the candidates of this step's decode,
