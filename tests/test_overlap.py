@@ -198,8 +198,8 @@ def test_decode_steps_running_ahead_copy_nothing_to_the_device_while_their_rows_
     """Decode steps whose rows draw a step ahead (greedy, EOS banned by logit_bias, as the
     benchmarks run) send the device nothing while the batch holds the same sequences: their slots
     and positions are the step before's, advanced on the device; their last tokens come from the
-    device's record of their draws, and their biases from the step before's copy. A sequence
-    arriving costs its step one copy of the rows. The draws still equal those of a step at a time.
+    device's record of their draws, and their biases from the step before's copy. The draws still
+    equal those of a step at a time.
     Graphed (CUDA graphs' bodies, run eagerly on the CPU), the rows draw inside the graphs."""
     import worker.decode_routes
     import worker.runner
@@ -320,10 +320,10 @@ def test_a_fault_taking_in_the_step_before_fails_its_requests_not_the_engine(mod
 
 # ---- several decode forwards a step (worker/engine.py `decode_steps`) ----
 
-def steps_of(engine, jobs, resume=None):
+def steps_of(engine, jobs):
     """The completions of `jobs` submitted at once, and the engine's steps and decode forwards."""
     steps, forwards = 0, engine.stats()["steps"]
-    handles = [engine.submit(CompletionJob(**j.model_dump()), (resume or {}).get(j.id)) for j in jobs]
+    handles = [engine.submit(CompletionJob(**j.model_dump())) for j in jobs]
     while not all(h.done for h in handles):
         engine.step()
         steps += 1

@@ -26,7 +26,7 @@ before draws one token more, which is dropped: never a wrong output, a row's wor
 whose next token depends on the previous one on the host (beam and contrastive search, a grammar,
 multi-token bans) take their tokens in at once, and while one is in the engine every step does.
 
-Several decode steps a step (`decode_steps`, running ahead only): while nothing waits to be
+Several decode forwards a step (`decode_steps`, running ahead only): while nothing waits to be
 admitted or prefilled, a step launches up to `decode_steps` decode forwards and draws back to back,
 each fed the draws of the one before from the device, then takes the step before's tokens in: the
 scheduling, the take-in and the event write are paid once for all of them. A sequence that ends
@@ -137,8 +137,8 @@ class Engine:
         CUDA graphs, which record the compiled step before the engine runs).
         prefix_caching: reuse the keys and values a free slot holds of a prompt's prefix (worker/prefix_cache.py).
         cuda_graphs: replay the decode step (compiled or not) from CUDA graphs, one per batch and
-        span bucket, and each batch's greedy draw, all recorded here before the engine runs
-        (nanogpt/runtime/cuda_graphs.py); None: on a GPU. On a CPU (True) the graphs' bodies run
+        span bucket, and each batch's draws (worker/sampling.py GraphDraws), all recorded here
+        before the engine runs (nanogpt/runtime/cuda_graphs.py); None: on a GPU. On a CPU (True) the graphs' bodies run
         eagerly: the same code as a GPU's graphs, which tests check there.
         overlap: run a step ahead of taking its tokens in (see the module docstring); by default on a GPU.
         decode_steps: the most decode forwards a step runs while nothing waits for a slot or a prefill

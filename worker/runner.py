@@ -323,7 +323,8 @@ class Runner:
         graphs, route = self.routes.graphs, self.routes.route(len(rows))
         if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_in_graphs(s) for s in rows):
             return None
-        kind = GraphDraws.kind([s.request.params for s in rows])
+        params = [s.request.params for s in rows]
+        kind = GraphDraws.kind(params)
         if kind != "greedy" and not self.sampler.hashed:
             return None  # the sampler's noise is another generator's: its draws would differ
         slots, positions = [s.slot for s in rows], [s.position for s in rows]
@@ -332,7 +333,7 @@ class Runner:
         self._slots = None  # the sampler draws none of these
         pad = route.rows - len(rows)
         graphs.load(torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens, where)
-        held, params = self._draws_for, [s.request.params for s in rows]
+        held = self._draws_for
         if held is None or held[2] != route.rows or held[1] != slots or any(a is not b for a, b in zip(held[0], params)):
             self.draws.load(slots, route.rows)
             self._draws_for = (params, slots, route.rows)

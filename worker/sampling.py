@@ -459,15 +459,12 @@ class GraphDraws:
     def sampled_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Greedy rows' first maximum, the others' Gumbel-max draw at their temperature (`draw`'s
         untruncated rows), by `keys`."""
-        B = len(logits)
-        x = logits[:, :self.vocab_size] + self.bias[:B]
-        drawn = first_max(x / self.temperature[:B, None] + hashed_gumbel(self.keys[:B], self.vocab_size))
-        return torch.where(self.greedy[:B], first_max(x), drawn)
+        return self._draw(logits[:, :self.vocab_size] + self.bias[:len(logits)], truncated=False)
 
     def truncated_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """`sampled_draw`, min_p applied, and the truncated rows' draws from their truncated
         distribution (`draw`)."""
-        return self._draw(logits[:, :self.vocab_size] + self.bias[:len(logits)])
+        return self._draw(logits[:, :self.vocab_size] + self.bias[:len(logits)], truncated=True)
 
     def penalized_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """`truncated_draw` after the repetition, presence and frequency penalties of the rows'
@@ -475,15 +472,22 @@ class GraphDraws:
         s = self.sampler
         x = logits[:, :self.vocab_size] + self.bias[:len(logits)]
         x = apply_repetition_penalty(x, s.seen[slots], s.repetition[slots])
-        tokens = self._draw(apply_penalties(x, s.counts[slots], s.presence[slots], s.frequency[slots]))
+        tokens = self._draw(apply_penalties(x, s.counts[slots], s.presence[slots], s.frequency[slots]), truncated=True)
         s.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         s.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))  # no host scalar in a graph
         return tokens
 
-    def _draw(self, x: torch.Tensor) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, truncated: bool) -> torch.Tensor:
+        """The rows' tokens from their processed logits x (B, V), as `Sampler.sample` draws them:
+        `draw` at each row's temperature (with min_p, top_k and top_p where `truncated`), greedy
+        rows' first maximum."""
         B = len(x)
-        scaled = apply_min_p(x / self.temperature[:B, None], self.min_p[:B])
+        scaled = x / self.temperature[:B, None]
+        if truncated:
+            scaled = apply_min_p(scaled, self.min_p[:B])
         noise = hashed_gumbel(self.keys[:B], self.vocab_size)
-        cut = draw_truncated(torch.softmax(scaled, dim=-1), self.top_k[:B], self.top_p[:B], noise)
-        drawn = torch.where(self.truncated[:B], cut, first_max(scaled + noise))
+        drawn = first_max(scaled + noise)
+        if truncated:
+            cut = draw_truncated(torch.softmax(scaled, dim=-1), self.top_k[:B], self.top_p[:B], noise)
+            drawn = torch.where(self.truncated[:B], cut, drawn)
         return torch.where(self.greedy[:B], first_max(x), drawn)
