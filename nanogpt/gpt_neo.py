@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from models.formats import CheckpointError
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, add_norm
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, pre_norm_block, pre_norm_fed
 from nanogpt.serving import GPT2Layout
 
 
@@ -42,9 +42,10 @@ class Block(nn.Module):
         self.mlp = MLP(config.n_embd, config.n_inner or 4 * config.n_embd, config.activation)
 
     def forward(self, x, pending, cache_layer):
-        x, h = add_norm(x, pending, self.ln_1)
-        x, h = add_norm(x, self.attn(h, cache_layer), self.ln_2)
-        return x, self.mlp(h)
+        return pre_norm_block(x, pending, cache_layer, self.ln_1, self.attn, self.ln_2, self.mlp)
+
+    def norm_fed(self):
+        return pre_norm_fed(self.ln_1, self.attn, self.ln_2, self.mlp)
 
 
 class GPTNeo(GPT2Layout):

@@ -12,7 +12,8 @@ which `add_norm` lets add the residual stream's last sub-layer in the norm's own
 
 Blocks keep the residual stream as (x, pending): pending is the last sub-layer's output not added
 yet (None: nothing), which the next norm adds (`add_norm`) so that every add but the last runs in
-a norm's pass.
+a norm's pass. A pre-norm block (`pre_norm_block`) goes one further where a GPU's kernel can: the
+matmul after each norm normalizes its rows as it reads them (`norm_project`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,32 @@ def add_norm(x: torch.Tensor, y: torch.Tensor | None, norm: nn.Module) -> tuple[
         return out
     x = x + y
     return x, norm(x)
+
+
+def norm_project(x: torch.Tensor, y: torch.Tensor | None, norm: nn.Module, linear: nn.Module,
+                 activation: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm`, then `project` of the norm: (x + y, activation(linear(norm(x + y)))). A linear layer
+    that a kernel swapped in at load computes both in one pass where it can (its `norm_fused`)."""
+    fused = getattr(type(linear), "norm_fused", None)  # on the class, as `project` reads `fused`
+    out = None if fused is None else fused(linear, x, y, norm, activation)
+    if out is not None:
+        return out
+    x, h = add_norm(x, y, norm)
+    return x, project(linear, h, activation)
+
+
+def pre_norm_block(x, pending, cache_layer, ln_1, attn, ln_2, mlp):
+    """GPT-2's block, (x, pending) -> (x, pending): the stream plus attn(ln_1(stream)), then plus
+    mlp(ln_2(that)), each norm fed to the matmul after it by `norm_project`."""
+    x, qkv = norm_project(x, pending, ln_1, attn.c_attn)
+    x, hidden = norm_project(x, attn(None, cache_layer, qkv=qkv), ln_2, mlp.c_fc, mlp.act)
+    return x, mlp(None, hidden=hidden)
+
+
+def pre_norm_fed(ln_1, attn, ln_2, mlp) -> tuple[tuple, ...]:
+    """What `pre_norm_block` feeds its norms to, (norm, linear layer, activation) each: a block's
+    `norm_fed()`, which nanogpt/kernels/few_rows.py `fuse_norm_linears` reads."""
+    return (ln_1, attn.c_attn, None), (ln_2, mlp.c_fc, mlp.act)
 
 
 class Rotary:
@@ -108,13 +135,14 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
         self.scale, self.local, self.rotary = scale, local, rotary
 
-    def forward(self, x, cache_layer=None, residual=None):
+    def forward(self, x, cache_layer=None, residual=None, qkv=None):
         """cache_layer: None for the training forward (causal over x itself, with dropout), else
         (keys, values, window): one layer of a KVCache (None, None for a FullWindow) and the window.
         residual: added to the output (residual + attention(x)), by the output projection's kernel
-        where it can (`project`)."""
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        where it can (`project`). qkv: c_attn(x) already (x then unused: `pre_norm_block`)."""
+        qkv = self.c_attn(x) if qkv is None else qkv
+        B, T, C = qkv.size(0), qkv.size(1), self.n_embd
+        q, k, v = qkv.split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if cache_layer is None:
             y = F.scaled_dot_product_attention(
@@ -141,10 +169,12 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(n_inner, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, hidden=None):
         """c_proj(act(c_fc(x))), plus `residual` when given; at inference the activation and the
-        residual add run in the matmuls' own kernels where they can (`project`)."""
+        residual add run in the matmuls' own kernels where they can (`project`). hidden:
+        act(c_fc(x)) already (x then unused: `pre_norm_block`)."""
         if self.training:
-            y = self.dropout(self.c_proj(self.act(self.c_fc(x))))
+            y = self.dropout(self.c_proj(self.act(self.c_fc(x)) if hidden is None else hidden))
             return y if residual is None else residual + y
-        return project(self.c_proj, project(self.c_fc, x, self.act), residual=residual)
+        hidden = project(self.c_fc, x, self.act) if hidden is None else hidden
+        return project(self.c_proj, hidden, residual=residual)

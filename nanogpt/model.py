@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt.hf_weights import copy, transposed, weight_and_bias
-from nanogpt.layers import MLP, CausalSelfAttention, add_norm
+from nanogpt.layers import MLP, CausalSelfAttention, add_norm, pre_norm_block, pre_norm_fed
 from nanogpt.serving import GPT2Layout
 
 
@@ -48,9 +48,10 @@ class Block(nn.Module):
 
     def forward(self, x, pending=None, cache_layer=None):
         """(x, pending) -> (x, pending): the residual stream is x + pending (nanogpt/layers.py)."""
-        x, h = add_norm(x, pending, self.ln_1)
-        x, h = add_norm(x, self.attn(h, cache_layer), self.ln_2)
-        return x, self.mlp(h)
+        return pre_norm_block(x, pending, cache_layer, self.ln_1, self.attn, self.ln_2, self.mlp)
+
+    def norm_fed(self):
+        return pre_norm_fed(self.ln_1, self.attn, self.ln_2, self.mlp)
 
 
 class GPT(GPT2Layout):

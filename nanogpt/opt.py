@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, add_norm
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, add_norm, pre_norm_block, pre_norm_fed
 from nanogpt.serving import ServingModel
 
 POSITION_OFFSET = 2  # fairseq's learned positions start after the padding index
@@ -46,13 +46,15 @@ class Block(nn.Module):
 
     def forward(self, x, pending, cache_layer):
         if self.pre_ln:
-            x, h = add_norm(x, pending, self.self_attn_layer_norm)
-            x, h = add_norm(x, self.attn(h, cache_layer), self.final_layer_norm)
-            return x, self.mlp(h)
+            return pre_norm_block(x, pending, cache_layer, self.self_attn_layer_norm, self.attn,
+                                  self.final_layer_norm, self.mlp)
         # post-LN (350m): each norm's output is the stream, nothing pending between blocks
         _, x = add_norm(x, self.attn(x, cache_layer), self.self_attn_layer_norm)
         _, x = add_norm(x, self.mlp(x), self.final_layer_norm)
         return x, None
+
+    def norm_fed(self):
+        return pre_norm_fed(self.self_attn_layer_norm, self.attn, self.final_layer_norm, self.mlp) if self.pre_ln else ()
 
 
 class OPT(ServingModel):

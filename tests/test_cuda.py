@@ -509,3 +509,60 @@ def test_few_row_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair
                 assert_close(replayed, logits[-1], **TOLERANCE[dtype])
         for got in logits[1:]:
             assert_close(got, logits[0], **TOLERANCE[dtype])
+
+
+@DTYPES
+def test_norm_fed_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair, dtype):
+    """A pre-norm block's q, k, v projection and MLP matmul may normalize their rows as they read them
+    (triton_gemv.norm_linear, chosen by few_rows.fuse_norm_linears where timed faster than the norm
+    and the layer as they are): the kernel gives the add, F.layer_norm and F.linear's outputs with
+    every block configuration at 1, 3 and 8 rows; the model's decode logits, with every norm-fed layer
+    taking it and with what the timing chose, eager and replayed from a CUDA graph, are the plain
+    model's."""
+    from torch.nn import functional as F
+
+    from nanogpt.kernels import few_rows, triton_gemv
+    from worker.runner import gpu_time
+
+    width = 1600
+    weight, bias = torch.randn(200, width, device=CUDA).to(dtype), torch.randn(200, device=CUDA).to(dtype)
+    gamma, beta = torch.randn(width, device=CUDA).to(dtype), torch.randn(width, device=CUDA).to(dtype)
+    for rows in (1, 3, triton_gemv.MAX_ROWS):
+        x, y = (torch.randn(rows, width, device=CUDA) * 3 + 1).to(dtype), torch.randn(rows, width, device=CUDA).to(dtype)
+        stream = x + y
+        h = F.layer_norm(stream, (width,), gamma, beta, 1e-5)
+        want = F.gelu(F.linear(h.float(), weight.float(), bias.float()), approximate="tanh")
+        for config in triton_gemv.configs(rows):
+            total, out = triton_gemv.norm_linear(x, y, gamma, beta, 1e-5, weight, bias, "gelu_tanh", config)
+            assert torch.equal(total, stream)
+            assert_close(out.float(), want, **TOLERANCE[dtype])
+
+    plain, forced, timed = (load_model(str(pair.directory), device=CUDA, dtype=dtype) for _ in range(3))
+    fed = [layer for block in forced.modules() for _, layer, _ in getattr(block, "norm_fed", lambda: ())()]
+    assert fed
+    for layer in fed:
+        layer.__class__ = few_rows._few_rows(type(layer))
+        layer.norm_rows = {r: triton_gemv.configs(r)[0] for r in few_rows.ROW_COUNTS}
+    few_rows.fuse_few_rows(timed, gpu_time)
+    chosen = few_rows.fuse_norm_linears(timed, gpu_time)
+    normed = [m for m in timed.modules() if isinstance(m, few_rows.FewRows) and m.norm_rows]
+    assert bool(chosen) == bool(normed)
+    seq = random_seq(20, 7)
+    for rows in (1, 3, 8):
+        logits = []
+        for model in (plain, forced, timed):
+            cache = KVCache(model.config, max_slots=rows + 1, max_len=CONTEXT, device=CUDA, dtype=dtype)
+            for slot in range(rows):
+                cached_call(model, cache, [(slot, seq, 0, 12)])
+            tokens = torch.tensor([seq[12]] * rows, device=CUDA)
+            slots, positions = torch.arange(rows, device=CUDA), torch.full((rows,), 12, device=CUDA)
+            keys = torch.arange(16, device=CUDA)
+            logits.append(model.forward_decode(tokens, slots, positions, cache, keys))
+            if model is forced:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    replayed = model.forward_decode(tokens, slots, positions, cache, keys)
+                graph.replay()
+                assert_close(replayed, logits[-1], **TOLERANCE[dtype])
+        for got in logits[1:]:
+            assert_close(got, logits[0], **TOLERANCE[dtype])

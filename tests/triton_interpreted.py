@@ -17,7 +17,11 @@ prints what it checked.
    may take, with a bias and without, no activation, tanh GELU and ReLU; and a swapped layer
    (few_rows.py) taking the kernel at its row blocks, cuBLAS's op past them, and its parent's
    `fused` where the kernel has no such activation.
-5. The prefill and decode steps of every family (GPT-2, GPT-Neo's local layers, GPT-J's rotary
+5. The norm-fed matmul (triton_gemv.norm_linear) against PyTorch's add, F.layer_norm and F.linear:
+   float32 and bfloat16, widths of a block and not, 1, 3 and 8 rows, with the sum to write and
+   without, with and without the norm's bias; a swapped layer's `norm_fused` at the row blocks chosen
+   and declining elsewhere; and its choice by timing (few_rows.fastest_norm).
+6. The prefill and decode steps of every family (GPT-2, GPT-Neo's local layers, GPT-J's rotary
    256-wide heads, GPT-NeoX's parallel residual, OPT) through all three kernels against
    transformers' logits, as tests/test_families.py checks PyTorch's ops.
 """
@@ -198,6 +202,88 @@ def check_choice() -> int:
     return 3
 
 
+def check_norm_linear() -> int:
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        # bfloat16 within a rounding: the interpreter truncates where a GPU rounds to nearest
+        tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2.0)
+        for out_features, width in ((96, 64), (40, 600)):
+            weight, bias = torch.randn(out_features, width).to(dtype), torch.randn(out_features).to(dtype)
+            gamma, beta = torch.randn(width).to(dtype), torch.randn(width).to(dtype)
+            for rows in (1, 3, 8):
+                x, y = (torch.randn(rows, width) * 4 + 3).to(dtype), torch.randn(rows, width).to(dtype)
+                for config in triton_gemv.configs(rows)[:2]:
+                    for pending in (y, None):
+                        for norm_bias in (beta, None):
+                            total, out = triton_gemv.norm_linear(x, pending, gamma, norm_bias, 1e-5, weight, bias,
+                                                                 "gelu_tanh", config)
+                            stream = x if pending is None else x + pending
+                            h = F.layer_norm(stream.float(), (width,), gamma.float(),
+                                             None if norm_bias is None else norm_bias.float(), 1e-5).to(dtype)
+                            want = F.gelu(F.linear(h.float(), weight.float(), bias.float()), approximate="tanh")
+                            assert total.dtype == out.dtype == dtype and out.shape == (rows, out_features)
+                            assert_close(total.float(), stream.float(), **(tolerance if dtype == torch.float32
+                                                                           else dict(rtol=1e-2, atol=1e-2)))
+                            # bfloat16: the norm's output rounded (truncated here) before the matmul sums it,
+                            # so an output's error follows the row's largest, not its own size
+                            scale = 1.0 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+                            assert_close(out.float(), want.to(dtype).float(), rtol=tolerance["rtol"],
+                                         atol=tolerance["atol"] * scale)
+                            checked += 1
+    # a swapped layer: the kernel at the row blocks chosen for it, None (the norm and the layer as
+    # they are) elsewhere and for a norm it cannot read
+    layer, norm = torch.nn.Linear(64, 96), torch.nn.LayerNorm(64)
+    layer.__class__ = few_rows._few_rows(torch.nn.Linear)
+    layer.norm_rows = {1: triton_gemv.CONFIGS[0], 4: triton_gemv.CONFIGS[1]}
+    from nanogpt.layers import norm_project
+
+    with torch.no_grad():
+        for rows in (1, 3, 8):
+            x, y = torch.randn(rows, 1, 64), torch.randn(rows, 1, 64)
+            got = layer.norm_fused(x, y, norm, torch.nn.GELU(approximate="tanh"))
+            assert (got is None) == (rows == 8), rows
+            total, out = norm_project(x, y, norm, layer, torch.nn.GELU(approximate="tanh"))
+            assert_close(total, x + y)
+            assert_close(out, F.gelu(layer(norm(x + y)), approximate="tanh"), rtol=1e-5, atol=1e-5)
+            assert layer.norm_fused(x, y, torch.nn.LayerNorm(64, elementwise_affine=False)) is None
+            assert layer.norm_fused(x, y, norm, torch.nn.GELU()) is None  # the erf GELU: no epilogue
+            checked += 1
+    return checked + check_norm_choice()
+
+
+def check_norm_choice() -> int:
+    """few_rows.fastest_norm, with a timer that says how long each run takes: the fastest blocks where
+    they beat the norm and the layer as they are, none where those are faster or the kernel is wrong."""
+    fed = [(torch.nn.LayerNorm(64), torch.nn.Linear(64, 96), None) for _ in range(3)]
+    quick = triton_gemv.configs(2)[1]
+
+    def timer(kernel_ms):
+        def time_run(run):
+            used, norm_linear = [], triton_gemv.norm_linear
+            triton_gemv.norm_linear = lambda *args: used.append(args[-1]) or norm_linear(*args)
+            try:
+                run()
+            finally:
+                triton_gemv.norm_linear = norm_linear
+            assert len(used) in (0, len(fed))  # every layer of the shape in the timed run
+            return 1.0 if not used else kernel_ms(used[0])
+        return time_run
+
+    with torch.no_grad():
+        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.5 if c == quick else 0.8)) == quick
+        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 1.5)) is None
+        right = triton_gemv.norm_linear
+        triton_gemv.norm_linear = lambda *args: (lambda t, o: (t, o * 2))(*right(*args))  # a wrong output
+        try:
+            assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.1)) is None
+        finally:
+            triton_gemv.norm_linear = right
+    return 3
+
+
 def check_decode_steps() -> int:
     import transformers
 
@@ -230,6 +316,13 @@ def check_decode_steps() -> int:
             module.__class__ = few_rows._few_rows(type(module))
             module.kernel_rows = {rows: max(triton_gemv.configs(rows), key=lambda c: c.block_n)
                                   for rows in few_rows.ROW_COUNTS}
+        # and fuse_norm_linears gives the norm-fed ones the kernel that normalizes as it reads
+        fed = [layer for block in ours.modules() for _, layer, _ in getattr(block, "norm_fed", lambda: ())()]
+        for layer in fed:
+            layer.norm_rows = layer.kernel_rows
+        assert fed or family not in ("gpt2", "gpt_neo"), family  # GPT-J's and GPT-NeoX's parallel blocks feed none
+        normed, norm_linear = [0], triton_gemv.norm_linear
+        triton_gemv.norm_linear = lambda *args: normed.__setitem__(0, normed[0] + 1) or norm_linear(*args)
         calls, add_layer_norm = [0], triton_norm.add_layer_norm
         triton_norm.add_layer_norm = lambda *args: calls.__setitem__(0, calls[0] + 1) or add_layer_norm(*args)
         matmuls, linear = [0], triton_gemv.linear
@@ -253,12 +346,14 @@ def check_decode_steps() -> int:
                 assert_close(logits[b], ref[p], rtol=1e-5, atol=1e-5)
                 checked += 1
         triton_norm.add_layer_norm = add_layer_norm
-        triton_gemv.linear = linear
-        assert calls[0] > 0, family  # the norms added in their own pass
-        assert matmuls[0] >= 4 * len(linears), family  # every layer through the kernel at each decode step
+        triton_gemv.linear, triton_gemv.norm_linear = linear, norm_linear
+        assert calls[0] > 0, family  # the norms added in their own pass (the last one, and prefill's)
+        # every layer through a kernel at each decode step, the norm-fed ones through the norm's
+        assert matmuls[0] >= 4 * (len(linears) - len(fed)) and normed[0] >= 4 * len(fed), family
     return checked
 
 
 if __name__ == "__main__":
     print(f"kernel cases {check_kernel()}; self-checks {check_self_check()}; add-norm cases {check_add_norm()}; "
-          f"few-row matmul cases {check_few_rows()}; decode-step rows {check_decode_steps()}")
+          f"few-row matmul cases {check_few_rows()}; norm-fed matmul cases {check_norm_linear()}; "
+          f"decode-step rows {check_decode_steps()}")

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from nanogpt.kernels.epilogue import fuse_epilogues
-from nanogpt.kernels.few_rows import fuse_few_rows
+from nanogpt.kernels.few_rows import fuse_few_rows, fuse_norm_linears
 from nanogpt.kernels.norms import fuse_layer_norms
 from nanogpt.kernels.planner import pack_linears
 from nanogpt.runtime.cuda_graphs import replay_seconds
@@ -112,6 +112,9 @@ class Runner:
             started = time.monotonic()
             log.info("few-row matmuls by the project's kernel where timed faster than cuBLAS",
                      extra={"chosen": fuse_few_rows(model, gpu_time), "seconds": round(time.monotonic() - started, 2)})
+            started = time.monotonic()
+            log.info("layer norms fed into the few-row matmuls after them where timed faster",
+                     extra={"chosen": fuse_norm_linears(model, gpu_time), "seconds": round(time.monotonic() - started, 2)})
         if self.device.type == "cuda":
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step

@@ -10,8 +10,10 @@ where, chosen per machine when a model is loaded.
     norms.py              a GPU's layer norms adding the residual stream in their own pass (`fuse_layer_norms`)
     triton_norm.py        that add and layer norm as a Triton kernel, for CUDA
     epilogue.py           a GPU's linear layers applying their GELU or ReLU in cuBLASLt's epilogue
-    few_rows.py           a GPU's linear layers at a few rows through triton_gemv.py where, timed, it beats cuBLAS
-    triton_gemv.py        that matmul of a few rows (bias and activation in its pass) as a Triton kernel
+    few_rows.py           a GPU's linear layers at a few rows through triton_gemv.py where, timed, it beats cuBLAS,
+                          and those a layer norm feeds normalizing their rows as they read them (`fuse_norm_linears`)
+    triton_gemv.py        that matmul of a few rows (bias and activation in its pass, or the norm before it)
+                          as a Triton kernel
     matmuls.py            every kernel that computes a linear layer, and a Plan of which serves which rows
     ops.py                packed layers as ops of compiled graphs (nanoserve::linear, nanoserve::int8_linear)
     linear.py             KernelLinear: an nn.Linear with its weight packed for its plan
@@ -22,5 +24,5 @@ A model's layers import none of this: loading swaps their nn.Linear modules for 
 `pack_linears`, quantize.py `quantize_int8`; on a GPU few_rows.py `fuse_few_rows`), and
 nanogpt/layers.py `project` lets a swapped layer compute an activation or a residual in its own
 pass (their `fused`); on a GPU its nn.LayerNorm modules (norms.py `fuse_layer_norms`), which
-`add_norm` lets add in their own pass.
+`add_norm` lets add in their own pass, and `norm_project` lets a norm-fed layer normalize in its own.
 """

@@ -4,8 +4,12 @@ row count, each over every layer of that shape in one run (the engine's timer re
 CUDA graph: as a decode step reads the layers, one after another, never from a warm cache), and
 swaps the layers whose shape it won at some row count.
 A swapped layer takes the kernel at the row counts it won and cuBLAS at any other; nanogpt/layers.py
-`project` lets it apply its GELU or ReLU in the same pass (its `fused`). A model's layers import none
-of this.
+`project` lets it apply its GELU or ReLU in the same pass (its `fused`).
+
+A layer fed by a layer norm (a block's `norm_fed`: the attention's q, k, v projection, the MLP's first
+matmul) may also take the kernel that normalizes its rows as it reads them (`norm_linear`), in place
+of the norm's kernel and its own: `fuse_norm_linears` times the two against the one, and
+nanogpt/layers.py `norm_project` calls the layer's `norm_fused`. A model's layers import none of this.
 """
 from __future__ import annotations
 
@@ -31,12 +35,13 @@ class FewRows:
     row blocks of `kernel_rows` (rows rounded up to a power of two -> the block sizes it won with)."""
 
     kernel_rows: dict[int, Config] = {}
+    norm_rows: dict[int, Config] = {}  # the same for `norm_fused`
 
-    def _config(self, x: torch.Tensor) -> Config | None:
+    def _config(self, x: torch.Tensor, table: dict[int, Config] | None = None) -> Config | None:
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dtype != self.weight.dtype:
             return None
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return self.kernel_rows.get(block_rows(rows)) if 0 < rows <= MAX_ROWS else None
+        return (self.kernel_rows if table is None else table).get(block_rows(rows)) if 0 < rows <= MAX_ROWS else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         config = self._config(x)
@@ -54,6 +59,25 @@ class FewRows:
             return parent(x, activation, residual) if parent is not None else None
         y = triton_gemv.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, name, config)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+    def norm_fused(self, x: torch.Tensor, y: torch.Tensor | None, norm: nn.Module,
+                   activation: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + y, activation(self(norm(x + y)))) by one kernel (x without y); None where it does not
+        apply: a row block it was not chosen for, a norm that is no affine nn.LayerNorm of the rows'
+        dtype, an activation with no epilogue here."""
+        config, name = self._config(x, self.norm_rows), activation_name(activation)
+        if config is None or name is False or not _affine(norm, x) or (y is not None and (y.shape != x.shape or y.dtype != x.dtype)):
+            return None
+        width = x.shape[-1]
+        total, out = triton_gemv.norm_linear(x.reshape(-1, width), None if y is None else y.reshape(-1, width),
+                                             norm.weight, norm.bias, norm.eps, self.weight, self.bias, name, config)
+        return total.view(x.shape), out.view(*x.shape[:-1], self.out_features)
+
+
+def _affine(norm: nn.Module, x: torch.Tensor) -> bool:
+    return isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.normalized_shape == (x.shape[-1],) \
+        and norm.weight.dtype == x.dtype
 
 
 @functools.cache
@@ -101,12 +125,14 @@ def fuse_few_rows(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[str, d
 
 def describe(model: nn.Module) -> str | None:
     """The layers that take the kernel, by shape, and at which row blocks (None: none), for a log line."""
-    shapes: dict[str, set[int]] = {}
+    shapes: dict[tuple[str, str], set[int]] = {}
     for module in model.modules():
         if isinstance(module, FewRows):
-            shapes.setdefault(f"{module.out_features}x{module.in_features}", set()).update(module.kernel_rows)
-    return "; ".join(f"{shape} few-row kernel at {','.join(map(str, sorted(rows)))} rows"
-                     for shape, rows in shapes.items()) or None
+            for kind, rows in (("few-row kernel", module.kernel_rows), ("norm-fed kernel", module.norm_rows)):
+                if rows:
+                    shapes.setdefault((f"{module.out_features}x{module.in_features}", kind), set()).update(rows)
+    return "; ".join(f"{shape} {kind} at {','.join(map(str, sorted(rows)))} rows"
+                     for (shape, kind), rows in shapes.items()) or None
 
 
 def fastest(layers: list[nn.Linear], rows: int, timer) -> Config | None:
@@ -129,6 +155,83 @@ def fastest(layers: list[nn.Linear], rows: int, timer) -> Config | None:
             took = timer(lambda: [triton_gemv.linear(x, m.weight, m.bias, None, config) for m in layers])
         except Exception as err:  # a Triton or GPU that cannot build or run these blocks
             log.warning("the few-row matmul kernel failed to run; not taken",
+                        extra={**what, "error": f"{type(err).__name__}: {err}"})
+            continue
+        if took < best_time:
+            best, best_time = config, took
+    return best
+
+
+@torch.no_grad()
+def fuse_norm_linears(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[str, dict[int, str]]:
+    """Give the linear layers of `model` on a GPU fed by a layer norm (its blocks' `norm_fed()`:
+    (norm, layer, activation) each) the kernel that normalizes as it reads, at the row counts where
+    it runs faster than the norm's add-and-norm and the layer as they are (after fuse_layer_norms and
+    fuse_few_rows), timed by `timer(run)` over every such layer of a shape at once. Returns, per shape
+    "out x in dtype", the kernel's blocks at each row count it won."""
+    groups: dict[tuple, list[tuple]] = {}
+    for module in model.modules():
+        for norm, layer, activation in getattr(module, "norm_fed", lambda: ())():
+            if isinstance(layer, nn.Linear) and layer.weight.is_cuda and layer.weight.stride(1) == 1 \
+                    and _affine(norm, layer.weight) and activation_name(activation) is not False:
+                key = (layer.out_features, layer.in_features, layer.weight.dtype, layer.bias is not None,
+                       norm.bias is not None, activation_name(activation))
+                groups.setdefault(key, []).append((norm, layer, activation))
+    if not groups or not triton_gemv.available():
+        return {}
+    chosen = {}
+    for (n, k, dtype, *_), fed in groups.items():
+        won = {}
+        for rows in row_counts:
+            device = fed[0][1].weight.device
+            try:
+                with torch.cuda.device(device):
+                    config = fastest_norm(fed, rows, timer)
+            except Exception as err:  # timing the layers as they are failed: they stay so
+                log.warning("timing the norm-fed matmuls failed; the norm runs on its own",
+                            extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
+                config = None
+            if config is not None:
+                won[block_rows(rows)] = config
+        if won:
+            for _, layer, _ in fed:
+                if not isinstance(layer, FewRows):
+                    layer.__class__ = _few_rows(type(layer))
+                layer.norm_rows = won
+            chosen[f"{n}x{k} {str(dtype).removeprefix('torch.')}"] = {r: "n{}k{}w{}".format(*c) for r, c in won.items()}
+    return chosen
+
+
+def fastest_norm(fed: list[tuple], rows: int, timer) -> Config | None:
+    """The fastest blocks of the norm-fed kernel for `rows` rows through `fed` ((norm, layer,
+    activation) of one shape), where faster than each norm's add_norm then the layer's `project`,
+    and giving what those give; None otherwise (a kernel that fails or disagrees is said in the log)."""
+    from nanogpt.layers import add_norm, project
+
+    norm, first, activation = fed[0]
+    generator = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(rows, first.in_features, generator=generator).to(first.weight.device, first.weight.dtype)
+            for _ in range(2))
+    total, h = add_norm(x, y, norm)
+    want = project(first, h, activation).float()
+    close = dict(rtol=1e-4, atol=1e-4) if first.weight.dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    name = activation_name(activation)
+
+    def fused(config, layers=fed):
+        return [triton_gemv.norm_linear(x, y, n.weight, n.bias, n.eps, layer.weight, layer.bias, name, config)
+                for n, layer, _ in layers]
+
+    best, best_time = None, timer(lambda: [project(layer, add_norm(x, y, n)[1], a) for n, layer, a in fed])
+    for config in triton_gemv.configs(rows):
+        what = {"shape": tuple(first.weight.shape), "rows": rows, "config": tuple(config)}
+        try:
+            (got_total, got), = fused(config, fed[:1])
+            if not (torch.allclose(got_total.float(), total.float(), **close) and torch.allclose(got.float(), want, **close)):
+                log.warning("the norm-fed matmul kernel disagreed with the norm and matmul; not taken", extra=what)
+                continue
+            took = timer(lambda: fused(config))
+        except Exception as err:
+            log.warning("the norm-fed matmul kernel failed to run; not taken",
                         extra={**what, "error": f"{type(err).__name__}: {err}"})
             continue
         if took < best_time:

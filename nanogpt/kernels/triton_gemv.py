@@ -4,8 +4,12 @@ every input row by it, accumulating in float32; the bias and a tanh GELU or a Re
 the accumulator before the output is written. At a few rows a linear layer reads its weight and
 little else, so what it costs is how near the weight's bytes come to the memory's bandwidth.
 
-`linear` serves nanogpt/kernels/few_rows.py, which times it against cuBLAS per layer shape and
-row count on the GPU and swaps it in where it is faster. Under TRITON_INTERPRET=1 (set before Triton
+`norm_linear` is the same matmul fed by a layer norm in its own pass: each program normalizes the
+rows (their residual sum first, which one program writes out) as it reads them, so the norm is no
+kernel of its own. Each input row is small and read from the L2 cache by every program.
+
+`linear` and `norm_linear` serve nanogpt/kernels/few_rows.py, which times them against cuBLAS (and
+the norm's own kernel) per layer shape and row count on the GPU and swaps them in where faster. Under TRITON_INTERPRET=1 (set before Triton
 is imported) it runs in Triton's interpreter on CPU tensors, which is how the CPU test suite checks
 it (tests/triton_interpreted.py).
 """
@@ -102,6 +106,62 @@ if triton is not None:
         tl.store(y + m[:, None] * sym + n[None, :], acc.to(y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+    @triton.jit
+    def _stream(x, y, m, k, ok, sxm, sym, HAS_Y: tl.constexpr):
+        """The rows' residual stream at inputs k, float32: x, or x + y rounded to x's dtype as
+        PyTorch's add rounds it."""
+        s = tl.load(x + m[:, None] * sxm + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_Y:
+            s += tl.load(y + m[:, None] * sym + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            s = s.to(x.dtype.element_ty).to(tl.float32)
+        return s
+
+    @triton.jit
+    def _norm_rows(x, y, gamma, beta, total, w, bias, out, M, N, K, eps, sxm, sym, stm, swn, som,
+                   HAS_Y: tl.constexpr, HAS_BETA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program p: out[m, n] = act(sum_k h[m, k] w[n, k] + bias[n]) for its BLOCK_N outputs n, h =
+        layer_norm(x + y) rounded to x's dtype (as the norm's own kernel writes it); program 0 also
+        writes total = x + y. The mean and variance are merged chunk by chunk (Chan et al.), one pass."""
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        m2 = tl.zeros([BLOCK_M], tl.float32)
+        seen = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            ok = m_ok[:, None] & (k < K)[None, :]
+            s = _stream(x, y, m, k, ok, sxm, sym, HAS_Y)
+            count = tl.sum(tl.where(k < K, 1.0, 0.0), axis=0)
+            chunk_mean = tl.sum(s, axis=1) / count
+            centered = tl.where(ok, s - chunk_mean[:, None], 0.0)
+            delta = chunk_mean - mean
+            mean += delta * count / (seen + count)
+            m2 += tl.sum(centered * centered, axis=1) + delta * delta * seen * count / (seen + count)
+            seen += count
+        rstd = 1.0 / tl.sqrt(m2 / K + eps)
+        rows = w + n.to(tl.int64)[:, None] * swn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            ok = m_ok[:, None] & k_ok[None, :]
+            s = _stream(x, y, m, k, ok, sxm, sym, HAS_Y)
+            if HAS_Y:
+                if pid == 0:
+                    tl.store(total + m[:, None] * stm + k[None, :], s.to(total.dtype.element_ty), mask=ok)
+            h = (s - mean[:, None]) * rstd[:, None] * tl.load(gamma + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_BETA:
+                h += tl.load(beta + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            h = tl.where(ok, h.to(x.dtype.element_ty).to(tl.float32), 0.0)
+            wt = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(h[:, None, :] * wt[None, :, :], axis=2)
+        acc = _epilogue(acc, bias, n[None, :], n_ok[None, :], HAS_BIAS, ACTIVATION)
+        tl.store(out + m[:, None] * som + n[None, :], acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
            config: Config) -> torch.Tensor:
     """activation(x @ weight.T + bias) for x (M, K), M at most MAX_ROWS, in x's dtype: weight (N, K)
@@ -121,3 +181,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
         _few_rows[grid](x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
                         BLOCK_M=block_rows(M), **flags)
     return y
+
+
+def norm_linear(x: torch.Tensor, y: torch.Tensor | None, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                config: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, activation(layer_norm(x + y) @ weight.T + bias)) for x (M, K), M at most MAX_ROWS, in
+    x's dtype; without y, (x, ... of x). norm_weight and norm_bias (K,): the layer norm's; weight (N, K)
+    and bias (N,) as `linear` takes them."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert 0 < M <= MAX_ROWS and weight.shape[1] == K and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert y is None or y.shape == x.shape, (x.shape, y.shape)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = y if y is None or y.stride(1) == 1 else y.contiguous()
+    total = x if y is None else torch.empty_like(x)
+    out = x.new_empty(M, N)
+    _norm_rows[(triton.cdiv(N, config.block_n),)](
+        x, x if y is None else y, norm_weight, norm_bias if norm_bias is not None else norm_weight, total,
+        weight, bias if bias is not None else weight, out, M, N, K, float(eps), x.stride(0),
+        x.stride(0) if y is None else y.stride(0), total.stride(0), weight.stride(0), out.stride(0),
+        HAS_Y=y is not None, HAS_BETA=norm_bias is not None, HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS[activation], BLOCK_M=block_rows(M), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.warps)
+    return total, out
