@@ -239,8 +239,8 @@ def test_rows_draw_inside_the_cuda_graphs_what_the_sampler_draws(model, tok):
 
 
 def test_decode_steps_never_wait_for_the_gpu(model, tok):
-    """A decode step (graphed forward, greedy, seeded top-p and penalized rows, logprobs, the tokens
-    to the host) queues its work without one synchronizing call: torch's sync debug mode raises on
+    """A decode step (graphed forward, greedy, seeded top-p and penalized rows, a row short of its
+    min_tokens, logprobs, the tokens to the host) queues its work without one synchronizing call: torch's sync debug mode raises on
     any (a copy from pageable memory, .item(), nonzero); the step before's tokens arrive by their
     copy's event alone."""
     engine, _ = make_engine(model, tok)
@@ -254,7 +254,9 @@ def test_decode_steps_never_wait_for_the_gpu(model, tok):
                  job(tok, [PROMPTS[1]], max_tokens=60, temperature=0.7, min_p=0.05, seed=4)]
     penalized = [job(tok, [PROMPTS[0]], max_tokens=60, temperature=0.9, presence_penalty=0.4, seed=5),
                  job(tok, [PROMPTS[1]], max_tokens=60, repetition_penalty=1.3)]
-    for jobs in (sampled, greedy, truncated, penalized):
+    early = [job(tok, [PROMPTS[0]], max_tokens=60, min_tokens=50, stop_token_ids=[11, 13]),
+             job(tok, [PROMPTS[1]], max_tokens=60, temperature=0.8, seed=6)]
+    for jobs in (sampled, greedy, truncated, penalized, early):
         handles = [engine.submit(j) for j in jobs]
         for _ in range(3):  # prefills, first draws
             engine.step()

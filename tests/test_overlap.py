@@ -407,8 +407,8 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     n and max_tokens, then seeded rows at a temperature beside them, then truncated ones (top_k,
     top_p, min_p), then penalized ones (presence, frequency, repetition), give what the sampler gives
     a step at a time with the same noise (a GPU's, `Sampler.hashed`), logprobs too. A row short of
-    its min_tokens joining sends the batch through the sampler, and the completions are still the
-    same."""
+    its min_tokens joining draws inside them too, its stop tokens banned until then, a step of the
+    sampler's in between included, and the completions are still the same."""
     sync = Engine(model, tok, max_batch=8, overlap=False, cuda_graphs=False, event_sink=(sync_sink := Sink()))
     sync.runner.sampler.hashed = True
     free = sync.generate(greedy := job(tok, [PROMPTS[1]], max_tokens=14, logprobs=0))["choices"][0]
@@ -449,17 +449,80 @@ def test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, decode_s
     got, _, _ = steps_of(graphed, penalized_jobs)
     assert sum(n for (_, kind), n in draws.items() if kind == "penalized") > 0
     assert_same(got, steps_of(sync, penalized_jobs)[0])
-    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in [*sampled_jobs, early]]
+    # rows at a temperature most of whose draws would stop them: held off until their min_tokens,
+    # then almost surely stopped at it
+    stops = [t for t in range(tok.eos_token_id) if t % 16]
+    early_jobs = [*sampled_jobs, early,
+                  job(tok, [PROMPTS[1]], max_tokens=14, min_tokens=12, temperature=1.0, seed=13, stop_token_ids=stops),
+                  job(tok, [PROMPTS[1]], max_tokens=14, min_tokens=9, temperature=1.0, seed=14, stop_token_ids=stops)]
+    handles = [graphed.submit(CompletionJob(**j.model_dump())) for j in early_jobs]
     while not any(s.request.job.id == early.id for s in graphed.scheduler.decoding):
         graphed.step()
-    before = sum(draws.values())
-    for _ in range(4):  # while a row is short of its min_tokens, its batch draws through the sampler
-        graphed.step()
-    assert not handles[-1].done and sum(draws.values()) == before
+    penalized = lambda: sum(n for (_, kind), n in draws.items() if kind == "penalized")  # noqa: E731
+    before = penalized()
+    graphed.step()
+    # one step drawn by the sampler (as a row whose draw needs more would send it): the graphs'
+    # countdown to min_tokens then starts again from the sampler's count
+    graphed.runner.decode_in_graphs = lambda rows, forwards: None
+    graphed.step()
+    del graphed.runner.decode_in_graphs
     while not all(h.done for h in handles):
         graphed.step()
-    assert_same([h.result() for h in handles], steps_of(sync, [*sampled_jobs, early])[0])
+    assert penalized() > before  # none of these rows is penalized: the early ones drew inside the graphs
+    assert_same([h.result() for h in handles], steps_of(sync, early_jobs)[0])
     assert graphed.stats()["kv_slots_used"] == 0
+
+
+def test_a_draw_of_the_samplers_between_the_graphs_draws_leaves_min_tokens_where_it_was(model, tok):
+    """The graphs count each row's draws to its min_tokens on the device; a step drawn by the sampler
+    in between (here forced; a row that needs more than its logits sends one) is counted there too:
+    a row whose stop token comes at its min_tokens stops there, as a step at a time does."""
+    sync = Engine(model, tok, max_batch=4, overlap=False, cuda_graphs=False, event_sink=Sink())
+    sync.runner.sampler.hashed = True
+    stops = [t for t in range(tok.eos_token_id) if t % 16]  # most draws would stop the row
+
+    def rows(minimum, seed):
+        return [job(tok, [PROMPTS[1]], max_tokens=16, min_tokens=minimum, temperature=1.0, seed=seed,
+                    stop_token_ids=stops), job(tok, [PROMPTS[2]], max_tokens=16, temperature=0.9, seed=16)]
+
+    # the first draw (the prompt's), 4 in the graphs, 4 by the sampler, then 4 in the graphs again:
+    # a min_tokens among those last, where the row's first draw allowed to stop stops it
+    minimum, seed = next((m, seed) for seed in range(15, 40) for m in (10, 11, 12)
+                         if steps_of(sync, rows(m, seed))[0][0]["usage"]["completion_tokens"] == m + 1)
+    graphed = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, cuda_graphs=True, event_sink=Sink())
+    graphed.runner.sampler.hashed = True
+    handles = [graphed.submit(j) for j in rows(minimum, seed)]
+    while len(graphed.scheduler.decoding) < 2:
+        graphed.step()
+    drawn = sum(graphed.runner.graphs.draws.values())
+    graphed.step()
+    assert sum(graphed.runner.graphs.draws.values()) > drawn  # inside the graphs, before min_tokens
+    graphed.runner.decode_in_graphs = lambda rows, forwards: None
+    graphed.step()
+    del graphed.runner.decode_in_graphs
+    while not all(h.done for h in handles):
+        graphed.step()
+    assert_same([h.result() for h in handles], steps_of(sync, rows(minimum, seed))[0])
+
+
+def test_draws_that_fail_to_record_leave_the_decode_graphed(model, tok, monkeypatch):
+    """Where recording the draws' graphs fails, the decode's graphs still serve and the sampler
+    draws every step's tokens: the same completions as a step at a time without graphs."""
+    from nanogpt.runtime.cuda_graphs import GraphedDecode
+
+    def fail(self, batches):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(GraphedDecode, "record_draws", fail)
+    graphed = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, cuda_graphs=True, event_sink=Sink())
+    graphs = graphed.runner.graphs
+    assert graphs is not None and not graphs.draw_graphs
+    jobs = [job(tok, PROMPTS[:2], max_tokens=9, logit_bias={tok.eos_token_id: -100}),
+            job(tok, [PROMPTS[2]], temperature=0.9, seed=3, max_tokens=7)]
+    got, _, _ = steps_of(graphed, jobs)
+    assert sum(graphs.replays.values()) > 0 and not graphs.draws
+    sync = Engine(model, tok, max_batch=4, overlap=False, cuda_graphs=False, event_sink=Sink())
+    assert_same(got, steps_of(sync, jobs)[0])
 
 
 def test_decode_steps_must_be_positive(model, tok):

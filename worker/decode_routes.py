@@ -250,4 +250,12 @@ class DecodeRoutes:
             log.exception("recording the decode step's CUDA graphs failed; the engine launches its kernels one by one")
             return
         self.graphs = graphs
+        started = time.monotonic()
+        try:  # the step's graphs serve without them
+            graphs.record_draws(self.buckets())
+            log.info("draws recorded in CUDA graphs", extra={"graphs": len(graphs.draw_graphs),
+                                                             "seconds": round(time.monotonic() - started, 2)})
+        except Exception:
+            log.exception("recording the draws' CUDA graphs failed; the sampler draws every step's tokens")
+            graphs.drop_draws()
 

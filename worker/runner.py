@@ -121,7 +121,7 @@ class Runner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         # what the graphs' draws read (their rows' bias, temperature, keys) and whose rows it holds
         self.draws = GraphDraws(bucket(slots), self.sampler) if graphed else None
-        self._draws_for: tuple[list, list[int], int] | None = None
+        self._draws_for: tuple[list, list[int], int, list[int]] | None = None  # params, slots, rows, steps
         self.routes = DecodeRoutes(model, self.cache, slots, max_len, compile=compile, graphed=graphed,
                                    background=compile_in_background, last=self.last,
                                    draws=self.draws.kinds() if graphed else None)
@@ -320,26 +320,30 @@ class Runner:
         """`forwards` decode forwards of `rows`, each drawing inside the decode's graphs
         (GraphedDecode.draw, sampling.GraphDraws) and fed the draws of the one before on the device:
         their draws, in order, none taken in. None where the rows cannot (no graphs, a batch past
-        them, a row whose draw needs more than its logits, sampling settings and penalties: before
-        its min_tokens, a grammar, multi-token bans). Logprobs are scored from the raw logits
+        them, a row whose draw needs more than its logits, sampling settings, penalties and
+        min_tokens: a grammar, multi-token bans). Logprobs are scored from the raw logits
         after each draw, as `sample` scores them."""
         graphs, route = self.routes.graphs, self.routes.route(len(rows))
         if graphs is None or route.graph is not Graph.BUCKET or not all(self._draws_in_graphs(s) for s in rows):
             return None
         params = [s.request.params for s in rows]
-        kind = GraphDraws.kind(params)
+        slots = [s.slot for s in rows]
+        steps = [self.sampler.step[s] for s in slots]
+        kind = GraphDraws.kind(params, any(n < p.min_tokens for n, p in zip(steps, params)))
+        if kind not in graphs.draw_kinds:  # recording the draws failed (DecodeRoutes._record_graphs)
+            return None
         if kind != "greedy" and not self.sampler.hashed:
             return None  # the sampler's noise is another generator's: its draws would differ
-        slots, positions = [s.slot for s in rows], [s.position for s in rows]
+        positions = [s.position for s in rows]
         where = self.where(route, slots, positions)
         tokens = self._last_tokens(rows, where[0, :len(rows)])
         self._slots = None  # the sampler draws none of these
         pad = route.rows - len(rows)
         graphs.load(torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens, where)
-        held = self._draws_for
-        if held is None or held[2] != route.rows or held[1] != slots or any(a is not b for a, b in zip(held[0], params)):
+        held = self._draws_for  # the rows' settings stay loaded while the rows and their draws are the same
+        if held is None or held[2] != route.rows or held[1] != slots or held[3] != steps \
+                or any(a is not b for a, b in zip(held[0], params)):
             self.draws.load(slots, route.rows)
-            self._draws_for = (params, slots, route.rows)
         drawn = []
         for k in range(forwards):
             if kind != "greedy":  # each row's draw key of this step, as the sampler's (draw_keys)
@@ -354,13 +358,15 @@ class Runner:
             self._where = (route, slots, [p + forwards - 1 for p in positions], where)
         for slot in slots:
             self.sampler.step[slot] += forwards
+        # a draw by the sampler in between leaves the steps otherwise: the next load counts from it
+        self._draws_for = (params, slots, route.rows, [n + forwards for n in steps])
         self.batch_sizes[len(rows)] += forwards
         self.routes_taken[route.graph] += forwards
         return drawn
 
     def _draws_in_graphs(self, s: Sequence) -> bool:
         p = s.request.params
-        return not p.sequence_bans and p.grammar is None and self.sampler.step[s.slot] >= p.min_tokens
+        return not p.sequence_bans and p.grammar is None
 
     def contrast(self, seqs: list[Sequence]) -> list[Draw]:
         """The token each contrastive search chooses among the candidates of this step's decode,

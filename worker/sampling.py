@@ -421,18 +421,22 @@ class GraphDraws:
         self.greedy = torch.ones(max_batch, **flags)
         self.truncated = torch.zeros(max_batch, **flags)
         self.keys = torch.zeros(max_batch, device=device, dtype=torch.long)  # the step's draw keys
+        # draws left before each row's min_tokens (its stop tokens banned while > 0), counted down by the draws
+        self.left = torch.zeros(max_batch, device=device, dtype=torch.long)
 
     def kinds(self) -> dict:
         """Each kind of draw (logits (B, rows of the head), the rows' slots (B,) -> tokens (B,)),
         cheapest first: greedy rows alone; rows at a temperature; any of those, truncated (top_k,
-        top_p) or with min_p (their probabilities sorted); and any of those, penalized."""
+        top_p) or with min_p (their probabilities sorted); and any of those, penalized or short of
+        their min_tokens."""
         return {"greedy": self.greedy_draw, "sampled": self.sampled_draw, "truncated": self.truncated_draw,
                 "penalized": self.penalized_draw}
 
     @staticmethod
-    def kind(params: list[SamplingParams]) -> str:
-        """The cheapest kind that draws every row of `params`."""
-        if any(p.penalized or p.repetition_penalty != 1 for p in params):
+    def kind(params: list[SamplingParams], early: bool = False) -> str:
+        """The cheapest kind that draws every row of `params` (`early`: some row is short of its
+        min_tokens)."""
+        if early or any(p.penalized or p.repetition_penalty != 1 for p in params):
             return "penalized"
         if any(p.truncated or p.min_p > 0 for p in params):
             return "truncated"
@@ -451,6 +455,8 @@ class GraphDraws:
         self.greedy[:batch] = True
         self.greedy[:n] = to_device([p.greedy for p in params], device, torch.bool)
         self.truncated[:n] = to_device([p.truncated for p in params], device, torch.bool)
+        self.left[:batch] = 0
+        self.left[:n] = to_device([p.min_tokens - sampler.step[s] for s, p in zip(slots, params)], device)
 
     def greedy_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as the sampler's greedy rows."""
@@ -467,14 +473,17 @@ class GraphDraws:
         return self._draw(logits[:, :self.vocab_size] + self.bias[:len(logits)], truncated=True)
 
     def penalized_draw(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """`truncated_draw` after the repetition, presence and frequency penalties of the rows'
-        slots (identities where off), the draws then counted in those slots' tables (`advance`)."""
-        s = self.sampler
-        x = logits[:, :self.vocab_size] + self.bias[:len(logits)]
+        """`truncated_draw` with the stop tokens of rows short of their min_tokens banned, after the
+        repetition, presence and frequency penalties of the rows' slots (identities where off), the
+        draws then counted in those slots' tables (`advance`) and against min_tokens."""
+        s, B = self.sampler, len(logits)
+        x = logits[:, :self.vocab_size] + self.bias[:B]
+        x = apply_token_mask(x, s.stops[slots], self.left[:B] > 0)
         x = apply_repetition_penalty(x, s.seen[slots], s.repetition[slots])
         tokens = self._draw(apply_penalties(x, s.counts[slots], s.presence[slots], s.frequency[slots]), truncated=True)
         s.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         s.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))  # no host scalar in a graph
+        self.left[:B] -= 1
         return tokens
 
     def _draw(self, x: torch.Tensor, truncated: bool) -> torch.Tensor:

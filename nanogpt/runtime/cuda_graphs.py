@@ -104,12 +104,20 @@ class GraphedDecode:
         self.draws = Counter()  # by (batch, kind)
 
     def record(self, batches: list[int]) -> None:
-        """A graph for every batch of `batches` and every span bucket, and each batch's draws."""
+        """A graph for every batch of `batches` and every span bucket."""
         for batch in batches:
             for span in span_buckets(self.max_span):
                 self._record(batch, span)
+
+    def record_draws(self, batches: list[int]) -> None:
+        """Each batch's draws, of every kind."""
+        for batch in batches:
             for kind in self.draw_kinds:
                 self._record_draw(batch, kind)
+
+    def drop_draws(self) -> None:
+        """No draws in the graphs (recording them failed): the sampler draws every step's tokens."""
+        self.draw_kinds, self.draw_graphs = {}, {}
 
     def __call__(self, tokens: torch.Tensor, where: torch.Tensor, span: int) -> torch.Tensor:
         """Logits (B, V) of the rows: tokens (B,) at their slots and positions (where: (2, B)), all on
