@@ -9,11 +9,15 @@ CPU prepacking and a GPU's fused norms walk them). A family subclasses `ServingM
     blocks                 its transformer blocks, each called as block(x, pending, (cache_k, cache_v,
                            window)) -> (x, pending): the residual stream is x + pending, pending the
                            last sub-layer's output, added by the next norm (nanogpt/layers.py add_norm)
-    embed(tokens, pos)     (B, T) token ids and positions -> (B, T, n_embd)
+    embed(tokens, pos)     (B, T) token ids and positions -> (B, T, n_embd); `embed_parts` may give
+                           it as (x, pending), the first norm adding them
     final_hidden(x)        the last block's output (..., n_embd) -> the last hidden state: after the
                            final norm (and any projection before the output layer), what transformers
                            reports as hidden_states[-1]
     unembed(h)             the last hidden state (..., width) -> (..., vocab_size) logits
+    final_norm             (optional) the final norm where final_hidden is that norm alone: the decode
+                           step then adds the last sub-layer, normalizes and projects in
+                           nanogpt/layers.py norm_project (a GPU's kernel does it in one pass)
 
 `forward_cached(..., hidden=True)` also returns the last hidden state of every position (contrastive
 search compares them); without it, nothing beyond the logits is computed.
@@ -39,13 +43,33 @@ class ServingModel(nn.Module):
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    final_norm: nn.Module | None = None
+
+    def embed_parts(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`embed` as the residual stream's (x, pending)."""
+        return self.embed(tokens, positions), None
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The last block's output (..., n_embd) -> logits (..., vocab_size)."""
         return self.logits(self.final_hidden(x))
 
+    def head_of(self, x: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+        """`head` of the stream x + pending (the last sub-layer's output not added yet)."""
+        if self.final_norm is None:
+            return self.head(x if pending is None else x + pending)
+        from nanogpt.layers import norm_project
+
+        return self._cut(norm_project(x, pending, self.final_norm, self.output_layer)[1])
+
+    def norm_fed(self) -> tuple[tuple, ...]:
+        """What `head_of` feeds its final norm to (as a block's norm_fed: nanogpt/layers.py)."""
+        return () if self.final_norm is None else ((self.final_norm, self.output_layer, None),)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """`unembed`, without the rows `align_head` added."""
-        out = self.unembed(h)
+        return self._cut(self.unembed(h))
+
+    def _cut(self, out: torch.Tensor) -> torch.Tensor:
         return out if out.shape[-1] == self.config.vocab_size else out[..., :self.config.vocab_size]
 
     @torch.no_grad()
@@ -93,10 +117,14 @@ class ServingModel(nn.Module):
     def through_blocks(self, x: torch.Tensor, cache: KVCache | None, window) -> torch.Tensor:
         """x through every block (over `cache`'s layers, None: no cache), the last sub-layer's
         output added."""
-        pending = None
+        x, pending = self.stream_through_blocks(x, None, cache, window)
+        return x if pending is None else x + pending
+
+    def stream_through_blocks(self, x, pending, cache: KVCache | None, window) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream (x, pending) through every block, as (x, pending)."""
         for i, block in enumerate(self.blocks):
             x, pending = block(x, pending, (None, None, window) if cache is None else (cache.k[i], cache.v[i], window))
-        return x if pending is None else x + pending
+        return x, pending
 
     @torch.no_grad()
     def forward_cached(self, tokens, lengths, slots, start_pos, cache: KVCache, all_logits=False, span=None,
@@ -154,8 +182,11 @@ class ServingModel(nn.Module):
         chunk). tokens, slots, positions (B,) long; keys = arange(span) with span > every position
         (and <= the context). Returns float32 logits (B, V), or of the rows `out` (R,) only."""
         window = DecodeWindow(slots, positions, keys, own_kernel=cache.own_attention)
-        x = self.through_blocks(self.embed(tokens[:, None], positions[:, None]), cache, window)  # (B, 1, n_embd)
-        return self.head(x[:, 0] if out is None else x[out, 0]).float()
+        x, pending = self.stream_through_blocks(*self.embed_parts(tokens[:, None], positions[:, None]), cache, window)
+        if out is None:  # (B, 1, n_embd): every row's logits, the last add in the final norm's pass
+            return self.head_of(x[:, 0], None if pending is None else pending[:, 0]).float()
+        x = x if pending is None else x + pending
+        return self.head(x[out, 0]).float()
 
 
 def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -179,8 +210,16 @@ class GPT2Layout(ServingModel):
         return self.transformer.h
 
     def embed(self, tokens, positions):
-        x = self.transformer.wte(tokens)
-        return x + self.transformer.wpe(positions) if "wpe" in self.transformer else x
+        x, pending = self.embed_parts(tokens, positions)
+        return x if pending is None else x + pending
+
+    def embed_parts(self, tokens, positions):
+        """The token and position embeddings, added by the first block's norm."""
+        return self.transformer.wte(tokens), self.transformer.wpe(positions) if "wpe" in self.transformer else None
+
+    @property
+    def final_norm(self):
+        return self.transformer.ln_f
 
     def final_hidden(self, x):
         return self.transformer.ln_f(x)

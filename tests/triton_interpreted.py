@@ -317,7 +317,8 @@ def check_decode_steps() -> int:
             module.kernel_rows = {rows: max(triton_gemv.configs(rows), key=lambda c: c.block_n)
                                   for rows in few_rows.ROW_COUNTS}
         # and fuse_norm_linears gives the norm-fed ones the kernel that normalizes as it reads
-        fed = [layer for block in ours.modules() for _, layer, _ in getattr(block, "norm_fed", lambda: ())()]
+        fed = [layer for block in ours.modules() for _, layer, _ in getattr(block, "norm_fed", lambda: ())()
+               if layer is not ours.output_layer]
         for layer in fed:
             layer.norm_rows = layer.kernel_rows
         assert fed or family not in ("gpt2", "gpt_neo"), family  # GPT-J's and GPT-NeoX's parallel blocks feed none
