@@ -272,16 +272,23 @@ def check_norm_choice() -> int:
             return 1.0 if not used else kernel_ms(used[0])
         return time_run
 
+    candidates = few_rows._norm_candidates(fed[0][1], 2)  # a layer without its own kernel: two blocks
+    assert quick in candidates and len(candidates) == 2
     with torch.no_grad():
-        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.5 if c == quick else 0.8)) == quick
-        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 1.5)) is None
+        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.5 if c == quick else 0.8), candidates) == quick
+        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 1.5), candidates) is None
         right = triton_gemv.norm_linear
         triton_gemv.norm_linear = lambda *args: (lambda t, o: (t, o * 2))(*right(*args))  # a wrong output
         try:
-            assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.1)) is None
+            assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.1), candidates) is None
         finally:
             triton_gemv.norm_linear = right
-    return 3
+    # a layer whose own kernel won at these rows: its blocks alone
+    layer = fed[0][1]
+    layer.__class__ = few_rows._few_rows(torch.nn.Linear)
+    layer.kernel_rows = {2: triton_gemv.CONFIGS[3]}
+    assert few_rows._norm_candidates(layer, 2) == [triton_gemv.CONFIGS[3]]
+    return 4
 
 
 def check_decode_steps() -> int:

@@ -186,7 +186,7 @@ def fuse_norm_linears(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[st
             device = fed[0][1].weight.device
             try:
                 with torch.cuda.device(device):
-                    config = fastest_norm(fed, rows, timer)
+                    config = fastest_norm(fed, rows, timer, _norm_candidates(fed[0][1], rows))
             except Exception as err:  # timing the layers as they are failed: they stay so
                 log.warning("timing the norm-fed matmuls failed; the norm runs on its own",
                             extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
@@ -202,10 +202,19 @@ def fuse_norm_linears(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[st
     return chosen
 
 
-def fastest_norm(fed: list[tuple], rows: int, timer) -> Config | None:
-    """The fastest blocks of the norm-fed kernel for `rows` rows through `fed` ((norm, layer,
-    activation) of one shape), where faster than each norm's add_norm then the layer's `project`,
-    and giving what those give; None otherwise (a kernel that fails or disagrees is said in the log)."""
+def _norm_candidates(layer: nn.Module, rows: int) -> list[Config]:
+    """The blocks the norm-fed kernel is timed with at `rows` rows: those the layer's own few-row kernel
+    won with there (the same reads of the weight), else the first two that fit. Each variant is a
+    Triton compile at a machine's first start, which trying every block would multiply."""
+    won = layer.kernel_rows.get(block_rows(rows)) if isinstance(layer, FewRows) else None
+    return [won] if won is not None else triton_gemv.configs(rows)[:2]
+
+
+def fastest_norm(fed: list[tuple], rows: int, timer, candidates: list[Config]) -> Config | None:
+    """The fastest of the norm-fed kernel's `candidates` blocks for `rows` rows through `fed` ((norm,
+    layer, activation) of one shape), where faster than each norm's add_norm then the layer's
+    `project`, and giving what those give; None otherwise (a kernel that fails or disagrees is said
+    in the log)."""
     from nanogpt.layers import add_norm, project
 
     norm, first, activation = fed[0]
@@ -222,7 +231,7 @@ def fastest_norm(fed: list[tuple], rows: int, timer) -> Config | None:
                 for n, layer, _ in layers]
 
     best, best_time = None, timer(lambda: [project(layer, add_norm(x, y, n)[1], a) for n, layer, a in fed])
-    for config in triton_gemv.configs(rows):
+    for config in candidates:
         what = {"shape": tuple(first.weight.shape), "rows": rows, "config": tuple(config)}
         try:
             (got_total, got), = fused(config, fed[:1])
