@@ -39,7 +39,11 @@ class Config(NamedTuple):
 # The blocks timed on the GPU (few_rows.py): narrow blocks give a layer of few outputs programs
 # enough for every multiprocessor, wide chunks fewer iterations. Their product times the rows'
 # block bounds the values a program holds at once. Each is a compile on a machine's first start.
-CONFIGS = (Config(8, 512, 4), Config(16, 256, 4), Config(32, 128, 4), Config(8, 256, 4), Config(16, 128, 4))
+# At a row or two a program's block is also what it has in flight from memory at once: the last
+# two (of one or two rows) keep more of a large layer's weight in flight (GPT-2 XL's output
+# projections: 200 programs of 8 rows for 1600 outputs).
+CONFIGS = (Config(8, 512, 4), Config(16, 256, 4), Config(32, 128, 4), Config(8, 256, 4), Config(16, 128, 4),
+           Config(8, 2048, 8), Config(4, 2048, 4))
 MAX_BLOCK = 16384  # rows x block_n x block_k, at most
 
 
