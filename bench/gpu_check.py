@@ -612,6 +612,9 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name} | {status} | {entry.get('wall_s', 0):.1f} | {_num(entry.get('limit_s'))} |")
     if env.get("copy_gbps"):
         lines += ["", f"Device-to-device copy: {env['copy_gbps']:.0f} GB/s (read + write, {env['copy_mib']} MiB)."]
+    if env.get("triton_compile_s") is not None:
+        lines += [f"One Triton kernel variant built from an empty cache in {env['triton_compile_s']:.2f} s (an engine's "
+                  "first start on a machine builds one per block configuration, row block and layer kind it times)."]
 
     tests = (phases.get("cuda-tests") or {}).get("result")
     if tests:
@@ -756,7 +759,34 @@ def environment_main(argv: list[str]) -> None:
     Path(args.json).write_text(json.dumps(out, indent=1))  # what is known so far, should the copy fail
     out.update(copy_mib=args.copy_mib, copy_gbps=copy_bandwidth(device, args.copy_mib << 20))
     Path(args.json).write_text(json.dumps(out, indent=1))
+    if device.type == "cuda":
+        try:
+            out["triton_compile_s"] = triton_compile_seconds(device)
+        except Exception as err:  # no Triton, or one that cannot build here: the engines say so too
+            out["triton_compile_error"] = f"{type(err).__name__}: {err}"
+        Path(args.json).write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))
+
+
+def triton_compile_seconds(device) -> float:
+    """Seconds to build one variant of the few-row matmul kernel (nanogpt/kernels/triton_gemv.py)
+    from an empty cache: a GPU engine builds one per block configuration, row block and layer kind
+    it times at its first start on a machine, then finds them in Triton's cache."""
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache  # read at each build
+        from nanogpt.kernels import triton_gemv
+
+        x = torch.randn(1, 256, device=device)
+        weight = torch.randn(64, 256, device=device)
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        triton_gemv.linear(x, weight, None, None, triton_gemv.CONFIGS[0])
+        torch.cuda.synchronize(device)
+        return round(time.perf_counter() - started, 3)
 
 
 def copy_bandwidth(device, nbytes: int, repeats: int = 10) -> float:
