@@ -89,9 +89,9 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
 
 # the measuring phases, which --phases chooses from, and those that prepare them, which always run
 MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile")
-PHASES = ("install", "environment", "checkpoints", *MEASURED)
+PHASES = ("install", "environment", "checkpoints", "kernels", *MEASURED)
 # Each phase's own limit on a GPU (seconds), with room over what its pieces took on an H200.
-LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "cuda-tests": 240, "engine-small": 180,
+LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "kernels": 150, "cuda-tests": 240, "engine-small": 180,
           "stack": 150, "engine-xl": 220, "profile": 90}
 MIN_START = 20.0  # a phase with less left than this is skipped
 STOP_GRACE = 15.0  # SIGTERM to SIGKILL: a stack's services stop on SIGTERM
@@ -490,7 +490,13 @@ def phases(check: Check) -> None:
         check.start_background("checkpoints", check.python(*me, "checkpoints", "--cache", str(check.cache),
                                                            "--json", str(checkpoints), *shapes))
 
+    # the kernels' choice on a cold Triton cache, in the background: what it builds, the engines after find
+    kernels = work / "kernels.json"
+    if any(check.wanted(name) for name in ("engine-small", "stack", "engine-xl", "profile")) and check.runnable("kernels"):
+        check.start_background("kernels", check.python(*me, "kernels", "--device", args.device, "--json", str(kernels)))
+
     def checkpoint(shape: str) -> str | None:
+        check.join_background("kernels", read=lambda: json.loads(kernels.read_text()))
         check.join_background("checkpoints", read=lambda: json.loads(checkpoints.read_text()))
         built = json.loads(checkpoints.read_text()) if checkpoints.exists() else {}
         return built.get(shape, {}).get("path")
@@ -538,8 +544,9 @@ def phases(check: Check) -> None:
         *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
         "--concurrency", ",".join(map(str, plan.profile_concurrency)), "--steps", str(plan.profile_steps),
         "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)))
-    if "checkpoints" in check.background:  # no phase needed them after all
-        check.join_background("checkpoints", read=lambda: json.loads(checkpoints.read_text()))
+    for name, path in (("kernels", kernels), ("checkpoints", checkpoints)):
+        if name in check.background:  # no phase needed them after all
+            check.join_background(name, read=lambda path=path: json.loads(path.read_text()))
 
 
 def junit_counts(path: Path) -> dict:
@@ -615,6 +622,10 @@ def markdown(results: dict) -> str:
     if env.get("triton_compile_s") is not None:
         lines += [f"One Triton kernel variant built from an empty cache in {env['triton_compile_s']:.2f} s (an engine's "
                   "first start on a machine builds one per block configuration, row block and layer kind it times)."]
+    chosen = (phases.get("kernels") or {}).get("result") or {}
+    if chosen:
+        lines += ["The kernels' choice at load on the machine's first start (a one-block GPT-2 small, beside the CUDA "
+                  "tests): " + "; ".join(f"{dtype} {entry.get('seconds', 0):.1f} s" for dtype, entry in chosen.items()) + "."]
 
     tests = (phases.get("cuda-tests") or {}).get("result")
     if tests:
@@ -804,6 +815,32 @@ def copy_bandwidth(device, nbytes: int, repeats: int = 10) -> float:
         dst.copy_(src)
     sync(device)
     return 2 * nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+def kernels_main(argv: list[str]) -> None:
+    """What a GPU engine does to its model's layers at load (worker/runner.py fuse_gpu_kernels), on a
+    one-block model of GPT-2 small's widths and head per dtype, from the Triton cache as the machine
+    has it: its seconds are a first start's on a fresh machine, and the kernels it builds are in the
+    cache for the engines after it (every shape of a kind shares them)."""
+    parser = argparse.ArgumentParser(prog="bench.gpu_check kernels")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    import torch
+
+    from nanogpt.model import GPT, GPTConfig
+    from worker.runner import fuse_gpu_kernels
+
+    out = {}
+    for dtype in args.dtypes.split(","):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=1, vocab_size=50257)).to(args.device, getattr(torch, dtype)).eval()
+        started = time.perf_counter()
+        out[dtype] = fuse_gpu_kernels(model)
+        out[dtype]["seconds"] = round(time.perf_counter() - started, 2)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        print(f"{dtype}: {out[dtype]['seconds']} s", flush=True)
 
 
 def checkpoints_main(argv: list[str]) -> None:
@@ -1232,7 +1269,8 @@ def plot_main(argv: list[str]) -> None:
     save_figure(fig, args.out, dpi=120)
 
 
-SUBCOMMANDS = {"environment": environment_main, "checkpoints": checkpoints_main, "stack": stack_main,
+SUBCOMMANDS = {"environment": environment_main, "checkpoints": checkpoints_main, "kernels": kernels_main,
+               "stack": stack_main,
                "profile": profile_main, "wheels": wheels_main, "plot": plot_main}
 
 

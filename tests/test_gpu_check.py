@@ -63,7 +63,8 @@ def test_phases_that_do_not_fit_the_budget_are_skipped_and_recorded(tmp_path):
                               "--device", "cpu", "--quick", "--skip-install", "--phases", "stack"])
     # the phases that prepare the one asked for, and it: checkpoints are not built with no time left
     assert {name: e["status"] for name, e in results["phases"].items()} == {
-        "install": "skipped", "environment": "skipped", "checkpoints": "skipped", "stack": "skipped"}
+        "install": "skipped", "environment": "skipped", "checkpoints": "skipped", "kernels": "skipped",
+        "stack": "skipped"}
     assert "budget spent" in results["phases"]["stack"]["reason"]
     written = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert written["phases"] == results["phases"] and written["code"]["tree_sha256"] == gpu_check.tree_hash()
@@ -125,6 +126,9 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert all(e.get("wall_s", 0) <= e.get("limit_s", 0) + gpu_check.STOP_GRACE + 15 for e in phases.values())
 
     assert results["environment"]["torch"] and results["environment"]["copy_gbps"] > 0
+    # the kernels' choice at load, per dtype (on a CPU none is swapped: they are a GPU's)
+    assert {dtype: entry["few_rows"]["chosen"] for dtype, entry in phases["kernels"]["result"].items()} == {
+        "float32": {}, "bfloat16": {}}
     small = phases["engine-small"]["result"]["summary"]["by_system"]
     assert set(small) == {"transformers", "engine"} and all(set(by_c) == {"1", "2"} for by_c in small.values())
     assert phases["engine-small"]["result"]["summary"]["greedy_equals_transformers"]["engine"]

@@ -106,15 +106,7 @@ class Runner:
             pack_linears(model)  # times the kernels this CPU has for the model's matmuls
             log.info("matmul kernels chosen", extra={"seconds": round(time.monotonic() - started, 2)})
         if self.device.type == "cuda" and fused_kernels:
-            model.align_head()
-            log.info("layer norms fused with the residual adds", extra={"layers": fuse_layer_norms(model)})
-            log.info("activations fused into the matmuls' epilogues", extra={"layers": fuse_epilogues(model)})
-            started = time.monotonic()
-            log.info("few-row matmuls by the project's kernel where timed faster than cuBLAS",
-                     extra={"chosen": fuse_few_rows(model, gpu_time), "seconds": round(time.monotonic() - started, 2)})
-            started = time.monotonic()
-            log.info("layer norms fed into the few-row matmuls after them where timed faster",
-                     extra={"chosen": fuse_norm_linears(model, gpu_time), "seconds": round(time.monotonic() - started, 2)})
+            fuse_gpu_kernels(model)
         if self.device.type == "cuda":
             # cuDNN's attention (SDPA's first choice for bf16 / fp16 on a GPU) builds a plan for every
             # new shape, milliseconds of host time, and the eager steps' spans change every step
@@ -432,6 +424,21 @@ def _alike(group: list[tuple[Prefill, int]]) -> list[list[tuple[Prefill, int]]]:
     for unit, n in group:
         parts.setdefault((n - 1).bit_length(), []).append((unit, n))
     return list(parts.values())
+
+
+def fuse_gpu_kernels(model) -> dict:
+    """What a GPU engine does to its model's layers before recording its graphs (nanogpt/kernels/,
+    docs/notes/gpu-step.md), each said in the log: returns what each swap took and chose."""
+    model.align_head()
+    done = {"layer_norms": fuse_layer_norms(model), "epilogues": fuse_epilogues(model)}
+    log.info("layer norms fused with the residual adds", extra={"layers": done["layer_norms"]})
+    log.info("activations fused into the matmuls' epilogues", extra={"layers": done["epilogues"]})
+    for name, fuse, what in (("few_rows", fuse_few_rows, "few-row matmuls by the project's kernel where timed faster than cuBLAS"),
+                             ("norm_fed", fuse_norm_linears, "layer norms fed into the few-row matmuls after them where timed faster")):
+        started = time.monotonic()
+        done[name] = {"chosen": fuse(model, gpu_time), "seconds": round(time.monotonic() - started, 2)}
+        log.info(what, extra=done[name])
+    return done
 
 
 def gpu_time(run) -> float:
