@@ -492,6 +492,12 @@ def test_few_row_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair
     assert bool(chosen) == bool(swapped) == (few_rows.describe(timed) is not None)
     for module in swapped:
         assert set(module.kernel_rows) <= set(few_rows.ROW_COUNTS)
+    assert_same_decode_logits(plain, forced, timed, dtype)
+
+
+def assert_same_decode_logits(plain, forced, timed, dtype) -> None:
+    """The decode logits of `forced` (every swapped layer taking its kernel) and `timed` (what the
+    timing chose) are `plain`'s at 1, 3 and 8 rows; `forced`'s also replayed from a CUDA graph."""
     seq = random_seq(20, 7)
     for rows in (1, 3, 8):
         logits = []
@@ -549,22 +555,4 @@ def test_norm_fed_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pai
     chosen = few_rows.fuse_norm_linears(timed, gpu_time)
     normed = [m for m in timed.modules() if isinstance(m, few_rows.FewRows) and m.norm_rows]
     assert bool(chosen) == bool(normed)
-    seq = random_seq(20, 7)
-    for rows in (1, 3, 8):
-        logits = []
-        for model in (plain, forced, timed):
-            cache = KVCache(model.config, max_slots=rows + 1, max_len=CONTEXT, device=CUDA, dtype=dtype)
-            for slot in range(rows):
-                cached_call(model, cache, [(slot, seq, 0, 12)])
-            tokens = torch.tensor([seq[12]] * rows, device=CUDA)
-            slots, positions = torch.arange(rows, device=CUDA), torch.full((rows,), 12, device=CUDA)
-            keys = torch.arange(16, device=CUDA)
-            logits.append(model.forward_decode(tokens, slots, positions, cache, keys))
-            if model is forced:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    replayed = model.forward_decode(tokens, slots, positions, cache, keys)
-                graph.replay()
-                assert_close(replayed, logits[-1], **TOLERANCE[dtype])
-        for got in logits[1:]:
-            assert_close(got, logits[0], **TOLERANCE[dtype])
+    assert_same_decode_logits(plain, forced, timed, dtype)

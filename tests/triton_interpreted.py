@@ -172,23 +172,29 @@ def check_few_rows() -> int:
     return checked + check_choice()
 
 
+def kernel_timer(name: str, layers: int):
+    """A timer for few_rows' choices: a run through triton_gemv's `name` kernel takes kernel_ms(its
+    blocks), any other 1.0; each timed run goes through every one of the shape's `layers` or none."""
+    def timer(kernel_ms):
+        def time_run(run):
+            used, kernel = [], getattr(triton_gemv, name)
+            setattr(triton_gemv, name, lambda *args: used.append(args[-1]) or kernel(*args))
+            try:
+                run()
+            finally:
+                setattr(triton_gemv, name, kernel)
+            assert len(used) in (0, layers)
+            return 1.0 if not used else kernel_ms(used[0])
+        return time_run
+    return timer
+
+
 def check_choice() -> int:
     """few_rows.fastest, with a timer that says how long each run takes: the kernel's fastest blocks
     where they beat cuBLAS, none where cuBLAS is faster, none where the kernel gives wrong outputs."""
     layers = [torch.nn.Linear(64, 96) for _ in range(3)]
     quick = triton_gemv.configs(2)[2]
-
-    def timer(kernel_ms):
-        def time_run(run):
-            used, linear = [], triton_gemv.linear
-            triton_gemv.linear = lambda *args: used.append(args[-1]) or linear(*args)
-            try:
-                run()
-            finally:
-                triton_gemv.linear = linear
-            assert len(used) in (0, len(layers))  # every layer of the shape in the timed run
-            return 1.0 if not used else kernel_ms(used[0])
-        return time_run
+    timer = kernel_timer("linear", len(layers))
 
     with torch.no_grad():
         assert few_rows.fastest(layers, 2, timer(lambda c: 0.5 if c == quick else 0.8)) == quick
@@ -259,18 +265,7 @@ def check_norm_choice() -> int:
     they beat the norm and the layer as they are, none where those are faster or the kernel is wrong."""
     fed = [(torch.nn.LayerNorm(64), torch.nn.Linear(64, 96), None) for _ in range(3)]
     quick = triton_gemv.configs(2)[1]
-
-    def timer(kernel_ms):
-        def time_run(run):
-            used, norm_linear = [], triton_gemv.norm_linear
-            triton_gemv.norm_linear = lambda *args: used.append(args[-1]) or norm_linear(*args)
-            try:
-                run()
-            finally:
-                triton_gemv.norm_linear = norm_linear
-            assert len(used) in (0, len(fed))  # every layer of the shape in the timed run
-            return 1.0 if not used else kernel_ms(used[0])
-        return time_run
+    timer = kernel_timer("norm_linear", len(fed))
 
     candidates = few_rows._norm_candidates(fed[0][1], 2)  # a layer without its own kernel: two blocks
     assert quick in candidates and len(candidates) == 2

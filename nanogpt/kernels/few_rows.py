@@ -144,21 +144,30 @@ def fastest(layers: list[nn.Linear], rows: int, timer) -> Config | None:
     x = torch.randn(rows, first.in_features, generator=generator).to(first.weight.device, first.weight.dtype)
     want = F.linear(x, first.weight, first.bias).float()
     close = dict(rtol=1e-4, atol=1e-4) if first.weight.dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    best, best_time = None, timer(lambda: [F.linear(x, m.weight, m.bias) for m in layers])
-    for config in triton_gemv.configs(rows):
-        what = {"shape": tuple(first.weight.shape), "rows": rows, "config": tuple(config)}
+    return _fastest("few-row matmul", {"shape": tuple(first.weight.shape), "rows": rows}, triton_gemv.configs(rows),
+                    timer(lambda: [F.linear(x, m.weight, m.bias) for m in layers]),
+                    lambda c: torch.allclose(triton_gemv.linear(x, first.weight, first.bias, None, c).float(), want, **close),
+                    lambda c: timer(lambda: [triton_gemv.linear(x, m.weight, m.bias, None, c) for m in layers]))
+
+
+def _fastest(kernel: str, what: dict, candidates: list[Config], baseline: float, agrees, took) -> Config | None:
+    """The fastest of a kernel's `candidates` blocks where faster than `baseline` (the layers as they
+    are, in seconds): each run once against them (agrees(config)), then timed (took(config)); one
+    that disagrees or fails to run (a Triton or GPU that cannot build or run those blocks) is said
+    in the log and not taken."""
+    best, best_time = None, baseline
+    for config in candidates:
+        where = {**what, "config": tuple(config)}
         try:
-            got = triton_gemv.linear(x, first.weight, first.bias, None, config).float()
-            if not torch.allclose(got, want, **close):
-                log.warning("the few-row matmul kernel disagreed with cuBLAS; not taken", extra=what)
+            if not agrees(config):
+                log.warning(f"the {kernel} kernel disagreed with the layers as they are; not taken", extra=where)
                 continue
-            took = timer(lambda: [triton_gemv.linear(x, m.weight, m.bias, None, config) for m in layers])
-        except Exception as err:  # a Triton or GPU that cannot build or run these blocks
-            log.warning("the few-row matmul kernel failed to run; not taken",
-                        extra={**what, "error": f"{type(err).__name__}: {err}"})
+            seconds = took(config)
+        except Exception as err:
+            log.warning(f"the {kernel} kernel failed to run; not taken", extra={**where, "error": f"{type(err).__name__}: {err}"})
             continue
-        if took < best_time:
-            best, best_time = config, took
+        if seconds < best_time:
+            best, best_time = config, seconds
     return best
 
 
@@ -230,19 +239,10 @@ def fastest_norm(fed: list[tuple], rows: int, timer, candidates: list[Config]) -
         return [triton_gemv.norm_linear(x, y, n.weight, n.bias, n.eps, layer.weight, layer.bias, name, config)
                 for n, layer, _ in layers]
 
-    best, best_time = None, timer(lambda: [project(layer, add_norm(x, y, n)[1], a) for n, layer, a in fed])
-    for config in candidates:
-        what = {"shape": tuple(first.weight.shape), "rows": rows, "config": tuple(config)}
-        try:
-            (got_total, got), = fused(config, fed[:1])
-            if not (torch.allclose(got_total.float(), total.float(), **close) and torch.allclose(got.float(), want, **close)):
-                log.warning("the norm-fed matmul kernel disagreed with the norm and matmul; not taken", extra=what)
-                continue
-            took = timer(lambda: fused(config))
-        except Exception as err:
-            log.warning("the norm-fed matmul kernel failed to run; not taken",
-                        extra={**what, "error": f"{type(err).__name__}: {err}"})
-            continue
-        if took < best_time:
-            best, best_time = config, took
-    return best
+    def agrees(config):
+        (got_total, got), = fused(config, fed[:1])
+        return torch.allclose(got_total.float(), total.float(), **close) and torch.allclose(got.float(), want, **close)
+
+    return _fastest("norm-fed matmul", {"shape": tuple(first.weight.shape), "rows": rows}, candidates,
+                    timer(lambda: [project(layer, add_norm(x, y, n)[1], a) for n, layer, a in fed]),
+                    agrees, lambda config: timer(lambda: fused(config)))
