@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from nanogpt.layers import norm_project
 from nanogpt.runtime.kv_cache import CacheWindow, DecodeWindow, FullWindow, KVCache, PackedWindow
 
 
@@ -57,8 +58,6 @@ class ServingModel(nn.Module):
         """`head` of the stream x + pending (the last sub-layer's output not added yet)."""
         if self.final_norm is None:
             return self.head(x if pending is None else x + pending)
-        from nanogpt.layers import norm_project
-
         return self._cut(norm_project(x, pending, self.final_norm, self.output_layer)[1])
 
     def norm_fed(self) -> tuple[tuple, ...]:
