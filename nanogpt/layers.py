@@ -37,6 +37,8 @@ def project(linear: nn.Module, x: torch.Tensor, activation: nn.Module | None = N
     computes either in its own pass over the output where it can (its `fused`, None where not)."""
     if activation is not None and residual is not None:
         return residual + project(linear, x, activation)
+    if activation is None and residual is None:
+        return linear(x)  # nothing to fuse
     fused = getattr(type(linear), "fused", None)  # on the class: nn.Module's __getattr__ costs microseconds
     y = None if fused is None else fused(linear, x, activation, residual)
     if y is not None:
