@@ -530,6 +530,7 @@ def test_norm_fed_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pai
     from torch.nn import functional as F
 
     from nanogpt.kernels import few_rows, triton_gemv
+    from nanogpt.layers import norm_project
     from worker.runner import gpu_time
 
     width = 1600
@@ -552,7 +553,7 @@ def test_norm_fed_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pai
         layer.__class__ = few_rows._few_rows(type(layer))
         layer.norm_rows = {r: triton_gemv.configs(r)[0] for r in few_rows.ROW_COUNTS}
     few_rows.fuse_few_rows(timed, gpu_time)
-    chosen = few_rows.fuse_norm_linears(timed, gpu_time)
+    chosen = few_rows.fuse_norm_linears(timed, gpu_time, norm_project)
     normed = [m for m in timed.modules() if isinstance(m, few_rows.FewRows) and m.norm_rows]
     assert bool(chosen) == bool(normed)
     assert_same_decode_logits(plain, forced, timed, dtype)

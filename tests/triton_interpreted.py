@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
 from nanogpt.kernels import decode_attention, few_rows, norms, triton_decode, triton_gemv, triton_norm  # noqa: E402
+from nanogpt.layers import norm_project  # noqa: E402
 from test_decode_attention import decode_rows  # noqa: E402
 from nanogpt.runtime.kv_cache import DecodeWindow, KVCache  # noqa: E402
 
@@ -244,8 +245,6 @@ def check_norm_linear() -> int:
     layer, norm = torch.nn.Linear(64, 96), torch.nn.LayerNorm(64)
     layer.__class__ = few_rows._few_rows(torch.nn.Linear)
     layer.norm_rows = {1: triton_gemv.CONFIGS[0], 4: triton_gemv.CONFIGS[1]}
-    from nanogpt.layers import norm_project
-
     with torch.no_grad():
         for rows in (1, 3, 8):
             x, y = torch.randn(rows, 1, 64), torch.randn(rows, 1, 64)
@@ -270,12 +269,12 @@ def check_norm_choice() -> int:
     candidates = few_rows._norm_candidates(fed[0][1], 2)  # a layer without its own kernel: two blocks
     assert quick in candidates and len(candidates) == 2
     with torch.no_grad():
-        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.5 if c == quick else 0.8), candidates) == quick
-        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 1.5), candidates) is None
+        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.5 if c == quick else 0.8), candidates, norm_project) == quick
+        assert few_rows.fastest_norm(fed, 2, timer(lambda c: 1.5), candidates, norm_project) is None
         right = triton_gemv.norm_linear
         triton_gemv.norm_linear = lambda *args: (lambda t, o: (t, o * 2))(*right(*args))  # a wrong output
         try:
-            assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.1), candidates) is None
+            assert few_rows.fastest_norm(fed, 2, timer(lambda c: 0.1), candidates, norm_project) is None
         finally:
             triton_gemv.norm_linear = right
     # a layer whose own kernel won at these rows: its blocks alone

@@ -32,6 +32,7 @@ from nanogpt.kernels.epilogue import fuse_epilogues
 from nanogpt.kernels.few_rows import fuse_few_rows, fuse_norm_linears
 from nanogpt.kernels.norms import fuse_layer_norms
 from nanogpt.kernels.planner import pack_linears
+from nanogpt.layers import norm_project
 from nanogpt.runtime.cuda_graphs import replay_seconds
 from nanogpt.runtime.kv_cache import KVCache, default_slots
 from nanogpt.runtime.precision import model_cache_dtype
@@ -433,8 +434,10 @@ def fuse_gpu_kernels(model) -> dict:
     done = {"layer_norms": fuse_layer_norms(model), "epilogues": fuse_epilogues(model)}
     log.info("layer norms fused with the residual adds", extra={"layers": done["layer_norms"]})
     log.info("activations fused into the matmuls' epilogues", extra={"layers": done["epilogues"]})
-    for name, fuse, what in (("few_rows", fuse_few_rows, "few-row matmuls by the project's kernel where timed faster than cuBLAS"),
-                             ("norm_fed", fuse_norm_linears, "layer norms fed into the few-row matmuls after them where timed faster")):
+    for name, fuse, what in (
+            ("few_rows", fuse_few_rows, "few-row matmuls by the project's kernel where timed faster than cuBLAS"),
+            ("norm_fed", lambda m, timer: fuse_norm_linears(m, timer, norm_project),
+             "layer norms fed into the few-row matmuls after them where timed faster")):
         started = time.monotonic()
         done[name] = {"chosen": fuse(model, gpu_time), "seconds": round(time.monotonic() - started, 2)}
         log.info(what, extra=done[name])

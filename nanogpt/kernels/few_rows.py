@@ -172,11 +172,13 @@ def _fastest(kernel: str, what: dict, candidates: list[Config], baseline: float,
 
 
 @torch.no_grad()
-def fuse_norm_linears(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[str, dict[int, str]]:
+def fuse_norm_linears(model: nn.Module, timer, served, row_counts=ROW_COUNTS) -> dict[str, dict[int, str]]:
     """Give the linear layers of `model` on a GPU fed by a layer norm (its blocks' `norm_fed()`:
     (norm, layer, activation) each) the kernel that normalizes as it reads, at the row counts where
     it runs faster than the norm's add-and-norm and the layer as they are (after fuse_layer_norms and
-    fuse_few_rows), timed by `timer(run)` over every such layer of a shape at once. Returns, per shape
+    fuse_few_rows), timed by `timer(run)` over every such layer of a shape at once. served(x, y, norm,
+    layer, activation) -> (x + y, activation(layer(norm(x + y)))) as they serve: nanogpt/layers.py
+    `norm_project`, which the caller passes (the kernels import no layer). Returns, per shape
     "out x in dtype", the kernel's blocks at each row count it won."""
     groups: dict[tuple, list[tuple]] = {}
     for module in model.modules():
@@ -195,7 +197,7 @@ def fuse_norm_linears(model: nn.Module, timer, row_counts=ROW_COUNTS) -> dict[st
             device = fed[0][1].weight.device
             try:
                 with torch.cuda.device(device):
-                    config = fastest_norm(fed, rows, timer, _norm_candidates(fed[0][1], rows))
+                    config = fastest_norm(fed, rows, timer, _norm_candidates(fed[0][1], rows), served)
             except Exception as err:  # timing the layers as they are failed: they stay so
                 log.warning("timing the norm-fed matmuls failed; the norm runs on its own",
                             extra={"shape": (n, k), "rows": rows, "error": f"{type(err).__name__}: {err}"})
@@ -219,19 +221,17 @@ def _norm_candidates(layer: nn.Module, rows: int) -> list[Config]:
     return [won] if won is not None else triton_gemv.configs(rows)[:2]
 
 
-def fastest_norm(fed: list[tuple], rows: int, timer, candidates: list[Config]) -> Config | None:
+def fastest_norm(fed: list[tuple], rows: int, timer, candidates: list[Config], served) -> Config | None:
     """The fastest of the norm-fed kernel's `candidates` blocks for `rows` rows through `fed` ((norm,
-    layer, activation) of one shape), where faster than each norm's add_norm then the layer's
-    `project`, and giving what those give; None otherwise (a kernel that fails or disagrees is said
-    in the log)."""
-    from nanogpt.layers import add_norm, project
-
+    layer, activation) of one shape), where faster than the norms and layers as they serve
+    (`served`, as fuse_norm_linears takes it), and giving what those give; None otherwise (a kernel
+    that fails or disagrees is said in the log)."""
     norm, first, activation = fed[0]
     generator = torch.Generator().manual_seed(0)
     x, y = (torch.randn(rows, first.in_features, generator=generator).to(first.weight.device, first.weight.dtype)
             for _ in range(2))
-    total, h = add_norm(x, y, norm)
-    want = project(first, h, activation).float()
+    total, want = served(x, y, norm, first, activation)
+    want = want.float()
     close = dict(rtol=1e-4, atol=1e-4) if first.weight.dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     name = activation_name(activation)
 
@@ -244,5 +244,5 @@ def fastest_norm(fed: list[tuple], rows: int, timer, candidates: list[Config]) -
         return torch.allclose(got_total.float(), total.float(), **close) and torch.allclose(got.float(), want, **close)
 
     return _fastest("norm-fed matmul", {"shape": tuple(first.weight.shape), "rows": rows}, candidates,
-                    timer(lambda: [project(layer, add_norm(x, y, n)[1], a) for n, layer, a in fed]),
+                    timer(lambda: [served(x, y, n, layer, a) for n, layer, a in fed]),
                     agrees, lambda config: timer(lambda: fused(config)))
