@@ -75,9 +75,10 @@ class FewRows:
         return total.view(x.shape), out.view(*x.shape[:-1], self.out_features)
 
 
-def _affine(norm: nn.Module, x: torch.Tensor) -> bool:
-    return isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.normalized_shape == (x.shape[-1],) \
-        and norm.weight.dtype == x.dtype
+def _affine(norm: nn.Module, like: torch.Tensor) -> bool:
+    """Whether `norm` is an affine nn.LayerNorm the kernel reads for rows like `like` (its width, its dtype)."""
+    return isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.normalized_shape == (like.shape[-1],) \
+        and norm.weight.dtype == like.dtype
 
 
 @functools.cache

@@ -9,9 +9,9 @@ rows (their residual sum first, which one program writes out) as it reads them, 
 kernel of its own. Each input row is small and read from the L2 cache by every program.
 
 `linear` and `norm_linear` serve nanogpt/kernels/few_rows.py, which times them against cuBLAS (and
-the norm's own kernel) per layer shape and row count on the GPU and swaps them in where faster. Under TRITON_INTERPRET=1 (set before Triton
-is imported) it runs in Triton's interpreter on CPU tensors, which is how the CPU test suite checks
-it (tests/triton_interpreted.py).
+the norm's own kernel) per layer shape and row count on the GPU and swaps them in where faster.
+Under TRITON_INTERPRET=1 (set before Triton is imported) they run in Triton's interpreter on CPU
+tensors, which is how the CPU test suite checks them (tests/triton_interpreted.py).
 """
 from __future__ import annotations
 
