@@ -1,7 +1,7 @@
 """The engine's event sink (worker/events.py StreamWriter) against a real redis-server: a streamed
 job's every step is written as it is made; a job read whole at its end has its tokens written at
-most every DEFER_S, its first token and its end at once, and its cancel flag read with each write
-and at least every CHECK_S between writes."""
+most every DEFER_S after its own last write, its first token and its end at once, and its cancel
+flag read with each write and at least every CHECK_S between writes."""
 from __future__ import annotations
 
 import time
@@ -80,11 +80,13 @@ def test_waiting_deltas_join_per_choice_with_their_logprobs(client):
     writer([scored(0, 0), scored(1, 0)])  # the first step is written at once
     for token in range(1, 4):
         writer([scored(0, token), scored(1, 10 + token)])
-    writer([delta("s", 0)])  # a streamed job's step writes at once, and takes the waiting deltas along
+    writer([delta("s", 0)])  # a streamed job's step writes at once
     writer([delta("s", 1)])
     assert length(client, "s") == 2  # never joined
+    usage = {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9}
+    writer([("w", "usage", usage)])  # the job's own next event takes its waiting deltas along
     written = events(client, "w")
-    assert [data["index"] for _, data in written] == [0, 1, 0, 1]
+    assert [data.get("index") for _, data in written] == [0, 1, 0, 1, None]
     assert written[2][1] == {"index": 0, "text": "<1><2><3>", "token_ids": [1, 2, 3], "logprobs": {
         "tokens": ["<1>", "<2>", "<3>"], "token_logprobs": [-0.1, -0.2, -0.3],
         "top_logprobs": [{"<1>": -0.1}, {"<2>": -0.2}, {"<3>": -0.3}], "text_offset": [3, 6, 9]}}
@@ -94,19 +96,24 @@ def test_waiting_deltas_join_per_choice_with_their_logprobs(client):
     writer([("w", "delta", {"index": 0, "text": "", "token_ids": [], "finish_reason": "length", "stop_reason": None})])
     writer([scored(0, 5)])
     writer([("w", "done", {"completion": {}})])
-    assert [data.get("token_ids") for _, data in events(client, "w")[4:]] == [[4], [], [5], None]
+    assert [data.get("token_ids") for _, data in events(client, "w")[5:]] == [[4], [], [5], None]
 
 
-def test_a_streamed_jobs_step_takes_the_waiting_tokens_of_the_others_along(client):
+def test_another_jobs_write_leaves_a_jobs_waiting_tokens_waiting(client):
+    """Jobs start and end a few steps apart: each one's first token and end is a write, which must
+    not take every other job's waiting tokens along (each would be written nearly every step)."""
     writer = StreamWriter(client)
     writer.DEFER_S = 60.0
     writer.track("w", streamed=False)
+    writer.track("v", streamed=False)
     writer.track("s", streamed=True)
     writer([delta("w", 0)])
     writer([delta("w", 1)])
     assert length(client, "w") == 1
-    writer([delta("w", 2), delta("s", 0)])
-    assert (length(client, "w"), length(client, "s")) == (2, 1)  # the first token, then 1 and 2 as one
+    writer([delta("w", 2), delta("s", 0), delta("v", 0), ("s", "done", {"completion": {}})])
+    assert (length(client, "w"), length(client, "s"), length(client, "v")) == (1, 2, 1)
+    writer([("w", "done", {"completion": {}})])  # its end takes its waiting tokens along, as one delta
+    assert [kind for kind, _ in events(client, "w")] == ["delta", "delta", "done"]
     assert read_history(client, "w").tokens == {0: [0, 1, 2]}
 
 

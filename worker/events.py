@@ -8,6 +8,7 @@ running, and a step whose only events are tokens of jobs nobody reads token by t
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,29 +34,30 @@ def append_event(client: redis.Redis, job_id: str, event_type: str, data: dict[s
 
 
 class StreamWriter:
-    """The engine's `event_sink`: XADD every event of a step, refresh the streams' TTL and check the
-    cancel flags of every job this process is running, all in one MULTI/EXEC.
+    """The engine's `event_sink`: XADD the events of a step that are due, refresh their streams' TTL
+    and read the cancel flags of every job this process is running, all in one MULTI/EXEC.
 
-    - One transaction per step: a worker killed mid-write leaves each stream with a whole number of
-      steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
+    - One transaction per write: a worker killed mid-write leaves each stream with a whole number
+      of steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
       is what a retried attempt resumes from.
     - If Redis is unreachable the events are kept, and a thread of the writer's own writes them, in
       order with what follows, every `RETRY_S` until Redis answers: the engine thread neither waits
       out the outage's timeouts step after step nor has to step again for its last events to land.
-    - A job that is not streamed (the synchronous answer, a polled or batch job) is read whole at
-      its end, so its tokens are written at most every `DEFER_S` (with any other job's events, and
-      at once for its first token and its end); one who follows a polled job's stream
+    - A streamed job's events are written the step they are made. A job that is not streamed (the
+      synchronous answer, a polled or batch job) is read whole at its end, so its tokens are written
+      at most every `DEFER_S` after its own last write, and at once for its first token and its
+      end; another job's write does not take them along. One who follows a polled job's stream
       (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
-      Redis and the web thread reading each stream it touches, on the cores the decode step runs
-      on: with 32 such jobs, writing every 0.1 s (every step, at 100-ms steps) slowed the stack
-      by a tenth against once a second (docs/notes/event-writes.md). The token deltas of one of its
+      Redis and the web thread reading each stream it touches: with 64 such jobs starting and
+      ending a few steps apart, taking every waiting job along with each first token or end wrote
+      each job's tokens about 25 times (docs/notes/event-writes.md). The token deltas of one of its
       choices that wait together are written as one delta (their text, token ids and logprobs
       joined in order): one XADD a choice a write instead of one a step. A worker killed meanwhile
       has its retry compute those tokens again (the resumed attempt starts from what the stream
       holds, as always).
-    - The cancel flags of the running jobs are read with every write, and between writes at least
-      every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within `CHECK_S` and
-      a step, however long a job's tokens wait.
+    - The cancel flags of the running jobs are read (one MGET) with every write, and between writes
+      at least every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within
+      `CHECK_S` and a step, however long a job's tokens wait.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: the attempt's fence,
       see `open_attempt`, n counting the attempt's events), so a transaction sent again after its
       reply was lost (Redis restarting, redis-py retrying) is refused entry by entry instead of
@@ -70,10 +72,11 @@ class StreamWriter:
         self.client = client
         self.max_pending = max_pending
         self._streamed: set[str] = set()  # jobs whose every step is written at once
-        self._written_at = 0.0  # time.monotonic() of the last write
-        self._checked_at = 0.0  # ... and of the last read of the cancel flags
-        self._pending: list[tuple[str, str, dict[str, Any], str]] = []  # events with their entry ids
-        self._open: dict[str, dict[int, int]] = {}  # job id -> choice -> its waiting delta's place in _pending
+        self._written_at: dict[str, float] = {}  # job id -> time.monotonic() of its last write
+        self._checked_at = 0.0  # time.monotonic() of the last read of the cancel flags
+        # job id -> its events waiting to be written, in order, with their entry ids
+        self._pending: dict[str, list[tuple[str, dict[str, Any], str]]] = {}
+        self._open: dict[str, dict[int, int]] = {}  # job id -> choice -> its waiting delta's place in _pending[job]
         self._next_id: dict[str, list[int]] = {}  # job id -> [ms, n] of its next entry
         self._active: set[str] = set()  # jobs whose cancel flag is read with every write
         self._silenced: dict[str, threading.Event] = {}  # see `silence`
@@ -113,16 +116,18 @@ class StreamWriter:
 
     def __call__(self, events: Iterable[Event]) -> set[str]:
         with self._lock:
-            urgent = False
+            urgent: set[str] = set()
             for job_id, event_type, data in events:
                 terminal = event_type in protocol.TERMINAL_EVENTS
                 ended = self._silenced.get(job_id)
                 if ended is None:
-                    urgent = urgent or self._urgent(job_id, event_type)
+                    if self._urgent(job_id, event_type):
+                        urgent.add(job_id)
                     if not self._joined(job_id, event_type, data):
-                        self._pending.append((job_id, event_type, data, self._entry_id(job_id)))
+                        self._pending.setdefault(job_id, []).append((event_type, data, self._entry_id(job_id)))
                 elif terminal:
                     del self._silenced[job_id]
+                    self._written_at.pop(job_id, None)
                     ended.set()
                 if terminal:
                     self._next_id.pop(job_id, None)
@@ -130,14 +135,15 @@ class StreamWriter:
                 return set()
             late, self._late_cancels = self._late_cancels, set()
             now = time.monotonic()
-            deferred = not urgent and now - self._written_at < self.DEFER_S
-            if deferred and (now - self._checked_at < self.CHECK_S or not self._active):
+            due = [job_id for job_id in self._pending
+                   if job_id in urgent or now - self._written_at.get(job_id, -math.inf) >= self.DEFER_S]
+            if not due and (now - self._checked_at < self.CHECK_S or not self._active):
                 return late
             active = sorted(self._active)
-        if deferred:
+        if not due:
             return self._check(active) | late
         try:
-            return self._flush(active) | late
+            return self._flush(active, due) | late
         except redis.RedisError as exc:
             with self._lock:
                 self._failing_since = time.monotonic()
@@ -150,9 +156,9 @@ class StreamWriter:
         while True:
             time.sleep(self.RETRY_S)
             with self._lock:
-                active = sorted(self._active)
+                active, kept = sorted(self._active), list(self._pending)
             try:
-                cancelled = self._flush(active)
+                cancelled = self._flush(active, kept)
             except redis.RedisError:
                 continue
             with self._lock:
@@ -165,7 +171,7 @@ class StreamWriter:
     def holds(self, job_id: str) -> bool:
         """Whether events of this job wait to be written."""
         with self._lock:
-            return any(event[0] == job_id for event in self._pending)
+            return bool(self._pending.get(job_id))
 
     def wait_written(self, timeout: float) -> bool:
         """Wait until no event is kept back by an outage (a worker leaving); False if Redis did not answer."""
@@ -190,10 +196,11 @@ class StreamWriter:
         waiting = self._open.setdefault(job_id, {})
         at = waiting.get(data["index"])
         if at is None:
-            waiting[data["index"]] = len(self._pending)  # the place it is about to take
+            waiting[data["index"]] = len(self._pending.get(job_id, ()))  # the place it is about to take
             return False
-        joined_id, _, earlier, entry_id = self._pending[at]
-        self._pending[at] = (joined_id, "delta", _join(earlier, data), entry_id)
+        kept = self._pending[job_id]
+        _, earlier, entry_id = kept[at]
+        kept[at] = ("delta", _join(earlier, data), entry_id)
         return True
 
     def _entry_id(self, job_id: str) -> str:
@@ -208,45 +215,64 @@ class StreamWriter:
         """The jobs of `active` whose cancel flag is set (none while Redis is unreachable: the next
         write says so)."""
         try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for job_id in active:
-                    pipe.exists(protocol.cancel_key(job_id))
-                flags = pipe.execute()
+            flags = self.client.mget([protocol.cancel_key(job_id) for job_id in active])
         except redis.RedisError:
             return set()
         self._checked_at = time.monotonic()
-        return {job_id for job_id, flag in zip(active, flags) if flag}
+        return {job_id for job_id, flag in zip(active, flags) if flag is not None}
 
-    def _flush(self, active: list[str]) -> set[str]:
-        """Write every kept event (one thread at a time: the engine's, or the retry thread during an
-        outage, when the engine's does not write); on failure they are kept, in order, ahead of
-        those added meanwhile."""
+    def _flush(self, active: list[str], due: list[str]) -> set[str]:
+        """Write every kept event of the jobs `due` (one thread at a time: the engine's, or the retry
+        thread during an outage, when the engine's does not write); on failure they are kept, in
+        order, ahead of those added meanwhile."""
         with self._lock:
-            events, self._pending, self._open = self._pending, [], {}
+            taken = {job_id: self._pending.pop(job_id) for job_id in due if job_id in self._pending}
+            for job_id in taken:
+                self._open.pop(job_id, None)
         try:
             with self.client.pipeline(transaction=True) as pipe:
-                for job_id, event_type, data, entry_id in events:
-                    pipe.xadd(protocol.stream_key(job_id), protocol.encode_event(event_type, data), id=entry_id)
-                for job_id in {event[0] for event in events}:
-                    pipe.expire(protocol.stream_key(job_id), protocol.STREAM_TTL)
-                for job_id in active:
-                    pipe.exists(protocol.cancel_key(job_id))
+                for job_id, events in taken.items():
+                    key = protocol.stream_key(job_id)
+                    for event_type, data, entry_id in events:
+                        pipe.xadd(key, protocol.encode_event(event_type, data), id=entry_id)
+                    pipe.expire(key, protocol.STREAM_TTL)
+                if active:
+                    pipe.mget([protocol.cancel_key(job_id) for job_id in active])
                 replies = pipe.execute(raise_on_error=False)
         except redis.RedisError:
             with self._lock:
                 # the events kept may be cut below: nothing joins them any more
-                self._pending, self._open = events + self._pending, {}
-                if len(self._pending) > self.max_pending:
-                    # Redis has been gone for a long time: bound memory, the oldest events are lost.
-                    del self._pending[: len(self._pending) - self.max_pending]
+                for job_id, events in taken.items():
+                    self._pending[job_id] = events + self._pending.get(job_id, [])
+                    self._open.pop(job_id, None)
+                self._bound()
             raise
-        self._written_at = self._checked_at = time.monotonic()
-        refused = [(event[0], reply) for event, reply in zip(events, replies) if isinstance(reply, Exception)]
+        now = self._checked_at = time.monotonic()
+        for job_id, events in taken.items():
+            if events[-1][0] in protocol.TERMINAL_EVENTS:
+                self._written_at.pop(job_id, None)
+            else:
+                self._written_at[job_id] = now
+        written = [(job_id, event) for job_id, events in taken.items() for event in [*events, None]]  # None: EXPIRE
+        refused = [(job_id, reply) for (job_id, event), reply in zip(written, replies)
+                   if event is not None and isinstance(reply, Exception)]
         if refused:  # already written (a resent step), or a newer attempt owns the stream
             log.info("stream entries refused", extra={"count": len(refused), "job_id": refused[0][0],
                                                       "error": str(refused[0][1])})
-        flags = replies[len(replies) - len(active):] if active else []
-        return {job_id for job_id, flag in zip(active, flags) if flag}
+        flags = replies[-1] if active else []
+        return {job_id for job_id, flag in zip(active, flags) if flag is not None}
+
+    def _bound(self) -> None:
+        """Redis has been gone a long time: bound memory, the oldest jobs' oldest events are lost."""
+        over = sum(map(len, self._pending.values())) - self.max_pending
+        for job_id in list(self._pending):
+            if over <= 0:
+                return
+            cut = min(over, len(self._pending[job_id]))
+            del self._pending[job_id][:cut]
+            over -= cut
+            if not self._pending[job_id]:
+                del self._pending[job_id]
 
 
 def _join(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
