@@ -22,6 +22,15 @@ from worker import protocol
 from worker.protocol import APIError
 
 
+# A queue's live workers (its registered workers whose keys exist) and its length.
+_LOAD = """
+local live = 0
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  live = live + redis.call('EXISTS', key)
+end
+return {live, redis.call('LLEN', KEYS[2])}
+"""
+
 OWNER = "owner"  # the rq job's meta field holding who the job belongs to
 
 
@@ -38,20 +47,18 @@ class JobQueue:
         # XREAD BLOCK waits up to one keepalive period; its socket must outlast that.
         self.blocking_redis = redis_pool.client(settings.redis_url, socket_timeout=settings.keepalive_s + 10)
         self.hub = StreamHub(settings.redis_url)
+        self._load = self.redis.register_script(_LOAD)
 
     def queue(self, model_id: str) -> Queue:
         return Queue(protocol.queue_name(model_id), connection=self.redis, serializer=protocol.SERIALIZER)
 
     def load(self, model_id: str) -> tuple[int, int]:
-        """(live workers, queued jobs) of a model's queue, in two round trips. Live: an rq worker
+        """(live workers, queued jobs) of a model's queue, in one round trip. Live: an rq worker
         registered on the queue whose key has not expired (it lives `worker_ttl` past the worker's
         last heartbeat, so a crashed worker drops out on its own)."""
         queue = self.queue(model_id)
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.smembers(WORKERS_BY_QUEUE_KEY % queue.name)
-            pipe.llen(queue.key)
-            registered, queued = pipe.execute()
-        return (self.redis.exists(*registered) if registered else 0), queued
+        live, queued = self._load(keys=[WORKERS_BY_QUEUE_KEY % queue.name, queue.key])
+        return int(live), int(queued)
 
     def warming(self, model_id: str) -> int:
         """Of a model's live workers, how many belong to an engine that still compiles its graphs
@@ -90,12 +97,15 @@ class JobQueue:
             queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis, serializer=protocol.SERIALIZER)
             ttl = max(0, int(batch_window_left_s)) + s.queue_ttl_s
             queue.remove(job.id)
-        return queue.enqueue_call(
-            protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
-            timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
-            # a retried job (its worker crashed) goes to the front: its client may be mid-stream
-            retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
-            description=f"completion {job.id} ({job.model})")
+        with self.redis.pipeline() as pipe:  # rq's registration of the queue and the job's, one transaction
+            queued = queue.enqueue_call(
+                protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
+                timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
+                # a retried job (its worker crashed) goes to the front: its client may be mid-stream
+                retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
+                description=f"completion {job.id} ({job.model})", pipeline=pipe)
+            pipe.execute()
+        return queued
 
     def jobs(self) -> list[Job]:
         """Every completion job rq still knows, on every model's queue: waiting, running and ended
