@@ -17,6 +17,14 @@ alternating, in the same run.
 2. Throughput: 32 closed-loop clients × 2 requests (32-token prompts, 64 new tokens, greedy, EOS
    banned) on `gpt2-small`: the gateway's aggregate tokens/s as a fraction of the engine alone's,
    median over the repeats.
+
+    python -m bench.gateway_bench pinned [--concurrency 1,8,32,64] [--repeats 3] [--json PATH]
+
+`pinned`: whether the stack keeps up with an engine whose steps cost what a GPU's do, as a GPU host
+runs it. The tiny model (a step of about a millisecond on one core, as a GPU's) in one torch
+thread; the engine alone, and then the stack's worker process, on CPU 0; web, Redis and the
+`openai` client on the other CPUs. Per concurrency C, bursts of C requests of 64 tokens: the
+stack's tokens/s against the engine alone's, and each process's CPU milliseconds a request.
 """
 from __future__ import annotations
 
@@ -196,7 +204,144 @@ def markdown(result: dict) -> str:
     ])
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (a process's affinity is its threads')."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, OSError):  # a thread that ended meanwhile
+            pass
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
+    """CPU seconds each role's processes have used: this process's from getrusage (its client
+    threads end with each run), the others' from their threads' schedstat (nanoseconds, where a
+    process's clock ticks are 10 ms)."""
+    import resource
+
+    used: dict[str, float] = {}
+    for pid, role in pids.items():
+        if pid == os.getpid():
+            own = resource.getrusage(resource.RUSAGE_SELF)
+            used[role] = used.get(role, 0.0) + own.ru_utime + own.ru_stime
+            continue
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                used[role] = used.get(role, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, ValueError):  # a thread that ended meanwhile
+                pass
+    return used
+
+
+def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path, log=print) -> dict:
+    """See the module docstring (`pinned`). Needs two CPUs or more."""
+    import psutil
+    import torch
+
+    from bench.serving_bench import nanoserve
+    from models.registry import Registry
+    from processor import build_engine
+    from tests.stack import write_models_toml
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("pinned needs two CPUs or more")
+    engine_cpu, rest = {cpus[0]}, set(cpus[1:])
+    os.environ["OMP_NUM_THREADS"] = "1"  # the worker's, started below
+    torch.set_num_threads(1)
+    model, context = checkpoint("tiny"), 32 + max_tokens
+    bodies = {c: [completion_body(i, 32, max_tokens) for i in range(c)] for c in concurrency}
+    me = os.getpid()
+    pin(me, engine_cpu)  # the engine's thread, started below, and the threads that submit to it
+    models_file = write_models_toml(workdir / "alone.toml", {"tiny": model}, device="cpu", dtype="float32",
+                                    max_batch=max(concurrency), context_length=context)
+    engine = build_engine(Registry.from_file(models_file).get("tiny"), "cpu", None, compile=None)
+    alone: dict[int, list[float]] = {c: [] for c in concurrency}
+    try:  # built and compiled as the worker builds it
+        send = engine_sender(engine, "tiny")
+        for c in concurrency:
+            run(send, bodies[c][:c], c)
+        for _ in range(repeats):
+            for c in concurrency:
+                alone[c].append(run(send, bodies[c], c)["tokens_per_s"])
+    finally:
+        engine.stop()
+    result = {"cpu_engine": sorted(engine_cpu), "cpus_rest": sorted(rest), "max_tokens": max_tokens,
+              "by_concurrency": {}}
+    with nanoserve(model, "tiny", "float32", max(concurrency), context, workdir) as web:
+        roles = {web.info["worker_pid"]: "worker", me: "client"}
+        for process in psutil.process_iter(["cmdline"]):
+            command = " ".join(process.info["cmdline"] or [])
+            if "gunicorn" in command or "redis-server" in command:
+                roles[process.pid] = "web" if "gunicorn" in command else "redis"
+        for pid, role in roles.items():
+            pin(pid, engine_cpu if role == "worker" else rest)
+        send = openai_sender(web.url + "/v1", "tiny", api_key=API_KEY)
+        for c in concurrency:
+            run(send, [completion_body(i, 32, 4) for i in range(c)], c)
+        stack: dict[int, list[dict]] = {c: [] for c in concurrency}
+        for r in range(repeats):
+            for c in concurrency:
+                before = cpu_seconds(roles)
+                report = run(send, bodies[c], c)
+                after = cpu_seconds(roles)
+                if report["errors"]:
+                    raise RuntimeError(f"{report['errors']} requests failed: {report['first_error']}")
+                report["cpu_ms_per_request"] = {role: 1000 * (after[role] - before[role]) / c for role in after}
+                stack[c].append(report)
+                log(f"pinned repeat {r + 1}/{repeats} C={c:<3} stack {report['tokens_per_s']:8.1f} tok/s, "
+                    f"engine alone {alone[c][r]:8.1f}")
+    for c in concurrency:
+        engine_tps = statistics.median(alone[c])
+        stack_tps = statistics.median(r["tokens_per_s"] for r in stack[c])
+        roles_seen = stack[c][0]["cpu_ms_per_request"]
+        result["by_concurrency"][str(c)] = {
+            "engine_tokens_per_s": engine_tps, "stack_tokens_per_s": stack_tps, "ratio": stack_tps / engine_tps,
+            "cpu_ms_per_request": {role: statistics.median(r["cpu_ms_per_request"][role] for r in stack[c])
+                                   for role in roles_seen},
+            "engine_runs": alone[c], "stack_runs": stack[c]}
+    return result
+
+
+def pinned_markdown(result: dict) -> str:
+    lines = ["| requests at once | engine alone tok/s | stack tok/s | stack / engine | CPU ms a request: "
+             "worker / web / Redis / client |", "| ---: | ---: | ---: | ---: | --- |"]
+    for c, row in result["by_concurrency"].items():
+        ms = row["cpu_ms_per_request"]
+        lines.append(f"| {c} | {row['engine_tokens_per_s']:.0f} | {row['stack_tokens_per_s']:.0f} | "
+                     f"{row['ratio']:.2f} | {ms['worker']:.1f} / {ms['web']:.1f} / {ms['redis']:.1f} / "
+                     f"{ms['client']:.1f} |")
+    return "\n".join(lines)
+
+
+def pinned_main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="bench.gateway_bench pinned")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", default="bench/.cache/gateway_bench_pinned.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="nanoserve-gateway-bench-") as tmp:
+        result = pinned([int(c) for c in args.concurrency.split(",")], args.repeats, args.max_tokens, Path(tmp),
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    from bench.engine_bench import code_version
+    from bench.machine import cpu_flags
+    from nanogpt.kernels.machine import cpu_name
+
+    result.update(cpu=cpu_name(), cpu_flags=cpu_flags(), code=code_version())
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(pinned_markdown(result))
+    print(f"\nCPU: {result['cpu']} ({' '.join(result['cpu_flags'])}); code {result['code']['commit']}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pinned"]:
+        return pinned_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few requests, tiny model only (a smoke run)")
     parser.add_argument("--latency-requests", type=int, default=50)

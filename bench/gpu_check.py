@@ -48,6 +48,7 @@ failures with their log tails) and `gpu_check.log` (every phase's output).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -118,6 +119,7 @@ class Plan:
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     stack_repeats: int = 2
+    client_processes: int = 4  # the stack's load from this many processes (bench/loadgen.py ClientProcesses)
     stream_at: int = 8
     profile_dtype: str = "bfloat16"
     profile_concurrency: tuple[int, ...] = (1, 64)
@@ -129,6 +131,7 @@ class Plan:
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, stream_at=2,
+             client_processes=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
 
@@ -537,6 +540,7 @@ def phases(check: Check) -> None:
         "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
         "--concurrency", ",".join(map(str, plan.stack_concurrency)),
         "--repeats", str(plan.stack_repeats), "--stream-at", str(plan.stream_at),
+        "--client-processes", str(plan.client_processes),
         "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
         "--workdir", str(work / "stack"), "--json", str(path)))
     engine("engine-xl", plan.xl, plan.xl_systems, plan.xl_concurrency, plan.xl_repeats)
@@ -871,6 +875,8 @@ def stack_main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stream-at", type=int, default=8, help="a streamed round at this concurrency (0: none)")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="the closed-loop clients run in this many processes (one's GIL bounds its sending)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--workdir", required=True, help="the services' logs")
@@ -880,6 +886,7 @@ def stack_main(argv: list[str]) -> None:
     _no_control_socket()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     results = {"model": args.model, "device": args.device, "concurrency": concurrency, "repeats": args.repeats,
+               "client_processes": args.client_processes,
                "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
     failed = False
     for dtype in args.dtypes.split(","):
@@ -918,7 +925,7 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
-    from bench.loadgen import completion_body, openai_sender, percentile, run
+    from bench.loadgen import ClientProcesses, completion_body, openai_sender, percentile, run
     from bench.serving_bench import COMPILE_MODES, nanoserve
 
     def bodies(count: int, new_tokens: int) -> list[dict]:  # the engine benchmark's requests
@@ -926,13 +933,15 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
 
     started = time.perf_counter()
     with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
-                   workdir, compile=COMPILE_MODES[args.mode], device=args.device) as web:
+                   workdir, compile=COMPILE_MODES[args.mode], device=args.device) as web, \
+            contextlib.ExitStack() as stack:
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started
         print(f"{dtype}: ready in {entry['ready_s']:.1f} s", flush=True)
-        send = openai_sender(url, args.model)
+        clients = ClientProcesses(url, args.model, args.client_processes)
+        stack.callback(clients.close)
         for c in sorted(set(concurrency)):  # first requests: allocations, shapes, threads
-            run(send, bodies(c, 4), c)
+            clients.run(bodies(c, 4), c)
         runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}
         entry["runs"] = runs
         worker = WorkerCPU(web.info["worker_pid"])
@@ -940,7 +949,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         for r in range(args.repeats):
             for c in concurrency:
                 before = worker.sample()
-                report = run(send, bodies(c, args.new_tokens), c)
+                report = clients.run(bodies(c, args.new_tokens), c)
                 entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
                 report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
                 runs[str(c)].append(report)

@@ -16,12 +16,17 @@ generates max_tokens; `--logit-bias '{}'` for a model with another vocabulary).
 
 `run(send, bodies, concurrency)` takes any `send(body) -> Sample`, so a benchmark can put the same
 load on something that is not an HTTP server (bench/gateway_bench.py drives the engine alone).
+`ClientProcesses` puts it from several processes (`--client-processes`): one Python process's
+`openai` client spends 2-3 ms of CPU a request under its one GIL, so it cannot send a burst of 64
+faster than a GPU engine answers it.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import statistics
 import threading
 import time
@@ -87,6 +92,13 @@ def openai_sender(base_url: str, model: str, *, api_key: str = "unused", stream:
 
 def run(send: Send, bodies: list[dict], concurrency: int) -> dict:
     """Send every body from `concurrency` closed-loop client threads; the run's report."""
+    start = time.perf_counter()
+    samples = closed_loop(send, bodies, concurrency)
+    return report(samples, time.perf_counter() - start, concurrency)
+
+
+def closed_loop(send: Send, bodies: list[dict], concurrency: int) -> list[Sample]:
+    """Every body sent by `concurrency` client threads, each sending its next as its last is answered."""
     pending = list(reversed(bodies))
     lock = threading.Lock()
     samples: list[Sample] = []
@@ -102,12 +114,56 @@ def run(send: Send, bodies: list[dict], concurrency: int) -> dict:
                 samples.append(sample)
 
     threads = [threading.Thread(target=client, name=f"loadgen-{i}") for i in range(concurrency)]
-    start = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return report(samples, time.perf_counter() - start, concurrency)
+    return samples
+
+
+class ClientProcesses:
+    """`run` from `processes` processes, each with its own `openai_sender(base_url, model,
+    **options)`: the concurrency's clients and the bodies shared among them round robin, the wall
+    time from the first process's start to the last one's end."""
+
+    def __init__(self, base_url: str, model: str, processes: int, **options):
+        self.processes = processes
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_start_sender,
+            initargs=(base_url, model, options))
+        # every process started (and its client imported) before the first measured run
+        list(self._pool.map(time.sleep, [0.5] * processes))
+
+    def run(self, bodies: list[dict], concurrency: int) -> dict:
+        shares = [(bodies[i::self.processes], concurrency // self.processes + (i < concurrency % self.processes))
+                  for i in range(self.processes)]
+        done = [f.result() for f in [self._pool.submit(_run_share, part, clients)
+                                     for part, clients in shares if part and clients]]
+        samples = [sample for part, _, _ in done for sample in part]
+        return report(samples, max(end for _, _, end in done) - min(start for _, start, _ in done), concurrency)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def __enter__(self) -> "ClientProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_send: Send | None = None  # a client process's sender (ClientProcesses)
+
+
+def _start_sender(base_url: str, model: str, options: dict) -> None:
+    global _send
+    _send = openai_sender(base_url, model, **options)
+
+
+def _run_share(bodies: list[dict], concurrency: int) -> tuple[list[Sample], float, float]:
+    started = time.time()  # a clock every process shares
+    samples = closed_loop(_send, bodies, concurrency)
+    return samples, started, time.time()
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -3,8 +3,12 @@ measured by `make bench`, never asserted here."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -215,6 +219,25 @@ def test_gateway_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
         assert run["errors"] == 0 and run["completion_tokens"] == 2 * 4
     assert throughput["fraction"] > 0
     assert "≤ 15 ms" in gateway_bench.markdown(result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinned puts the worker and the rest on different CPUs")
+def test_gateway_bench_pinned_holds_the_stack_against_its_engine_with_the_worker_on_its_own_cpu(tmp_path):
+    # a process of its own: pinned pins the process that runs it and sets its torch threads
+    path = tmp_path / "pinned.json"
+    subprocess.run([sys.executable, "-m", "bench.gateway_bench", "pinned", "--concurrency", "1,2", "--repeats", "1",
+                    "--max-tokens", "4", "--json", str(path)], check=True, cwd=Path(__file__).resolve().parent.parent,
+                   timeout=600)
+    result = json.loads(path.read_text())
+    assert result["cpu_engine"] == [min(os.sched_getaffinity(0))] and min(os.sched_getaffinity(0)) not in result["cpus_rest"]
+    for c in ("1", "2"):
+        row = result["by_concurrency"][c]
+        (run,) = row["stack_runs"]
+        assert run["errors"] == 0 and run["completion_tokens"] == int(c) * 4
+        assert row["ratio"] == row["stack_tokens_per_s"] / row["engine_tokens_per_s"] > 0
+        assert set(row["cpu_ms_per_request"]) == {"worker", "web", "redis", "client"}
+        assert all(ms > 0 for ms in row["cpu_ms_per_request"].values())
 
 
 def test_pickup_bench_times_bursts_of_jobs_through_a_real_worker_pool():
