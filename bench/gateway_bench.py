@@ -238,7 +238,6 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
     import psutil
     import torch
 
-    from bench.serving_bench import nanoserve
     from models.registry import Registry
     from processor import build_engine
     from tests.stack import write_models_toml
@@ -268,7 +267,7 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
         engine.stop()
     result = {"cpu_engine": sorted(engine_cpu), "cpus_rest": sorted(rest), "max_tokens": max_tokens,
               "by_concurrency": {}}
-    with nanoserve(model, "tiny", "float32", max(concurrency), context, workdir) as web:
+    with stack(models_file, workdir, concurrency=max(concurrency)) as web:  # the same model, as the worker serves it
         roles = {web.info["worker_pid"]: "worker", me: "client"}
         for process in psutil.process_iter(["cmdline"]):
             command = " ".join(process.info["cmdline"] or [])
@@ -279,7 +278,7 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
         send = openai_sender(web.url + "/v1", "tiny", api_key=API_KEY)
         for c in concurrency:
             run(send, [completion_body(i, 32, 4) for i in range(c)], c)
-        stack: dict[int, list[dict]] = {c: [] for c in concurrency}
+        runs: dict[int, list[dict]] = {c: [] for c in concurrency}
         for r in range(repeats):
             for c in concurrency:
                 before = cpu_seconds(roles)
@@ -288,18 +287,18 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
                 if report["errors"]:
                     raise RuntimeError(f"{report['errors']} requests failed: {report['first_error']}")
                 report["cpu_ms_per_request"] = {role: 1000 * (after[role] - before[role]) / c for role in after}
-                stack[c].append(report)
+                runs[c].append(report)
                 log(f"pinned repeat {r + 1}/{repeats} C={c:<3} stack {report['tokens_per_s']:8.1f} tok/s, "
                     f"engine alone {alone[c][r]:8.1f}")
     for c in concurrency:
         engine_tps = statistics.median(alone[c])
-        stack_tps = statistics.median(r["tokens_per_s"] for r in stack[c])
-        roles_seen = stack[c][0]["cpu_ms_per_request"]
+        stack_tps = statistics.median(r["tokens_per_s"] for r in runs[c])
+        roles_seen = runs[c][0]["cpu_ms_per_request"]
         result["by_concurrency"][str(c)] = {
             "engine_tokens_per_s": engine_tps, "stack_tokens_per_s": stack_tps, "ratio": stack_tps / engine_tps,
-            "cpu_ms_per_request": {role: statistics.median(r["cpu_ms_per_request"][role] for r in stack[c])
+            "cpu_ms_per_request": {role: statistics.median(r["cpu_ms_per_request"][role] for r in runs[c])
                                    for role in roles_seen},
-            "engine_runs": alone[c], "stack_runs": stack[c]}
+            "engine_runs": alone[c], "stack_runs": runs[c]}
     return result
 
 
