@@ -269,8 +269,8 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
               "by_concurrency": {}}
     with stack(models_file, workdir, concurrency=max(concurrency)) as web:  # the same model, as the worker serves it
         roles = {web.info["worker_pid"]: "worker", me: "client"}
-        for process in psutil.process_iter(["cmdline"]):
-            command = " ".join(process.info["cmdline"] or [])
+        for process in psutil.Process(me).children(recursive=True):  # this stack's, not another's on the host
+            command = " ".join(process.cmdline())
             if "gunicorn" in command or "redis-server" in command:
                 roles[process.pid] = "web" if "gunicorn" in command else "redis"
         for pid, role in roles.items():

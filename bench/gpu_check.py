@@ -938,8 +938,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started
         print(f"{dtype}: ready in {entry['ready_s']:.1f} s", flush=True)
-        clients = ClientProcesses(url, args.model, args.client_processes)
-        stack.callback(clients.close)
+        clients = stack.enter_context(ClientProcesses(url, args.model, args.client_processes))
         for c in sorted(set(concurrency)):  # first requests: allocations, shapes, threads
             clients.run(bodies(c, 4), c)
         runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}

@@ -16,9 +16,10 @@ generates max_tokens; `--logit-bias '{}'` for a model with another vocabulary).
 
 `run(send, bodies, concurrency)` takes any `send(body) -> Sample`, so a benchmark can put the same
 load on something that is not an HTTP server (bench/gateway_bench.py drives the engine alone).
-`ClientProcesses` puts it from several processes (`--client-processes`): one Python process's
-`openai` client spends 2-3 ms of CPU a request under its one GIL, so it cannot send a burst of 64
-faster than a GPU engine answers it.
+`ClientProcesses` puts it from several processes (bench/gpu_check.py's `--client-processes`): one
+Python process's `openai` client sends under its one GIL, and spends milliseconds of CPU a request
+(`python -m bench.gateway_bench pinned`'s client column), so a burst of 64 from one process can take
+longer to send than a GPU engine takes to answer it.
 """
 from __future__ import annotations
 

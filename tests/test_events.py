@@ -211,3 +211,27 @@ def test_events_kept_through_an_outage_land_without_another_step(tmp_path):
         assert [kind for kind, _ in events(client, "o")] == ["delta", "delta", "done"]
     finally:
         server.stop()
+
+
+def test_an_outage_past_max_pending_loses_the_oldest_events_and_later_deltas_join_no_stale_place(tmp_path):
+    """Redis away with more events kept than `max_pending`: the oldest job's oldest events go, and a
+    waiting delta cut so is never joined again (the job's next token is its own delta)."""
+    server = start_redis(persist_dir=str(tmp_path))
+    client = redis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
+    writer = StreamWriter(client, max_pending=1)
+    writer.DEFER_S, writer.RETRY_S = 60.0, 0.1
+    writer.track("w", open_attempt(client, "w").attempt_ms, streamed=False)
+    writer.track("s", open_attempt(client, "s").attempt_ms, streamed=True)
+    writer([delta("w", 0)])  # its first token: written
+    writer([delta("w", 1)])  # waiting
+    server.stop()
+    try:
+        writer([delta("s", 0)])  # fails: s's and w's events kept, one over max_pending
+        writer([delta("w", 2)])
+        server = start_redis(port=server.port, persist_dir=str(tmp_path))
+        assert writer.wait_written(timeout=20)
+        writer([("w", "done", {"completion": {}})])
+        assert [data.get("token_ids") for _, data in events(client, "w")] == [[0], [2], None]
+        assert [data["token_ids"] for _, data in events(client, "s")] == [[0]]
+    finally:
+        server.stop()

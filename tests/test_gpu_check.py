@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,7 +134,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert set(phases["engine-xl"]["result"]["summary"]["by_system"]["engine"]) == {"1"}
 
     stack = phases["stack"]["result"]["dtypes"]["float32"]
-    assert phases["stack"]["result"]["client_processes"] == gpu_check.QUICK.client_processes == 2
+    assert phases["stack"]["result"]["client_processes"] == gpu_check.QUICK.client_processes
     new_tokens = gpu_check.QUICK.new_tokens
     for c in ("1", "2"):
         (run,) = stack["runs"][c]

@@ -48,13 +48,13 @@ class StreamWriter:
       at most every `DEFER_S` after its own last write, and at once for its first token and its
       end; another job's write does not take them along. One who follows a polled job's stream
       (`GET /v1/jobs/<id>/stream`) gets its tokens in bunches of up to `DEFER_S`. Each write wakes
-      Redis and the web thread reading each stream it touches: with 64 such jobs starting and
-      ending a few steps apart, taking every waiting job along with each first token or end wrote
-      each job's tokens about 25 times (docs/notes/event-writes.md). The token deltas of one of its
-      choices that wait together are written as one delta (their text, token ids and logprobs
-      joined in order): one XADD a choice a write instead of one a step. A worker killed meanwhile
-      has its retry compute those tokens again (the resumed attempt starts from what the stream
-      holds, as always).
+      Redis and the web thread reading each stream it touches, and in a burst of jobs starting and
+      ending a few steps apart some job is due nearly every step: were the others taken along,
+      each job's tokens would be written that often (docs/notes/event-writes.md). The token deltas
+      of one of its choices that wait together are written as one delta (their text, token ids
+      and logprobs joined in order): one XADD a choice a write instead of one a step. A worker
+      killed meanwhile has its retry compute those tokens again (the resumed attempt starts from
+      what the stream holds, as always).
     - The cancel flags of the running jobs are read (one MGET) with every write, and between writes
       at least every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within
       `CHECK_S` and a step, however long a job's tokens wait.
@@ -259,7 +259,7 @@ class StreamWriter:
         if refused:  # already written (a resent step), or a newer attempt owns the stream
             log.info("stream entries refused", extra={"count": len(refused), "job_id": refused[0][0],
                                                       "error": str(refused[0][1])})
-        flags = replies[-1] if active else []
+        flags = replies[-1] if active and not isinstance(replies[-1], Exception) else []
         return {job_id for job_id, flag in zip(active, flags) if flag is not None}
 
     def _bound(self) -> None:
@@ -270,6 +270,7 @@ class StreamWriter:
                 return
             cut = min(over, len(self._pending[job_id]))
             del self._pending[job_id][:cut]
+            self._open.pop(job_id, None)  # its waiting deltas' places moved
             over -= cut
             if not self._pending[job_id]:
                 del self._pending[job_id]

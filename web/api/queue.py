@@ -8,7 +8,6 @@ id (`cmpl-…`), so one id works for the completion, its event stream and `/v1/j
 """
 from __future__ import annotations
 
-import redis
 from flask import Flask, current_app
 from rq import Queue, Retry
 from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
