@@ -73,23 +73,55 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn (2
     workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`;
-    its `.info` names Redis's URL and the worker's pid)."""
+    its `.info` names Redis's URL, the worker's pid and its metrics' URL: see `engine_busy`)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
-    from web.dev.local_redis import start_redis
+    from web.dev.local_redis import free_port, start_redis
 
     models = sorted(spec.id for spec in Registry.from_file(models_file).models())
     server = start_redis()
+    metrics_port = free_port()
     try:
         # measured at full speed: after the worker's background compile (a minute or two on a first start)
         with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir,
-                             compile=compile, timeout=600.0, warmed=True) as worker, \
+                             compile=compile, timeout=600.0, warmed=True,
+                             extra_args=["--metrics-port", str(metrics_port)]) as worker, \
                 start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
                                log_dir=workdir) as web:
-            web.info.update(redis_url=server.url, worker_pid=worker.pid)
+            web.info.update(redis_url=server.url, worker_pid=worker.pid,
+                            worker_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
             yield web
     finally:
         server.stop()
+
+
+def engine_busy(metrics_url: str) -> dict[str, float]:
+    """The worker's engines' time in their steps and their forwards so far, all models together
+    (`nanoserve_worker_busy_seconds_total`, `nanoserve_worker_steps_total`): between two reads, busy
+    seconds against the wall clock say whether a stack lost its time in the engine's steps or
+    around them, and over forwards what a forward took there."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    out = {"busy_s": 0.0, "forwards": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "nanoserve_worker_busy_seconds_total":
+                out["busy_s"] += sample.value
+            elif sample.name == "nanoserve_worker_steps_total":
+                out["forwards"] += sample.value
+    return out
+
+
+def busy_share(before: dict[str, float], after: dict[str, float], wall_s: float, requests: int) -> dict[str, float]:
+    """Between two `engine_busy` reads over `wall_s` seconds of `requests`: the engine's busy share
+    of the wall clock, its busy ms a request and its ms a forward."""
+    busy, forwards = after["busy_s"] - before["busy_s"], after["forwards"] - before["forwards"]
+    return {"busy_share": busy / wall_s if wall_s else 0.0, "busy_ms_per_request": 1000 * busy / max(requests, 1),
+            "ms_per_forward": 1000 * busy / forwards if forwards else 0.0}
 
 
 def timed(fn) -> float:
@@ -256,13 +288,18 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
                                     max_batch=max(concurrency), context_length=context)
     engine = build_engine(Registry.from_file(models_file).get("tiny"), "cpu", None, compile=None)
     alone: dict[int, list[float]] = {c: [] for c in concurrency}
+    alone_busy: dict[int, list[dict]] = {c: [] for c in concurrency}
+    busy = lambda: {"busy_s": engine.stats()["busy_seconds"], "forwards": engine.stats()["steps"]}  # noqa: E731
     try:  # built and compiled as the worker builds it
         send = engine_sender(engine, "tiny")
         for c in concurrency:
             run(send, bodies[c][:c], c)
         for _ in range(repeats):
             for c in concurrency:
-                alone[c].append(run(send, bodies[c], c)["tokens_per_s"])
+                before = busy()
+                report = run(send, bodies[c], c)
+                alone[c].append(report["tokens_per_s"])
+                alone_busy[c].append(busy_share(before, busy(), report["wall_s"], c))
     finally:
         engine.stop()
     result = {"cpu_engine": sorted(engine_cpu), "cpus_rest": sorted(rest), "max_tokens": max_tokens,
@@ -281,12 +318,14 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
         runs: dict[int, list[dict]] = {c: [] for c in concurrency}
         for r in range(repeats):
             for c in concurrency:
-                before = cpu_seconds(roles)
+                before, busy_before = cpu_seconds(roles), engine_busy(web.info["worker_metrics_url"])
                 report = run(send, bodies[c], c)
                 after = cpu_seconds(roles)
                 if report["errors"]:
                     raise RuntimeError(f"{report['errors']} requests failed: {report['first_error']}")
                 report["cpu_ms_per_request"] = {role: 1000 * (after[role] - before[role]) / c for role in after}
+                report["engine"] = busy_share(busy_before, engine_busy(web.info["worker_metrics_url"]),
+                                              report["wall_s"], c)
                 runs[c].append(report)
                 log(f"pinned repeat {r + 1}/{repeats} C={c:<3} stack {report['tokens_per_s']:8.1f} tok/s, "
                     f"engine alone {alone[c][r]:8.1f}")
@@ -298,18 +337,22 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
             "engine_tokens_per_s": engine_tps, "stack_tokens_per_s": stack_tps, "ratio": stack_tps / engine_tps,
             "cpu_ms_per_request": {role: statistics.median(r["cpu_ms_per_request"][role] for r in runs[c])
                                    for role in roles_seen},
+            "engine_alone": {key: statistics.median(b[key] for b in alone_busy[c]) for key in alone_busy[c][0]},
+            "engine_in_stack": {key: statistics.median(r["engine"][key] for r in runs[c]) for key in runs[c][0]["engine"]},
             "engine_runs": alone[c], "stack_runs": runs[c]}
     return result
 
 
 def pinned_markdown(result: dict) -> str:
-    lines = ["| requests at once | engine alone tok/s | stack tok/s | stack / engine | CPU ms a request: "
-             "worker / web / Redis / client |", "| ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| requests at once | engine alone tok/s | stack tok/s | stack / engine | engine busy, alone / in the "
+             "stack | ms a forward, alone / in the stack | CPU ms a request: worker / web / Redis / client |",
+             "| ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for c, row in result["by_concurrency"].items():
-        ms = row["cpu_ms_per_request"]
+        ms, alone, inside = row["cpu_ms_per_request"], row["engine_alone"], row["engine_in_stack"]
         lines.append(f"| {c} | {row['engine_tokens_per_s']:.0f} | {row['stack_tokens_per_s']:.0f} | "
-                     f"{row['ratio']:.2f} | {ms['worker']:.1f} / {ms['web']:.1f} / {ms['redis']:.1f} / "
-                     f"{ms['client']:.1f} |")
+                     f"{row['ratio']:.2f} | {alone['busy_share']:.2f} / {inside['busy_share']:.2f} | "
+                     f"{alone['ms_per_forward']:.2f} / {inside['ms_per_forward']:.2f} | "
+                     f"{ms['worker']:.1f} / {ms['web']:.1f} / {ms['redis']:.1f} / {ms['client']:.1f} |")
     return "\n".join(lines)
 
 

@@ -673,6 +673,12 @@ def markdown(results: dict) -> str:
                 lines.append(f"\n{dtype}, the worker's CPU a request, ms (all threads / the busiest / the rest): "
                              + "; ".join(f"{c}: " + ", ".join(f"{r['all']}/{r['busiest_thread']}/{r['rest']}" for r in rs)
                                          for c, rs in cpu.items()) + ".")
+            inside = entry.get("engine_in_stack")
+            if inside:
+                lines.append(f"\n{dtype}, the worker's engine in the stack (its busy share of the wall clock; ms a "
+                             "forward there; the engine alone's ms a token): " + "; ".join(
+                                 f"{c}: " + ", ".join(f"{r['busy_share']:.2f}, {r['ms_per_forward']:.2f}" for r in rs)
+                                 + f", {_ms(engine_step(small, dtype, int(c)))}" for c, rs in inside.items()) + ".")
             if entry.get("error"):
                 lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
         pickup = stack.get("pickup_ms")
@@ -925,6 +931,7 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
+    from bench.gateway_bench import busy_share, engine_busy
     from bench.loadgen import ClientProcesses, completion_body, openai_sender, percentile, run
     from bench.serving_bench import COMPILE_MODES, nanoserve
 
@@ -944,12 +951,14 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}
         entry["runs"] = runs
         worker = WorkerCPU(web.info["worker_pid"])
-        entry["worker_cpu_ms"] = {}
+        entry["worker_cpu_ms"], entry["engine_in_stack"] = {}, {}
         for r in range(args.repeats):
             for c in concurrency:
-                before = worker.sample()
+                before, busy = worker.sample(), engine_busy(web.info["worker_metrics_url"])
                 report = clients.run(bodies(c, args.new_tokens), c)
                 entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
+                entry["engine_in_stack"].setdefault(str(c), []).append(
+                    busy_share(busy, engine_busy(web.info["worker_metrics_url"]), report["wall_s"], c))
                 report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
                 runs[str(c)].append(report)
                 print(f"{dtype} repeat {r + 1}/{args.repeats} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "

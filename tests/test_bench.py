@@ -238,6 +238,10 @@ def test_gateway_bench_pinned_holds_the_stack_against_its_engine_with_the_worker
         assert row["ratio"] == row["stack_tokens_per_s"] / row["engine_tokens_per_s"] > 0
         assert set(row["cpu_ms_per_request"]) == {"worker", "web", "redis", "client"}
         assert all(ms > 0 for ms in row["cpu_ms_per_request"].values())
+        # the engine's time in its steps, alone and in the worker (from its metrics), against the round's wall
+        for engine in (row["engine_alone"], row["engine_in_stack"]):
+            assert 0 < engine["busy_share"] <= 1 and engine["ms_per_forward"] > 0
+        assert row["engine_in_stack"]["busy_ms_per_request"] * int(c) <= 1000 * run["wall_s"]
 
 
 def test_pickup_bench_times_bursts_of_jobs_through_a_real_worker_pool():

@@ -147,6 +147,8 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     for c in ("1", "2"):
         (cpu,) = stack["worker_cpu_ms"][c]
         assert cpu["all"] > 0 and cpu["all"] == pytest.approx(cpu["busiest_thread"] + cpu["rest"], abs=0.02)
+        (inside,) = stack["engine_in_stack"][c]  # the worker's engine: busy part of the round, not all of it
+        assert 0 < inside["busy_share"] < 1 and inside["ms_per_forward"] > 0 and inside["busy_ms_per_request"] > 0
     pickup = phases["stack"]["result"]["pickup_ms"]  # this host's consumer taking a burst of jobs
     assert 0 < pickup["first_in_engine_ms"] <= pickup["last_in_engine_ms"] < pickup["all_finished_ms"]
 
@@ -158,6 +160,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
+    assert "the worker's engine in the stack" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()
     assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name != "install")

@@ -222,9 +222,16 @@ def test_worker_metrics_of_a_real_engine(models_toml):
     try:
         job = protocol.CompletionJob(id=protocol.new_completion_id(), model="tiny", prompts=[[464, 2068, 7586]] * 2,
                                      max_tokens=7, temperature=0.0, seed=0, n=1)
-        usage = engine.submit(job).result(timeout=120)["usage"]
-        text = _get(f"http://127.0.0.1:{port}/metrics")
         labels = {"model": "tiny", "device": "cpu"}
+        idle = value(_get(f"http://127.0.0.1:{port}/metrics"), "nanoserve_worker_busy_seconds_total", **labels)
+        sent = time.perf_counter()
+        usage = engine.submit(job).result(timeout=120)["usage"]
+        took = time.perf_counter() - sent
+        time.sleep(0.2)  # idle: the engine's busy time stands still
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+        busy = value(text, "nanoserve_worker_busy_seconds_total", **labels) - idle
+        assert 0 < busy <= took  # the request's steps, not the wait around them
+        assert value(text, "nanoserve_worker_steps_total", **labels) >= 7  # a prefill and six decode forwards at least
         assert value(text, "nanoserve_worker_tokens_generated_total", **labels) == usage["completion_tokens"] == 14
         assert value(text, "nanoserve_worker_prompt_tokens_total", **labels) == usage["prompt_tokens"]
         assert value(text, "nanoserve_worker_kv_slots_total", **labels) == 4

@@ -172,6 +172,7 @@ class Engine:
             raise ValueError(f"decode_steps must be at least 1, not {self.decode_steps}")
         self._ahead: list[Drawn] = []  # the step before's draws, not taken in yet
         self._steps = 0
+        self._busy_s = 0.0  # time inside step(): against the wall clock, how much of it the engine worked
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -256,7 +257,8 @@ class Engine:
 
     def stats(self) -> dict:
         """A snapshot for metrics (read from any thread)."""
-        return {"device": str(self.device), **self.scheduler.stats(), **self.runner.stats(), "steps": self._steps}
+        return {"device": str(self.device), **self.scheduler.stats(), **self.runner.stats(), "steps": self._steps,
+                "busy_seconds": self._busy_s}
 
     def _cancel(self, job_id: str) -> None:
         self.scheduler.cancels.append(job_id)
@@ -356,7 +358,9 @@ class Engine:
         self._steps += max(forwards, 1)
         self.scheduler.cancels.extend(self._emit(events))
         self.scheduler.settle()  # after the write: see Scheduler.settle
-        self.scheduler.timed(batch, (time.perf_counter() - started) / max(forwards, 1))
+        took = time.perf_counter() - started
+        self._busy_s += took
+        self.scheduler.timed(batch, took / max(forwards, 1))
 
     def _forwards(self, batch: Batch) -> int:
         """The decode forwards of a step that only decodes, every request running ahead (none needs

@@ -8,6 +8,9 @@ pays nothing for them:
 - `nanoserve_worker_kv_slots_used{model,device}`, `nanoserve_worker_kv_slots_total{model,device}`
 - `nanoserve_worker_tokens_generated_total{model,device}`: completion tokens since start
 - `nanoserve_worker_prompt_tokens_total{model,device}`, `nanoserve_worker_steps_total{model,device}`
+  (batched forwards)
+- `nanoserve_worker_busy_seconds_total{model,device}`: time the engine spent in its steps; its rate
+  is the engine's utilization, and busy seconds over steps its time a forward
 - `nanoserve_worker_prefix_cache_queried_tokens_total{model,device}`, `…_hit_tokens_total`: the
   prompt tokens that looked for a cached prefix, and those found (the hit rate is their ratio; the
   hits are the prefill tokens saved)
@@ -21,7 +24,7 @@ pays nothing for them:
 
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
-     "tokens_generated": int, "prompt_tokens": int, "steps": int, "batch_size_counts": {size: steps},
+     "tokens_generated": int, "prompt_tokens": int, "steps": int, "busy_seconds": float, "batch_size_counts": {size: steps},
      "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int, "warming_up": int,
      "compiled_graphs_live": int}
 The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).
@@ -48,7 +51,9 @@ _GAUGES = {
 _COUNTERS = {
     "tokens_generated": ("nanoserve_worker_tokens_generated", "Completion tokens generated."),
     "prompt_tokens": ("nanoserve_worker_prompt_tokens", "Prompt tokens prefilled."),
-    "steps": ("nanoserve_worker_steps", "Engine steps (one batched forward each)."),
+    "steps": ("nanoserve_worker_steps", "Batched forwards the engine ran."),
+    "busy_seconds": ("nanoserve_worker_busy_seconds", "Seconds the engine spent in its steps (the rest it waited "
+                                                      "for work)."),
     "prefix_cache_queried_tokens": ("nanoserve_worker_prefix_cache_queried_tokens",
                                     "Prompt tokens of the prefills that looked for a cached prefix."),
     "prefix_cache_hit_tokens": ("nanoserve_worker_prefix_cache_hit_tokens",
