@@ -68,11 +68,12 @@ def engine_sender(engine, model_id: str):
 
 
 @contextmanager
-def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: bool | None = None) -> Iterator[Service]:
+def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: bool | None = None,
+          web_workers: int = 2) -> Iterator[Service]:
     """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
-    compiled or not by `compile`, None: where the worker compiles it by default), gunicorn (2
-    workers × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`;
+    compiled or not by `compile`, None: where the worker compiles it by default), gunicorn
+    (`web_workers` processes × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`;
     its `.info` names Redis's URL, the worker's pid and its metrics' URL: see `engine_busy`)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
@@ -86,8 +87,8 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
         with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir,
                              compile=compile, timeout=600.0, warmed=True,
                              extra_args=["--metrics-port", str(metrics_port)]) as worker, \
-                start_gunicorn(server.url, models_file, threads=64, env={"NANOSERVE_AUTH": "disabled"},
-                               log_dir=workdir) as web:
+                start_gunicorn(server.url, models_file, workers=web_workers, threads=64,
+                               env={"NANOSERVE_AUTH": "disabled"}, log_dir=workdir) as web:
             web.info.update(redis_url=server.url, worker_pid=worker.pid,
                             worker_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
             yield web

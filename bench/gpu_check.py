@@ -119,7 +119,8 @@ class Plan:
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     stack_repeats: int = 2
-    client_processes: int = 4  # the stack's load from this many processes (bench/loadgen.py ClientProcesses)
+    client_processes: int = 8  # the stack's load from this many processes (bench/loadgen.py ClientProcesses)
+    web_workers: int = 4  # gunicorn's, as docker-compose.yml deploys the web tier
     stream_at: int = 8
     profile_dtype: str = "bfloat16"
     profile_concurrency: tuple[int, ...] = (1, 64)
@@ -131,7 +132,7 @@ class Plan:
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, stream_at=2,
-             client_processes=2,
+             client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
 
@@ -540,7 +541,7 @@ def phases(check: Check) -> None:
         "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
         "--concurrency", ",".join(map(str, plan.stack_concurrency)),
         "--repeats", str(plan.stack_repeats), "--stream-at", str(plan.stream_at),
-        "--client-processes", str(plan.client_processes),
+        "--client-processes", str(plan.client_processes), "--web-workers", str(plan.web_workers),
         "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
         "--workdir", str(work / "stack"), "--json", str(path)))
     engine("engine-xl", plan.xl, plan.xl_systems, plan.xl_concurrency, plan.xl_repeats)
@@ -881,8 +882,9 @@ def stack_main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stream-at", type=int, default=8, help="a streamed round at this concurrency (0: none)")
-    parser.add_argument("--client-processes", type=int, default=4,
+    parser.add_argument("--client-processes", type=int, default=8,
                         help="the closed-loop clients run in this many processes (one's GIL bounds its sending)")
+    parser.add_argument("--web-workers", type=int, default=4, help="gunicorn's processes")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--workdir", required=True, help="the services' logs")
@@ -892,7 +894,7 @@ def stack_main(argv: list[str]) -> None:
     _no_control_socket()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     results = {"model": args.model, "device": args.device, "concurrency": concurrency, "repeats": args.repeats,
-               "client_processes": args.client_processes,
+               "client_processes": args.client_processes, "web_workers": args.web_workers,
                "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
     failed = False
     for dtype in args.dtypes.split(","):
@@ -940,7 +942,8 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
 
     started = time.perf_counter()
     with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
-                   workdir, compile=COMPILE_MODES[args.mode], device=args.device) as web, \
+                   workdir, compile=COMPILE_MODES[args.mode], device=args.device,
+                   web_workers=args.web_workers) as web, \
             contextlib.ExitStack() as stack:
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started

@@ -199,16 +199,16 @@ COMPILE_MODES = {"": None, "compile": True, "eager": False}
 
 @contextmanager
 def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
-              workdir: Path, compile: bool | None = None, device: str = "cpu"):
+              workdir: Path, compile: bool | None = None, device: str = "cpu", web_workers: int = 2):
     """nanoserve's whole stack serving `model_dir` as `model` in `dtype` on `device` (with the decode
-    step compiled or not by `compile`, None: the worker's default); yields its web service (`.url`;
-    `.info` names Redis's URL and the worker's pid)."""
+    step compiled or not by `compile`, None: the worker's default; `web_workers` gunicorn processes);
+    yields its web service (`.url`; `.info` names Redis's URL and the worker's pid)."""
     from bench.gateway_bench import stack
     from tests.stack import write_models_toml
 
     models_file = write_models_toml(workdir / "models.toml", {model: model_dir}, device=device, dtype=dtype,
                                     max_batch=max_concurrency, context_length=context_length)
-    with stack(models_file, workdir, concurrency=max_concurrency, compile=compile) as web:
+    with stack(models_file, workdir, concurrency=max_concurrency, compile=compile, web_workers=web_workers) as web:
         yield web
 
 

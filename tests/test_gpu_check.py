@@ -135,6 +135,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
 
     stack = phases["stack"]["result"]["dtypes"]["float32"]
     assert phases["stack"]["result"]["client_processes"] == gpu_check.QUICK.client_processes
+    assert phases["stack"]["result"]["web_workers"] == gpu_check.QUICK.web_workers
     new_tokens = gpu_check.QUICK.new_tokens
     for c in ("1", "2"):
         (run,) = stack["runs"][c]
