@@ -119,10 +119,12 @@ def engine_busy(metrics_url: str) -> dict[str, float]:
 
 def busy_share(before: dict[str, float], after: dict[str, float], wall_s: float, requests: int) -> dict[str, float]:
     """Between two `engine_busy` reads over `wall_s` seconds of `requests`: the engine's busy share
-    of the wall clock, its busy ms a request and its ms a forward."""
+    of the wall clock, its busy ms a request, its ms a forward and its forwards a request (more than
+    alone where a burst's requests reach it spread out: its batch runs part full for longer)."""
     busy, forwards = after["busy_s"] - before["busy_s"], after["forwards"] - before["forwards"]
     return {"busy_share": busy / wall_s if wall_s else 0.0, "busy_ms_per_request": 1000 * busy / max(requests, 1),
-            "ms_per_forward": 1000 * busy / forwards if forwards else 0.0}
+            "ms_per_forward": 1000 * busy / forwards if forwards else 0.0,
+            "forwards_per_request": forwards / max(requests, 1)}
 
 
 def timed(fn) -> float:
@@ -346,12 +348,13 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
 
 def pinned_markdown(result: dict) -> str:
     lines = ["| requests at once | engine alone tok/s | stack tok/s | stack / engine | engine busy, alone / in the "
-             "stack | ms a forward, alone / in the stack | CPU ms a request: worker / web / Redis / client |",
-             "| ---: | ---: | ---: | ---: | --- | --- | --- |"]
+             "stack | forwards a request, alone / in the stack | ms a forward, alone / in the stack | CPU ms a "
+             "request: worker / web / Redis / client |", "| ---: | ---: | ---: | ---: | --- | --- | --- | --- |"]
     for c, row in result["by_concurrency"].items():
         ms, alone, inside = row["cpu_ms_per_request"], row["engine_alone"], row["engine_in_stack"]
         lines.append(f"| {c} | {row['engine_tokens_per_s']:.0f} | {row['stack_tokens_per_s']:.0f} | "
                      f"{row['ratio']:.2f} | {alone['busy_share']:.2f} / {inside['busy_share']:.2f} | "
+                     f"{alone['forwards_per_request']:.2f} / {inside['forwards_per_request']:.2f} | "
                      f"{alone['ms_per_forward']:.2f} / {inside['ms_per_forward']:.2f} | "
                      f"{ms['worker']:.1f} / {ms['web']:.1f} / {ms['redis']:.1f} / {ms['client']:.1f} |")
     return "\n".join(lines)

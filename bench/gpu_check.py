@@ -676,9 +676,10 @@ def markdown(results: dict) -> str:
                                          for c, rs in cpu.items()) + ".")
             inside = entry.get("engine_in_stack")
             if inside:
-                lines.append(f"\n{dtype}, the worker's engine in the stack (its busy share of the wall clock; ms a "
-                             "forward there; the engine alone's ms a token): " + "; ".join(
-                                 f"{c}: " + ", ".join(f"{r['busy_share']:.2f}, {r['ms_per_forward']:.2f}" for r in rs)
+                lines.append(f"\n{dtype}, the worker's engine in the stack (its busy share of the wall clock, its "
+                             "forwards a request and ms a forward there; the engine alone's ms a token): " + "; ".join(
+                                 f"{c}: " + ", ".join(f"{r['busy_share']:.2f}, {r['forwards_per_request']:.2f}, "
+                                                      f"{r['ms_per_forward']:.2f}" for r in rs)
                                  + f", {_ms(engine_step(small, dtype, int(c)))}" for c, rs in inside.items()) + ".")
             if entry.get("error"):
                 lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
