@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from models.formats import CheckpointError
 from nanogpt.hf_weights import copy, per_head_qkv, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary, add_norm
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary, parallel_block, pre_norm_block, pre_norm_fed
 from nanogpt.serving import ServingModel
 
 
@@ -47,11 +47,12 @@ class Block(nn.Module):
         self.mlp = MLP(config.n_embd, config.n_inner, config.activation)
 
     def forward(self, x, pending, cache_layer):
-        x, h = add_norm(x, pending, self.input_layernorm)
-        if self.parallel:  # x + (mlp + attention), as transformers adds
-            return x, self.mlp(self.post_attention_layernorm(x), residual=self.attention(h, cache_layer))
-        x, h = add_norm(x, self.attention(h, cache_layer), self.post_attention_layernorm)
-        return x, self.mlp(h)
+        block = parallel_block if self.parallel else pre_norm_block
+        return block(x, pending, cache_layer, self.input_layernorm, self.attention, self.post_attention_layernorm,
+                     self.mlp)
+
+    def norm_fed(self):
+        return pre_norm_fed(self.input_layernorm, self.attention, self.post_attention_layernorm, self.mlp)
 
 
 class GPTNeoX(ServingModel):
@@ -78,6 +79,10 @@ class GPTNeoX(ServingModel):
 
     def final_hidden(self, x):
         return self.final_layer_norm(x)
+
+    @property
+    def final_norm(self):
+        return self.final_layer_norm
 
     def unembed(self, h):
         return self.embed_out(h)

@@ -84,9 +84,20 @@ def pre_norm_block(x, pending, cache_layer, ln_1, attn, ln_2, mlp):
 
 
 def pre_norm_fed(ln_1, attn, ln_2, mlp) -> tuple[tuple, ...]:
-    """What `pre_norm_block` feeds its norms to, (norm, linear layer, activation) each: a block's
-    `norm_fed()`, which nanogpt/kernels/few_rows.py `fuse_norm_linears` reads."""
+    """What `pre_norm_block` (and `parallel_block`) feeds its norms to, (norm, linear layer,
+    activation) each: a block's `norm_fed()`, which nanogpt/kernels/few_rows.py `fuse_norm_linears`
+    reads."""
     return (ln_1, attn.c_attn, None), (ln_2, mlp.c_fc, mlp.act)
+
+
+def parallel_block(x, pending, cache_layer, ln_attn, attn, ln_mlp, mlp):
+    """GPT-NeoX's parallel block, (x, pending) -> (x, pending): the stream plus attn(ln_attn(stream))
+    plus mlp(ln_mlp(stream)), added as transformers adds them (the stream + (mlp + attn)), each norm
+    fed to its matmul by `norm_project`. Its two norms are two modules: GPT-J's one norm feeding both
+    would be normalized twice where a matmul does not take it."""
+    x, qkv = norm_project(x, pending, ln_attn, attn.c_attn)
+    _, hidden = norm_project(x, None, ln_mlp, mlp.c_fc, mlp.act)
+    return x, mlp(None, residual=attn(None, cache_layer, qkv=qkv), hidden=hidden)
 
 
 class Rotary:

@@ -478,7 +478,8 @@ def test_few_row_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair
         plain = F.linear(x.float(), weight.float(), bias.float())
         for config in triton_gemv.configs(rows):
             assert_close(triton_gemv.linear(x, weight, bias, None, config).float(), plain, **TOLERANCE[dtype])
-        for activation, want in (("gelu_tanh", F.gelu(plain, approximate="tanh")), ("relu", F.relu(plain))):
+        for activation, want in (("gelu_tanh", F.gelu(plain, approximate="tanh")), ("gelu", F.gelu(plain)),
+                                 ("relu", F.relu(plain))):
             got = triton_gemv.linear(x, weight, bias, activation, triton_gemv.configs(rows)[0])
             assert_close(got.float(), want, **TOLERANCE[dtype])
 

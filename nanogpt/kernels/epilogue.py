@@ -16,12 +16,13 @@ log = logging.getLogger(__name__)
 
 
 def activation_name(activation: nn.Module | None) -> str | None | bool:
-    """The epilogue that computes `activation`: "gelu_tanh" (GPT-2's, GPT-J's, GPT-Neo's), "relu"
-    (OPT's), None for no activation, False for one no epilogue here has (GPT-NeoX's erf GELU)."""
+    """The epilogue that computes `activation`: "gelu_tanh" (GPT-2's, GPT-J's, GPT-Neo's), "gelu"
+    (the erf GELU, GPT-NeoX's: the Triton kernels' only), "relu" (OPT's), None for no activation,
+    False for one no epilogue here has."""
     if activation is None:
         return None
-    if isinstance(activation, nn.GELU) and activation.approximate == "tanh":
-        return "gelu_tanh"
+    if isinstance(activation, nn.GELU):
+        return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
     if isinstance(activation, nn.ReLU):
         return "relu"
     return False

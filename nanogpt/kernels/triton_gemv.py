@@ -1,7 +1,7 @@
 """A linear layer over a decode step's few rows (at most MAX_ROWS) as one Triton kernel on a GPU:
 each program reads a block of the weight's rows once, in chunks along the input, and multiplies
-every input row by it, accumulating in float32; the bias and a tanh GELU or a ReLU are applied to
-the accumulator before the output is written. At a few rows a linear layer reads its weight and
+every input row by it, accumulating in float32; the bias and a GELU (tanh or erf) or a ReLU are
+applied to the accumulator before the output is written. At a few rows a linear layer reads its weight and
 little else, so what it costs is how near the weight's bytes come to the memory's bandwidth.
 
 `norm_linear` is the same matmul fed by a layer norm in its own pass: each program normalizes the
@@ -26,7 +26,7 @@ except ImportError:
     triton = tl = None
 
 MAX_ROWS = 8
-ACTIVATIONS = {None: 0, "gelu_tanh": 1, "relu": 2}
+ACTIVATIONS = {None: 0, "gelu_tanh": 1, "relu": 2, "gelu": 3}
 
 
 class Config(NamedTuple):
@@ -70,6 +70,8 @@ if triton is not None:
             acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
         elif ACTIVATION == 2:
             acc = tl.maximum(acc, 0.0)
+        elif ACTIVATION == 3:  # erf GELU (GPT-NeoX's): 0.5 x (1 + erf(x / sqrt(2)))
+            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
         return acc
 
     @triton.jit
@@ -169,7 +171,8 @@ if triton is not None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
            config: Config) -> torch.Tensor:
     """activation(x @ weight.T + bias) for x (M, K), M at most MAX_ROWS, in x's dtype: weight (N, K)
-    and bias (N,) of that dtype, the weight's rows contiguous; activation None, "gelu_tanh" or "relu"."""
+    and bias (N,) of that dtype, the weight's rows contiguous; activation None, "gelu_tanh", "gelu"
+    (erf) or "relu"."""
     M, K = x.shape
     N = weight.shape[0]
     assert 0 < M <= MAX_ROWS and weight.shape[1] == K and weight.stride(1) == 1, (x.shape, weight.shape)
