@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from nanogpt.hf_weights import copy, stacked, weight_and_bias
-from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary, add_norm
+from nanogpt.layers import ACTIVATIONS, MLP, CausalSelfAttention, Rotary, parallel_block, pre_norm_fed
 from nanogpt.serving import GPT2Layout
 
 
@@ -39,8 +39,10 @@ class Block(nn.Module):
         self.mlp = MLP(config.n_embd, config.n_inner or 4 * config.n_embd, config.activation)
 
     def forward(self, x, pending, cache_layer):
-        x, h = add_norm(x, pending, self.ln_1)
-        return x, self.mlp(h, residual=self.attn(h, cache_layer))  # x + (attn + mlp), as transformers adds
+        return parallel_block(x, pending, cache_layer, self.ln_1, self.attn, self.ln_1, self.mlp)
+
+    def norm_fed(self):
+        return pre_norm_fed(self.ln_1, self.attn, self.ln_1, self.mlp)
 
 
 class GPTJ(GPT2Layout):

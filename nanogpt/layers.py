@@ -91,11 +91,21 @@ def pre_norm_fed(ln_1, attn, ln_2, mlp) -> tuple[tuple, ...]:
 
 
 def parallel_block(x, pending, cache_layer, ln_attn, attn, ln_mlp, mlp):
-    """GPT-NeoX's parallel block, (x, pending) -> (x, pending): the stream plus attn(ln_attn(stream))
-    plus mlp(ln_mlp(stream)), added as transformers adds them (the stream + (mlp + attn)), each norm
-    fed to its matmul by `norm_project`. Its two norms are two modules: GPT-J's one norm feeding both
-    would be normalized twice where a matmul does not take it."""
-    x, qkv = norm_project(x, pending, ln_attn, attn.c_attn)
+    """GPT-NeoX's and GPT-J's parallel block, (x, pending) -> (x, pending): the stream plus
+    attn(ln_attn(stream)) plus mlp(ln_mlp(stream)), added as transformers adds them (the stream +
+    (mlp + attn)), each norm fed to its matmul by `norm_project`. GPT-J's one norm feeding both
+    (ln_attn is ln_mlp) is computed once where the attention's matmul does not take it, and its
+    output feeds the MLP's too."""
+    if ln_mlp is ln_attn:
+        fused = getattr(type(attn.c_attn), "norm_fused", None)
+        out = None if fused is None else fused(attn.c_attn, x, pending, ln_attn)
+        if out is None:
+            x, h = add_norm(x, pending, ln_attn)
+            hidden = project(mlp.c_fc, h, mlp.act)
+            return x, mlp(None, residual=attn(h, cache_layer), hidden=hidden)
+        x, qkv = out
+    else:
+        x, qkv = norm_project(x, pending, ln_attn, attn.c_attn)
     _, hidden = norm_project(x, None, ln_mlp, mlp.c_fc, mlp.act)
     return x, mlp(None, residual=attn(None, cache_layer, qkv=qkv), hidden=hidden)
 

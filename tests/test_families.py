@@ -421,3 +421,45 @@ def test_compiled_decode_gives_the_eager_tokens(family_checkpoints, name):
     assert engine.runner.compiled
     compiled = run_all(engine, jobs())
     assert [r["choices"][0]["text"] for r in compiled] == [r["choices"][0]["text"] for r in eager]
+
+
+@pytest.mark.parametrize("takes", ["every_layer", "the_attentions_only", "none"])
+@pytest.mark.parametrize("name", ["gptj", "gpt_neox"])
+def test_parallel_blocks_feed_each_norm_to_its_matmul_or_run_it_once(family_checkpoints, name, takes):
+    """GPT-J's one norm and GPT-NeoX's two feed the attention's and the MLP's matmuls (nanogpt/layers.py
+    `parallel_block`): where those layers take the norm in their own pass (a GPU's norm-fed kernel,
+    PyTorch's ops standing in for it here) the block runs no norm module, and where one declines
+    its norm runs once for it; transformers' logits either way."""
+    import transformers
+    from torch.nn import functional as F
+
+    directory = family_checkpoints[name]
+    hf = getattr(transformers, FAMILY_CONFIGS[name][1]).from_pretrained(directory).eval()
+    ours = load_model(directory)
+    taken, norms_run = [], []
+
+    class NormFed(torch.nn.Linear):
+        def norm_fused(self, x, y, norm, activation=None):
+            if not self.takes:
+                return None
+            taken.append(self)
+            x = x if y is None else x + y
+            h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+            out = F.linear(h, self.weight, self.bias)
+            return x, out if activation is None else activation(out)
+
+    fed = [(norm, layer) for block in ours.blocks for norm, layer, _ in block.norm_fed()]
+    assert len(fed) == 2 * len(ours.blocks)
+    for norm, layer in fed:
+        layer.__class__ = NormFed
+        attention = layer.out_features == 3 * layer.in_features  # the q, k, v projection
+        layer.takes = takes == "every_layer" or (takes == "the_attentions_only" and attention)
+    for norm in {id(norm): norm for norm, _ in fed}.values():  # GPT-J's feeds two layers: hooked once
+        norm.register_forward_hook(lambda module, args, out: norms_run.append(module))
+    idx = torch.randint(0, load_tokenizer(directory).vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(ours(idx), hf(idx).logits, **TOL)
+    norms = len({id(norm) for norm, _ in fed}) // len(ours.blocks)  # a block's: GPT-J's 1, GPT-NeoX's 2
+    run = {"every_layer": 0, "the_attentions_only": 1, "none": norms}[takes]
+    assert len(norms_run) == run * len(ours.blocks)
+    assert len(taken) == {"every_layer": 2, "the_attentions_only": 1, "none": 0}[takes] * len(ours.blocks)

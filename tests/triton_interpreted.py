@@ -334,8 +334,7 @@ def check_decode_steps() -> int:
                if layer is not ours.output_layer]
         for layer in fed:
             layer.norm_rows = layer.kernel_rows
-        # none where GPT-J's one norm feeds two matmuls, or where this OPT normalizes after its sub-layers
-        assert fed or family in ("gptj", "opt"), family
+        assert fed or family == "opt", family  # this OPT normalizes after its sub-layers
         normed, norm_linear = [0], triton_gemv.norm_linear
         triton_gemv.norm_linear = lambda *args: normed.__setitem__(0, normed[0] + 1) or norm_linear(*args)
         calls, add_layer_norm = [0], triton_norm.add_layer_norm
