@@ -521,6 +521,28 @@ def assert_same_decode_logits(plain, forced, timed, dtype) -> None:
 
 
 @DTYPES
+@pytest.mark.parametrize("name", ["gpt_neox", "gptj"])
+def test_parallel_blocks_through_the_norm_fed_matmuls_give_the_plain_models_logits(family_checkpoints, name, dtype):
+    """GPT-NeoX's parallel block (two norms) and GPT-J's (one norm feeding both matmuls), their
+    norm-fed layers taking the kernel with its erf or tanh GELU (nanogpt/layers.py `parallel_block`),
+    and with what the timing chose: the plain model's decode logits, eager and from a CUDA graph."""
+    from nanogpt.kernels import few_rows, triton_gemv
+    from nanogpt.layers import norm_project
+    from worker.runner import gpu_time
+
+    directory = family_checkpoints[name]
+    plain, forced, timed = (load_model(str(directory), device=CUDA, dtype=dtype) for _ in range(3))
+    fed = {id(layer): layer for block in forced.modules() for _, layer, _ in getattr(block, "norm_fed", lambda: ())()}
+    assert len(fed) >= 2 * plain.config.n_layer
+    for layer in fed.values():
+        layer.__class__ = few_rows._few_rows(type(layer))
+        layer.norm_rows = {r: triton_gemv.configs(r)[0] for r in few_rows.ROW_COUNTS}
+    few_rows.fuse_few_rows(timed, gpu_time)
+    few_rows.fuse_norm_linears(timed, gpu_time, norm_project)
+    assert_same_decode_logits(plain, forced, timed, dtype)
+
+
+@DTYPES
 def test_norm_fed_matmuls_give_the_plain_models_logits_whichever_kernel_wins(pair, dtype):
     """A pre-norm block's q, k, v projection and MLP matmul may normalize their rows as they read them
     (triton_gemv.norm_linear, chosen by few_rows.fuse_norm_linears where timed faster than the norm
