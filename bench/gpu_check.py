@@ -1029,7 +1029,8 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) 
     """Where one request's time goes, alone on the stack, from Redis's own record of every command
     (MONITOR) during `requests` requests one after another, medians in ms: web (from the client's
     send to the job in the queue), pickup (queue to the worker's attempt opened), engine (attempt to
-    the `done` event), reply (`done` to the client's answer), and rq's bookkeeping after `done`."""
+    the `done` event), split into first_token (attempt to its first token's write) and decode (that
+    write to `done`), reply (`done` to the client's answer), and rq's bookkeeping after `done`."""
     import openai
     import redis
 
@@ -1061,14 +1062,17 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) 
     def first(job_id: str, *needles: str) -> float | None:
         return next((t for t, c in seen if job_id in c and all(n in c for n in needles)), None)
 
-    parts: dict[str, list[float]] = {"web": [], "pickup": [], "engine": [], "reply": [], "rq_after_done": []}
+    parts: dict[str, list[float]] = {"web": [], "pickup": [], "engine": [], "first_token": [], "decode": [],
+                                     "reply": [], "rq_after_done": []}
     for job_id, start, end in sent:
         # the attempt's script replays the stream first (worker/events.py _OPEN_ATTEMPT)
         queued, opened = first(job_id, "RPUSH"), first(job_id, "XRANGE", "nanoserve:stream:")
+        token = first(job_id, "XADD", "type delta")
         done, finished = first(job_id, "XADD", "type done"), first(job_id, "HSET", "status finished")
-        if None in (queued, opened, done, finished):
+        if None in (queued, opened, token, done, finished):
             continue
         for name, (a, b) in {"web": (start, queued), "pickup": (queued, opened), "engine": (opened, done),
+                             "first_token": (opened, token), "decode": (token, done),
                              "reply": (done, end), "rq_after_done": (done, finished)}.items():
             parts[name].append(1000 * (b - a))
     return {name: round(statistics.median(xs), 2) for name, xs in parts.items() if xs}
