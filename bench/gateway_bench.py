@@ -341,7 +341,8 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
             "cpu_ms_per_request": {role: statistics.median(r["cpu_ms_per_request"][role] for r in runs[c])
                                    for role in roles_seen},
             "engine_alone": {key: statistics.median(b[key] for b in alone_busy[c]) for key in alone_busy[c][0]},
-            "engine_in_stack": {key: statistics.median(r["engine"][key] for r in runs[c]) for key in runs[c][0]["engine"]},
+            "engine_in_stack": {key: statistics.median(r["engine"][key] for r in runs[c])
+                                for key in runs[c][0]["engine"]},
             "engine_runs": alone[c], "stack_runs": runs[c]}
     return result
 

@@ -24,7 +24,8 @@ pays nothing for them:
 
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
-     "tokens_generated": int, "prompt_tokens": int, "steps": int, "busy_seconds": float, "batch_size_counts": {size: steps},
+     "tokens_generated": int, "prompt_tokens": int, "steps": int, "busy_seconds": float,
+     "batch_size_counts": {size: steps},
      "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int, "warming_up": int,
      "compiled_graphs_live": int}
 The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).

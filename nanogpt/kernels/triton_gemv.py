@@ -1,8 +1,9 @@
 """A linear layer over a decode step's few rows (at most MAX_ROWS) as one Triton kernel on a GPU:
 each program reads a block of the weight's rows once, in chunks along the input, and multiplies
 every input row by it, accumulating in float32; the bias and a GELU (tanh or erf) or a ReLU are
-applied to the accumulator before the output is written. At a few rows a linear layer reads its weight and
-little else, so what it costs is how near the weight's bytes come to the memory's bandwidth.
+applied to the accumulator before the output is written. At a few rows a linear layer reads its
+weight and little else, so what it costs is how near the weight's bytes come to the memory's
+bandwidth.
 
 `norm_linear` is the same matmul fed by a layer norm in its own pass: each program normalizes the
 rows (their residual sum first, which one program writes out) as it reads them, so the norm is no
