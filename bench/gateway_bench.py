@@ -24,7 +24,9 @@ alternating, in the same run.
 runs it. The tiny model (a step of about a millisecond on one core, as a GPU's) in one torch
 thread; the engine alone, and then the stack's worker process, on CPU 0; web, Redis and the
 `openai` client on the other CPUs. Per concurrency C, bursts of C requests of 64 tokens: the
-stack's tokens/s against the engine alone's, and each process's CPU milliseconds a request.
+stack's tokens/s against the engine alone's; the engine's busy share of each round, its forwards a
+request and its time a forward, alone and in the worker (`busy_share`); and each process's CPU
+milliseconds a request.
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn
-    (`web_workers` processes × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn service (its `.url`;
-    its `.info` names Redis's URL, the worker's pid and its metrics' URL: see `engine_busy`)."""
+    (`web_workers` processes × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn
+    service (its `.url`; its `.info` names Redis's URL, the worker's pid and its metrics' URL: see
+    `engine_busy`)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
     from web.dev.local_redis import free_port, start_redis
@@ -248,23 +251,35 @@ def pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds each live thread of process `pid` has used (Linux /proc): schedstat's
+    nanoseconds, or stat's clock ticks (10 ms) where schedstat is absent."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "schedstat").exists():
+                out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+            else:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return out
+
+
 def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
     """CPU seconds each role's processes have used: this process's from getrusage (its client
-    threads end with each run), the others' from their threads' schedstat (nanoseconds, where a
-    process's clock ticks are 10 ms)."""
+    threads end with each run), the others' their threads' (`thread_cpu_seconds`)."""
     import resource
 
     used: dict[str, float] = {}
     for pid, role in pids.items():
         if pid == os.getpid():
             own = resource.getrusage(resource.RUSAGE_SELF)
-            used[role] = used.get(role, 0.0) + own.ru_utime + own.ru_stime
-            continue
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                used[role] = used.get(role, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e9
-            except (OSError, ValueError):  # a thread that ended meanwhile
-                pass
+            seconds = own.ru_utime + own.ru_stime
+        else:
+            seconds = sum(thread_cpu_seconds(pid).values())
+        used[role] = used.get(role, 0.0) + seconds
     return used
 
 
@@ -292,7 +307,11 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
     engine = build_engine(Registry.from_file(models_file).get("tiny"), "cpu", None, compile=None)
     alone: dict[int, list[float]] = {c: [] for c in concurrency}
     alone_busy: dict[int, list[dict]] = {c: [] for c in concurrency}
-    busy = lambda: {"busy_s": engine.stats()["busy_seconds"], "forwards": engine.stats()["steps"]}  # noqa: E731
+
+    def busy() -> dict[str, float]:  # as `engine_busy` reads the worker's
+        stats = engine.stats()
+        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"]}
+
     try:  # built and compiled as the worker builds it
         send = engine_sender(engine, "tiny")
         for c in concurrency:

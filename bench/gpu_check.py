@@ -1002,20 +1002,11 @@ class WorkerCPU:
 
     def __init__(self, pid: int):
         self.pid = pid
-        self.tick = os.sysconf("SC_CLK_TCK")
 
     def sample(self) -> dict[int, float]:
-        out = {}
-        for task in Path(f"/proc/{self.pid}/task").iterdir():
-            try:  # schedstat: nanoseconds on a CPU; stat: clock ticks (10 ms), where schedstat is absent
-                if (task / "schedstat").exists():
-                    out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
-                else:
-                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                    out[int(task.name)] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
-            except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
-                continue
-        return out
+        from bench.gateway_bench import thread_cpu_seconds
+
+        return thread_cpu_seconds(self.pid)
 
     def per_request(self, before: dict[int, float], requests: int) -> dict[str, float]:
         """ms of CPU per request since `before`."""

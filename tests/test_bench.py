@@ -243,7 +243,6 @@ def test_gateway_bench_pinned_holds_the_stack_against_its_engine_with_the_worker
             assert 0 < engine["busy_share"] <= 1 and engine["ms_per_forward"] > 0
             # each request's prompt and its 4 tokens: 4 forwards at least, a batch's shared
             assert engine["forwards_per_request"] * int(c) >= 4
-        assert row["engine_in_stack"]["busy_ms_per_request"] * int(c) <= 1000 * run["wall_s"]
 
 
 def test_pickup_bench_times_bursts_of_jobs_through_a_real_worker_pool():
