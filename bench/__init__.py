@@ -42,7 +42,10 @@ SHAPES = {
     "opt-125m": ("opt", dict(vocab_size=50272, max_position_embeddings=2048, hidden_size=768, num_hidden_layers=12,
                              ffn_dim=3072, num_attention_heads=12, word_embed_proj_dim=768,
                              do_layer_norm_before=True)),
+    # EleutherAI/gpt-j-6b's shape (6.05B): saved in bfloat16, drawn on a GPU where there is one
+    "gpt-j-6b": ("gptj", dict(vocab_size=50400, n_positions=2048, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64)),
 }
+BFLOAT16_SHAPES = {"gpt-j-6b"}  # 24 GB in float32
 
 
 def checkpoint(shape: str = "gpt2-small", cache: Path | None = None) -> Path:
@@ -59,6 +62,11 @@ def checkpoint(shape: str = "gpt2-small", cache: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=directory.parent))
         if family == "gpt2":
             make_hf_checkpoint(tmp, **shape_args)
+        elif shape in BFLOAT16_SHAPES:
+            import torch
+
+            make_family_checkpoint(tmp, family, dtype=torch.bfloat16,
+                                   device="cuda" if torch.cuda.is_available() else "cpu", **shape_args)
         else:
             make_family_checkpoint(tmp, family, **shape_args)
         if directory.exists():

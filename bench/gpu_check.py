@@ -36,7 +36,9 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   request; last of the benchmarks: the longest, so a budget that runs out costs its rows rather
   than the stack's);
 - profile: torch.profiler over decode forwards of the bfloat16 engine at 1 and 64 requests, stepped
-  in one thread: kernels per forward, the GPU's busy time per forward against its wall time.
+  in one thread: kernels per forward, the GPU's busy time per forward against its wall time;
+- engine-6b, only when --phases names it (a call of its own: its checkpoint is 12 GB): the bfloat16
+  engine on GPT-J-6B's shape at 1 and 8 requests, its weights' reads against the copy's bandwidth.
 
 A phase that fails or runs out of time is recorded (its status, exit code and log tail) and the
 next one runs; processes a phase leaves behind are ended. After every phase the results are written
@@ -91,11 +93,12 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
                    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 
 # the measuring phases, which --phases chooses from, and those that prepare them, which always run
-MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile")
+MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile", "engine-6b")
+DEFAULT = MEASURED[:-1]  # engine-6b: asked for by name
 PHASES = ("install", "environment", "checkpoints", "kernels", *MEASURED)
 # Each phase's own limit on a GPU (seconds), with room over what its pieces took on an H200.
 LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "kernels": 150, "cuda-tests": 240, "engine-small": 180,
-          "stack": 150, "engine-xl": 220, "profile": 90}
+          "stack": 150, "engine-xl": 220, "profile": 90, "engine-6b": 300}
 MIN_START = 20.0  # a phase with less left than this is skipped
 STOP_GRACE = 15.0  # SIGTERM to SIGKILL: a stack's services stop on SIGTERM
 RESERVE = STOP_GRACE + 5.0  # kept from the budget for stopping the last phase and writing the results
@@ -117,6 +120,8 @@ class Plan:
     xl_systems: tuple[str, ...] = ("engine-bf16",)
     xl_concurrency: tuple[int, ...] = (1, 8, 32)
     xl_repeats: int = 1
+    large: str = "gpt-j-6b"
+    large_concurrency: tuple[int, ...] = (1, 8)
     stack_dtypes: tuple[str, ...] = ("bfloat16", "float32")
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
@@ -134,6 +139,7 @@ class Plan:
 # the same code paths on the tiny shape, one short round each: a CPU's smoke run
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
+             large="tiny", large_concurrency=(1,),
              stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
              stream_at=2,
              client_processes=2, web_workers=2,
@@ -493,14 +499,15 @@ def phases(check: Check) -> None:
     checkpoints = work / "checkpoints.json"
     shapes = list(dict.fromkeys(s for s, wanted in ((plan.small, check.wanted("engine-small") or check.wanted("stack")
                                                      or check.wanted("profile")),
-                                                    (plan.xl, check.wanted("engine-xl"))) if wanted))
+                                                    (plan.xl, check.wanted("engine-xl")),
+                                                    (plan.large, check.wanted("engine-6b"))) if wanted))
     if shapes and check.runnable("checkpoints"):
         check.start_background("checkpoints", check.python(*me, "checkpoints", "--cache", str(check.cache),
                                                            "--json", str(checkpoints), *shapes))
 
     # the kernels' choice on a cold Triton cache, in the background: what it builds, the engines after find
     kernels = work / "kernels.json"
-    if any(check.wanted(name) for name in ("engine-small", "stack", "engine-xl", "profile")) and check.runnable("kernels"):
+    if any(check.wanted(name) for name in MEASURED[1:]) and check.runnable("kernels"):
         check.start_background("kernels", check.python(*me, "kernels", "--device", args.device, "--json", str(kernels)))
 
     def checkpoint(shape: str) -> str | None:
@@ -530,7 +537,7 @@ def phases(check: Check) -> None:
         check.phase(name, check.python(*command(ckpt, path)),
                     read=lambda: json.loads(path.read_text()) if path.exists() else None)
 
-    # engine-small, stack, engine-xl, profile
+    # engine-small, stack, engine-xl, profile, engine-6b
     def engine(name: str, shape: str, systems, concurrency, repeats) -> None:
         measure(name, shape, lambda ckpt, path: (
             "-m", "bench.engine_bench", "--device", args.device, "--checkpoint", ckpt, "--systems", ",".join(systems),
@@ -555,6 +562,7 @@ def phases(check: Check) -> None:
         *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
         "--concurrency", ",".join(map(str, plan.profile_concurrency)), "--steps", str(plan.profile_steps),
         "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)))
+    engine("engine-6b", plan.large, plan.xl_systems, plan.large_concurrency, plan.xl_repeats)
     for name, path in (("kernels", kernels), ("checkpoints", checkpoints)):
         if name in check.background:  # no phase needed them after all
             check.join_background(name, read=lambda path=path: json.loads(path.read_text()))
@@ -700,12 +708,13 @@ def markdown(results: dict) -> str:
                          f"all finished {_num(pickup['all_finished_ms'], 1)}; the same jobs straight to the engine "
                          f"{_num(pickup.get('engine_alone_ms'), 1)} (the worker keeps {_num(pickup.get('keeps'), 2)}).")
 
-    xl = (phases.get("engine-xl") or {}).get("result")
-    if xl:
-        w = xl.get("workload", {})
-        lines += ["", *_engine_table(xl, f"## Engine alone, {w.get('checkpoint', '?')} ({w.get('n_layer')} layers, "
+    for big in ((phases.get(name) or {}).get("result") for name in ("engine-xl", "engine-6b")):
+        if not big:
+            continue
+        w = big.get("workload", {})
+        lines += ["", *_engine_table(big, f"## Engine alone, {w.get('checkpoint', '?')} ({w.get('n_layer')} layers, "
                                          f"{w.get('n_embd')} wide), tokens/s")]
-        for name, by_c in xl.get("summary", {}).get("by_system", {}).items():
+        for name, by_c in big.get("summary", {}).get("by_system", {}).items():
             gbps = by_c.get("1", {}).get("weight_gbps")
             if gbps:
                 share = (f", {100 * gbps / env['copy_gbps']:.0f}% of a device-to-device copy's "
@@ -1317,8 +1326,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for every phase together")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="the tiny shape, one short round each (a smoke run)")
-    parser.add_argument("--phases", default=",".join(MEASURED),
-                        help=f"comma-separated, of {', '.join(MEASURED)} (the others run where needed)")
+    parser.add_argument("--phases", default=",".join(DEFAULT),
+                        help=f"comma-separated, of {', '.join(MEASURED)} (default: all but engine-6b; the "
+                             "others run where needed)")
     parser.add_argument("--skip-install", action="store_true", help="use the packages already importable")
     parser.add_argument("--wheels", default=str(WHEELS))
     parser.add_argument("--site", default=str(SITE), help="where the wheels are installed")

@@ -206,16 +206,18 @@ FAMILY_CONFIGS = {
 }
 
 
-def make_family_checkpoint(directory: Path, family: str, *, seed=0, dtype=None, with_tokenizer=True,
+def make_family_checkpoint(directory: Path, family: str, *, seed=0, dtype=None, device="cpu", with_tokenizer=True,
                            **overrides) -> Path:
-    """A random-weight model of `family` saved by transformers' save_pretrained, with its tokenizer."""
+    """A random-weight model of `family` saved by transformers' save_pretrained, with its tokenizer;
+    its weights drawn on `device` (a GPU draws a 6B model's in a second, a CPU in a minute)."""
     import torch
     import transformers
 
     config_class, model_class, kwargs = FAMILY_CONFIGS[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**kwargs, **overrides})
-    model = getattr(transformers, model_class)(config).eval()
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # random init gives near-uniform logits; widen them so greedy choices are well separated
         model.get_input_embeddings().weight.mul_(8.0)
     if dtype is not None:

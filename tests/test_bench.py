@@ -157,8 +157,28 @@ def test_benchmark_shapes_are_the_published_models():
     assert {name: (family, args.get("n_layer", args.get("num_layers", args.get("num_hidden_layers"))))
             for name, (family, args) in SHAPES.items()} == {
         "gpt2-small": ("gpt2", 12), "gpt2-xl": ("gpt2", 48), "tiny": ("gpt2", 2), "gpt-neo-125m": ("gpt_neo", 12),
-        "opt-125m": ("opt", 12)}
+        "opt-125m": ("opt", 12), "gpt-j-6b": ("gptj", 28)}
     assert SHAPES["opt-125m"][1]["ffn_dim"] == 4 * SHAPES["opt-125m"][1]["hidden_size"] == 3072
+    import transformers
+
+    with torch.device("meta"):  # GPT-J-6B's 6.05B parameters, counted without allocating them
+        gptj = transformers.GPTJForCausalLM(transformers.GPTJConfig(**SHAPES["gpt-j-6b"][1]))
+    assert round(sum(p.numel() for p in gptj.parameters()) / 1e9, 2) == 6.05
+
+
+def test_a_large_shape_is_saved_in_bfloat16(tmp_path, monkeypatch):
+    import json
+
+    import bench
+    from safetensors import safe_open
+
+    monkeypatch.setitem(SHAPES, "gptj-small", ("gptj", dict(n_embd=64, n_layer=2, n_head=2, rotary_dim=16)))
+    monkeypatch.setattr(bench, "BFLOAT16_SHAPES", {"gptj-small"})
+    directory = bench.checkpoint("gptj-small", cache=tmp_path)
+    assert json.loads((directory / "config.json").read_text())["n_layer"] == 2
+    with safe_open(directory / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+    assert model_shape(directory)["eos"] == 50256
 
 
 def test_int8_and_compile_modes_are_the_engines(hf_checkpoint):

@@ -116,12 +116,12 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     results = gpu_check.main(["--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--quick",
                               "--skip-install", "--pytest-path", "tests/no_such_test.py", "--budget", "1100"])
     phases = results["phases"]
-    assert set(phases) == set(gpu_check.PHASES)
+    assert set(phases) == set(gpu_check.PHASES) - {"engine-6b"}  # a call of its own
     assert phases["install"]["status"] == "skipped"
     failed = phases["cuda-tests"]
     assert failed["status"] == "failed" and failed["returncode"] != 0 and "no_such_test" in failed["log_tail"]
     assert {name: e["status"] for name, e in phases.items() if name not in ("install", "cuda-tests")} == {
-        name: "ok" for name in gpu_check.PHASES if name not in ("install", "cuda-tests")}
+        name: "ok" for name in gpu_check.PHASES if name not in ("install", "cuda-tests", "engine-6b")}
     assert all(e.get("wall_s", 0) <= e.get("limit_s", 0) + gpu_check.STOP_GRACE + 15 for e in phases.values())
 
     assert results["environment"]["torch"] and results["environment"]["copy_gbps"] > 0
@@ -169,7 +169,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "the worker's engine in the stack" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()
-    assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name != "install")
+    assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name not in ("install", "engine-6b"))
     assert not any("processes_left_ended" in e for e in phases.values())  # each phase stopped what it started
 
     # the plot of its engine and stack rows, as docs/performance.md shows the GPU's
@@ -177,3 +177,22 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
 
     gpu_check.main(["plot", str(tmp_path / "check.png"), str(out / "gpu_check.json")])
     assert Image.open(tmp_path / "check.png").size[0] > 500
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_6b_phase_runs_when_named_alone(tmp_path):
+    """engine-6b (GPT-J-6B's shape; on the CPU the tiny one) is a call of its own: the phases that
+    prepare it run, the others do not, and its weights' reads reach the summary."""
+    out = tmp_path / "out"
+    results = gpu_check.main(["--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--quick",
+                              "--skip-install", "--phases", "engine-6b", "--budget", "600"])
+    phases = results["phases"]
+    assert set(phases) == {"install", "environment", "checkpoints", "kernels", "engine-6b"}
+    assert {name: e["status"] for name, e in phases.items()} == {
+        "install": "skipped", "environment": "ok", "checkpoints": "ok", "kernels": "ok", "engine-6b": "ok"}
+    large = phases["engine-6b"]["result"]
+    assert large["workload"]["checkpoint"] == f"{gpu_check.QUICK.large}-random"
+    assert set(large["summary"]["by_system"]["engine"]) == {"1"}
+    assert large["summary"]["by_system"]["engine"]["1"]["weight_gbps"] > 0
+    assert "reads its weights at" in (out / "gpu_check.md").read_text()
