@@ -173,6 +173,7 @@ def test_graphed_decode_gives_the_launched_tokens(model, tok, tmp_path, monkeypa
     through two span buckets (nanogpt/runtime/cuda_graphs.py)."""
     from nanogpt.runtime import compile_cache
     from nanogpt.runtime.cuda_graphs import SPAN_QUANTUM
+    from worker.decode_routes import GRAPHED_ROWS, bucket
 
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "compile-cache"))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -189,8 +190,11 @@ def test_graphed_decode_gives_the_launched_tokens(model, tok, tmp_path, monkeypa
     graphed = run_all(engine, jobs())
     assert engine.runner.batch_sizes[3] > 0  # decode steps of 3 rows ran
     graphs = engine.runner.graphs
-    # recorded before serving: every batch bucket up to the 8 slots, every span bucket of 128 positions
-    assert set(graphs.graphs) == {(b, s) for b in (1, 2, 4, 8) for s in (SPAN_QUANTUM, 2 * SPAN_QUANTUM)}
+    # recorded before serving: every batch bucket up to the 8 slots, and past them, for prompts
+    # riding along, up to GRAPHED_ROWS, every span bucket of 128 positions
+    rows = engine.runner.routes.buckets(bucket(GRAPHED_ROWS))
+    assert {1, 2, 4, 8} < set(rows) and max(rows) >= GRAPHED_ROWS
+    assert set(graphs.graphs) == {(b, s) for b in rows for s in (SPAN_QUANTUM, 2 * SPAN_QUANTUM)}
     assert graphs.replays[4, SPAN_QUANTUM] > 0 and graphs.replays[4, 2 * SPAN_QUANTUM] > 0, graphs.replays
     for a, b in zip(reference, graphed):
         a, b = a["choices"][0], b["choices"][0]
@@ -236,6 +240,15 @@ def test_rows_draw_inside_the_cuda_graphs_what_the_sampler_draws(model, tok):
     import test_overlap
 
     test_overlap.test_rows_draw_inside_the_graphs_what_the_sampler_draws(model, tok, 4)
+
+
+def test_prompts_fed_as_rows_of_the_cuda_graphs_give_what_eager_prefills_give(model, tok, monkeypatch):
+    """tests/test_overlap.py's check of prompts fed as rows of the decode's graphs, replayed from
+    CUDA graphs: the Triton attention kernel reads a chunk's earlier keys from the step's own rows,
+    whose programs write them to the cache at the same time."""
+    import test_overlap
+
+    test_overlap.test_prompts_fed_as_rows_of_the_graphs_give_what_eager_prefills_give(model, tok, monkeypatch)
 
 
 def test_decode_steps_never_wait_for_the_gpu(model, tok):

@@ -137,14 +137,14 @@ def test_an_eager_decode_batch_attends_by_the_kernel_as_sdpa_does(slots, local):
 def test_the_gpu_kernel_attends_as_pytorchs_ops_and_transformers_do():
     """tests/triton_interpreted.py in Triton's interpreter, in a process of its own (Triton reads
     TRITON_INTERPRET once, at import): the kernel against PyTorch's ops (outputs and the cache it
-    writes), the self-check an engine runs before taking it, the fused add and layer norm and the
+    writes; prompt chunks as rows), the self-check an engine runs before taking it, the fused add and layer norm and the
     few-row matmul, and every family's decode steps through all three against transformers."""
     script = Path(__file__).with_name("triton_interpreted.py")
     root = Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    counts = re.search(r"kernel cases 48; self-checks 6; add-norm cases 35; few-row matmul cases (\d+); "
-                       r"norm-fed matmul cases (\d+); decode-step rows 72", done.stdout)
+    counts = re.search(r"kernel cases 48; chunk-row cases 16; self-checks 6; add-norm cases 35; few-row matmul cases "
+                       r"(\d+); norm-fed matmul cases (\d+); decode-step rows 120", done.stdout)
     # as many as the kernels have block configurations
     assert counts and int(counts[1]) > 0 and int(counts[2]) > 0, done.stdout[-2000:]

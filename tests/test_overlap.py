@@ -525,6 +525,63 @@ def test_draws_that_fail_to_record_leave_the_decode_graphed(model, tok, monkeypa
     assert_same(got, steps_of(sync, jobs)[0])
 
 
+def test_prompts_fed_as_rows_of_the_graphs_give_what_eager_prefills_give(model, tok, monkeypatch):
+    """Where CUDA graphs take them (worker/decode_routes.py: BUCKET with prompt chunks riding), a
+    step's prompts are fed as rows of the decode's graphs, alone or beside decoding rows, and no
+    eager prefill forward runs: the same completions as an engine without graphs, greedy and
+    seeded, `n` (one prefill shared), logprobs, a prompt arriving while others decode, prompts fed
+    a few tokens a step. A prompt
+    that scores its context (echo with logprobs) and a step of more prompt tokens than the graphs'
+    rows are fed eagerly."""
+    from worker import decode_routes
+    from worker.decode_routes import Graph
+
+    eager = []
+    for name in ("forward_cached", "forward_packed"):  # the eager prefill's forwards
+        monkeypatch.setattr(model, name, lambda *a, _f=getattr(model, name), _n=name, **k: eager.append(_n) or _f(*a, **k))
+    sync = Engine(model, tok, max_batch=4, overlap=False, cuda_graphs=False, event_sink=Sink())
+    graphed = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, cuda_graphs=True, event_sink=Sink())
+    for engine in (sync, graphed):
+        engine.runner.sampler.hashed = True
+    first = [job(tok, PROMPTS[:1], max_tokens=9, logprobs=2, logit_bias={tok.eos_token_id: -100}),
+             job(tok, PROMPTS[1:2], n=2, temperature=0.8, seed=5, max_tokens=7)]
+    later = job(tok, PROMPTS[3:4], max_tokens=6, temperature=0.9, seed=6, logprobs=1)
+
+    def serve(engine):
+        handles = [engine.submit(CompletionJob(**j.model_dump())) for j in first]
+        while len(engine.scheduler.decoding) < 3:
+            engine.step()
+        handles.append(engine.submit(CompletionJob(**later.model_dump())))
+        while not all(h.done for h in handles):
+            engine.step()
+        return [h.result() for h in handles]
+
+    want = serve(sync)
+    eager.clear()
+    bucket = graphed.runner.routes_taken[Graph.BUCKET]
+    assert_same(serve(graphed), want)
+    assert eager == [] and graphed.runner.routes_taken[Graph.BUCKET] > bucket
+    assert graphed.runner.prompt_tokens >= sum(len(tok.encode(p)) for p in PROMPTS[:2] + PROMPTS[3:4])
+    # prompts fed 3 tokens a step: each later chunk's rows attend to the cache its earlier ones wrote
+    chunked = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, cuda_graphs=True, prefill_chunk=3,
+                     event_sink=Sink())
+    chunked.runner.sampler.hashed = True
+    assert_same(serve(chunked), want)
+    assert eager == []
+    scored = job(tok, PROMPTS[3:4], max_tokens=3, echo=True, logprobs=1)
+    assert_same(steps_of(graphed, [scored])[0], steps_of(sync, [scored])[0])
+    assert eager  # scoring its context: an eager forward of all its positions' logits
+
+    monkeypatch.setattr(decode_routes, "GRAPHED_ROWS", 8)  # fewer rows than the prompts' tokens
+    monkeypatch.setattr(decode_routes, "BATCH_BUCKETS", (1, 2, 4))
+    small = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, cuda_graphs=True, event_sink=Sink())
+    small.runner.sampler.hashed = True
+    eager.clear()
+    long = [job(tok, PROMPTS[1:2], max_tokens=5), job(tok, PROMPTS[3:4], max_tokens=5)]
+    assert_same(steps_of(small, long)[0], steps_of(sync, long)[0])
+    assert eager
+
+
 def test_decode_steps_must_be_positive(model, tok):
     with pytest.raises(ValueError, match="decode_steps"):
         Engine(model, tok, max_batch=2, decode_steps=0)

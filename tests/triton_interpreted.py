@@ -7,7 +7,8 @@ prints what it checked.
 1. The kernel against the same attention spelled in PyTorch's ops (DecodeWindow without a kernel),
    outputs and the cache written: float32 and bfloat16, rows in any slot order, padding rows sharing
    the spare slot, a row at its slot's first position and one at the span's last, local windows of
-   1 and 5, head sizes of GPT-2, Pythia and GPT-J (64, 80, 256), 1 row and 24.
+   1 and 5, head sizes of GPT-2, Pythia and GPT-J (64, 80, 256), 1 row and 24; and prompt chunks
+   fed as rows beside decoding rows, the grid's programs run in order and in reverse.
 2. The self-check an engine runs before it takes the kernel (`kv_cache.gpu_kernel_works`).
 3. The fused add and layer norm against PyTorch's add and F.layer_norm: float32 and bfloat16, widths
    of a power of two and not (64, 100, 768, 1600), with a bias and without, 1 row and 5; and its
@@ -24,7 +25,8 @@ prints what it checked.
    (few_rows.fastest_norm).
 6. The prefill and decode steps of every family (GPT-2, GPT-Neo's local layers, GPT-J's rotary
    256-wide heads, GPT-NeoX's parallel residual and its sequential one, OPT) through all three
-   kernels against transformers' logits, as tests/test_families.py checks PyTorch's ops.
+   kernels against transformers' logits, as tests/test_families.py checks PyTorch's ops, with a
+   prompt fed in chunks as rows beside the decoding ones.
 """
 from __future__ import annotations
 
@@ -74,6 +76,56 @@ def check_kernel() -> int:
                     assert_close(got.float(), want[:, :, 0].float(), **tolerance)
                     # the same cache written
                     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (dtype, heads, hs, rows, local)
+                    checked += 1
+    return checked
+
+
+def check_chunk_rows() -> int:
+    """Prompt chunks fed as rows beside decoding rows (worker/decode_routes.py, a graphed step with
+    prompts riding along): each chunk's tokens at consecutive positions of one slot in consecutive
+    rows, every row seeing the chunk's rows before it, as PyTorch's ops, which write every row's key
+    and value before any row attends, do. Chunks from a slot's first position and from later ones,
+    one of a single token, one longer than a block of keys, after the decoding rows and between
+    them; then padding rows. The interpreter runs a grid's programs one by one, rows in order; the
+    GPU's run at once: here also in the reverse order, so that a row that read its chunk's keys from
+    the cache before their rows' programs wrote them would be seen."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    in_order = builder.set_grid_idx
+
+    def reversed_rows(x, y, z):
+        in_order(builder.grid_dim[0] - 1 - x, y, z)
+
+    torch.manual_seed(0)
+    checked = 0
+    max_slots, max_len = 9, 160
+    # (slot, first position, tokens): decoding rows are chunks of one token
+    layouts = [[(3, 40, 1), (5, 0, 7), (1, 12, 66), (8, 0, 1), (8, 0, 1)],
+               [(2, 9, 3), (4, 100, 1), (6, 0, 1), (0, 5, 20), (8, 0, 1)]]
+    for dtype, heads, hs in ((torch.float32, 3, 64), (torch.bfloat16, 2, 80)):
+        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        cache = [torch.randn(max_slots, heads, max_len, hs).to(dtype) for _ in range(2)]
+        for layout in layouts:
+            slots = torch.tensor([slot for slot, _, n in layout for _ in range(n)])
+            positions = torch.tensor([p for _, first, n in layout for p in range(first, first + n)])
+            rows, span = len(slots), int(positions.max()) + 1
+            q, k, v = (torch.randn(rows, heads, 1, hs) for _ in range(3))
+            k[slots == 8], v[slots == 8] = k[-1].clone(), v[-1].clone()  # padding rows: token 0's key and value
+            for local in (None, 5):
+                want_k, want_v = (c.clone() for c in cache)
+                want = DecodeWindow(slots, positions, torch.arange(span)).attend(q.to(dtype), k, v, want_k, want_v,
+                                                                                 local=local)
+                for order in (in_order, reversed_rows):
+                    builder.set_grid_idx = order
+                    got_k, got_v = (c.clone() for c in cache)
+                    try:
+                        got = kernel(q[:, :, 0].to(dtype), k[:, :, 0], v[:, :, 0], got_k, got_v, slots, positions,
+                                     span, 1 / math.sqrt(hs), local)
+                    finally:
+                        builder.set_grid_idx = in_order
+                    assert_close(got.float(), want[:, :, 0].float(), **tolerance)
+                    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (dtype, heads, hs, local)
                     checked += 1
     return checked
 
@@ -344,19 +396,23 @@ def check_decode_steps() -> int:
         cache = KVCache(ours.config, max_slots=4, max_len=64)
         cache.own_attention = True
         torch.manual_seed(1)
-        seqs = [torch.randint(0, ours.config.vocab_size, (24,)).tolist() for _ in range(3)]
+        seqs = [torch.randint(0, ours.config.vocab_size, (24,)).tolist() for _ in range(4)]
         with torch.no_grad():
             refs = [hf(torch.tensor([seq])).logits[0] for seq in seqs]
         slots, prefilled = [3, 0, 2], [9, 4, 12]  # past GPT-Neo's local window (5 positions here)
         for slot, seq, n in zip(slots, seqs, prefilled):
             ours.forward_cached(torch.tensor([seq[:n]]), torch.tensor([n]), torch.tensor([slot]),
                                 torch.tensor([0]), cache)
+        # beside the decoding rows, the last sequence's prompt fed in chunks of 2 tokens as rows of
+        # its slot (1), as a GPU's graphs feed prompts (worker/decode_routes.py)
         for step in range(4):
             positions = [n + step for n in prefilled]
-            logits = ours.forward_decode(torch.tensor([seq[p] for seq, p in zip(seqs, positions)]),
-                                         torch.tensor(slots), torch.tensor(positions), cache,
-                                         torch.arange(max(positions) + 1))
-            for b, (ref, p) in enumerate(zip(refs, positions)):
+            chunk = list(range(2 * step, 2 * step + 2))
+            logits = ours.forward_decode(torch.tensor([seq[p] for seq, p in zip(seqs, positions)]
+                                                      + [seqs[3][p] for p in chunk]),
+                                         torch.tensor(slots + [1] * len(chunk)), torch.tensor(positions + chunk),
+                                         cache, torch.arange(max(positions) + 1))
+            for b, (ref, p) in enumerate(zip(refs[:3] + [refs[3]] * len(chunk), positions + chunk)):
                 assert_close(logits[b], ref[p], rtol=1e-5, atol=1e-5)
                 checked += 1
         triton_norm.add_layer_norm = add_layer_norm
@@ -368,6 +424,6 @@ def check_decode_steps() -> int:
 
 
 if __name__ == "__main__":
-    print(f"kernel cases {check_kernel()}; self-checks {check_self_check()}; add-norm cases {check_add_norm()}; "
+    print(f"kernel cases {check_kernel()}; chunk-row cases {check_chunk_rows()}; self-checks {check_self_check()}; add-norm cases {check_add_norm()}; "
           f"few-row matmul cases {check_few_rows()}; norm-fed matmul cases {check_norm_linear()}; "
           f"decode-step rows {check_decode_steps()}")

@@ -5,7 +5,9 @@ is read from one place, `DecodeRoutes.route(rows, chunks, candidates)`.
                                      PACKED: with prompt chunks riding along, forward_packed
     compiled, or CUDA graphs         BUCKET: forward_decode, the batch padded to a bucket of
                                      BATCH_BUCKETS (a graph each; on a GPU replayed from CUDA
-                                     graphs, one per bucket and span bucket: nanogpt/runtime/cuda_graphs.py)
+                                     graphs, one per bucket and span bucket: nanogpt/runtime/cuda_graphs.py);
+                                     with CUDA graphs also with prompt chunks riding along, each
+                                     prompt token a row, up to GRAPHED_ROWS rows and MIXED_ATTENTION
     compiled, the project's          SMALL: 2..SMALL_ROWS rows, unpadded, inductor's attention
     attention kernel on the cache    KERNEL: more rows, or any rows with prompt chunks riding along
     (a CPU: `mixed`)                 (each prompt token a row at its own slot and position), padded
@@ -13,8 +15,8 @@ is read from one place, `DecodeRoutes.route(rows, chunks, candidates)`.
                                      chunks with more attention work than MIXED_ATTENTION go PACKED
     contrastive candidates           CANDIDATES: forward_cached with hidden states, always eager
 
-Prompts that no decoding row runs beside, and prompts that score their context, are fed by the
-runner's eager prefill forwards, never here. Why each line: docs/notes/decode-routes.md.
+Prompts that score their context, and prompts that no decoding row runs beside but where CUDA
+graphs take them, are fed by the runner's eager prefill forwards, never here. Why each line: docs/notes/decode-routes.md.
 
 The compiled graphs are few (`planned`): one per bucket whose route is BUCKET, and where the
 engine mixes, SMALL's and KERNEL's. Their one dynamic size is the span (the keys attended, never 1,
@@ -53,6 +55,11 @@ MIXED_ATTENTION = 1 << 16
 # The most rows of SMALL: below the kernel's rows inductor's attention is faster unpadded, up to
 # about half of them (docs/notes/decode-routes.md#small-rows).
 SMALL_ROWS = 4
+# The most rows a step with prompt chunks replays from CUDA graphs (decoding rows and prompt
+# tokens), and the longest span of the batches past the slots' that only prompts fill: an eager
+# forward launches its few hundred kernels one by one, milliseconds on a GPU whatever its rows.
+GRAPHED_ROWS = 256
+GRAPHED_SPAN = 256
 
 
 class Graph(enum.Enum):
@@ -141,17 +148,22 @@ class DecodeRoutes:
         specialize the compiled graph: a second compile of every bucket, for the last span)."""
         return compile or graphed
 
-    def route(self, rows: int, chunks: list[tuple[int, int]] = (), candidates: int = 0) -> Route:
+    def route(self, rows: int, chunks: list[tuple[int, int]] = (), candidates: int = 0, span: int = 0) -> Route:
         """The forward of a step's `rows` decoding rows: with `chunks` ((tokens fed before, tokens)
         of each prompt chunk that could ride along, those not scoring their context) and
-        `candidates` (contrastive candidate rows, which go with the rows and no chunk)."""
+        `candidates` (contrastive candidate rows, which go with the rows and no chunk); `span`:
+        one past the decoding rows' last position."""
         if candidates:
             return Route(Graph.CANDIDATES, rows + candidates)
         kernel = self.mixed and Route(Graph.KERNEL, decode_attention.ROWS) in self.live
         if chunks:
             tokens = rows + sum(n for _, n in chunks)
-            if kernel and sum(n * (fed + n) for fed, n in chunks) <= MIXED_ATTENTION:
+            attention = sum(n * (fed + n) for fed, n in chunks)
+            if kernel and attention <= MIXED_ATTENTION:
                 return Route(Graph.KERNEL, max(tokens, decode_attention.ROWS))
+            span = max([span, *(fed + n for fed, n in chunks)])
+            if self.graphs is not None and attention <= MIXED_ATTENTION and self.graphs.has(bucket(tokens), span):
+                return Route(Graph.BUCKET, bucket(tokens))
             return Route(Graph.PACKED, tokens)
         if self.mixed and rows >= 2:
             if rows <= SMALL_ROWS and Route(Graph.SMALL, SMALL_ROWS) in self.live:
@@ -178,6 +190,8 @@ class DecodeRoutes:
         real, pad = len(tokens), route.rows - len(tokens)
         tokens = torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens
         if route.graph is Graph.BUCKET and self.graphs is not None:
+            if outputs is not None:
+                return self.graphs(tokens, where, span, to_device(outputs, self.device))
             return self.graphs(tokens, where, span)[:real]
         keys = torch.arange(max(span, 2), device=self.device)
         out = None if route.graph is Graph.BUCKET else to_device(outputs, self.device)
@@ -196,9 +210,9 @@ class DecodeRoutes:
                 mark(tensor, 0)
         return self._step(tokens, slots, positions, cache, keys, out)
 
-    def buckets(self) -> list[int]:
-        """The batch buckets up to this engine's slots (past the last of BATCH_BUCKETS, its multiples)."""
-        top, last = bucket(self.slots), BATCH_BUCKETS[-1]
+    def buckets(self, top: int | None = None) -> list[int]:
+        """The batch buckets up to this engine's slots, or `top` (past the last of BATCH_BUCKETS, its multiples)."""
+        top, last = top or bucket(self.slots), BATCH_BUCKETS[-1]
         return [b for b in BATCH_BUCKETS if b <= top] + list(range(2 * last, top + 1, last))
 
     def _plan(self) -> list[tuple[Route, int | None]]:
@@ -237,14 +251,17 @@ class DecodeRoutes:
         log.info("decode step compiled", extra={"graphs": len(self.planned), "seconds": round(time.monotonic() - started, 2)})
 
     def _record_graphs(self, max_len: int, last: torch.Tensor, draws: dict) -> None:
-        """The BUCKET decode's CUDA graphs, every batch and span bucket, and each batch's draws,
-        recorded before serving."""
-        graphs = GraphedDecode(self._call, self.cache, spare_slot=self.slots, max_batch=bucket(self.slots),
+        """The BUCKET decode's CUDA graphs, every batch and span bucket, the batches past the
+        slots' up to GRAPHED_ROWS (which only steps with prompt tokens riding along fill) up to
+        GRAPHED_SPAN, and each decoding batch's draws, recorded before serving."""
+        rows = bucket(max(self.slots, GRAPHED_ROWS))
+        graphs = GraphedDecode(self._call, self.cache, spare_slot=self.slots, max_batch=rows,
                                max_span=max_len, vocab=self.model.config.vocab_size, last=last, draws=draws,
                                eager=self.device.type != "cuda")
         started = time.monotonic()
         try:
             graphs.record(self.buckets())
+            graphs.record([b for b in self.buckets(rows) if b > bucket(self.slots)], GRAPHED_SPAN)
             log.info("CUDA graphs recorded", extra={"graphs": len(graphs.graphs), "seconds": round(time.monotonic() - started, 2)})
         except Exception:
             log.exception("recording the decode step's CUDA graphs failed; the engine launches its kernels one by one")

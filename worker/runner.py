@@ -2,7 +2,8 @@
 
 A step's decoding rows run one forward, whose route (decode_routes.py) is eager, packed with the
 step's plain prompt chunks (their tokens beside the decoding rows, the weights read once for both),
-or a compiled graph, on a GPU replayed from CUDA graphs. The chunks that do not ride along run
+or a compiled graph, on a GPU replayed from CUDA graphs, which there also take a step's plain
+prompt chunks as rows, with decoding rows or without. The chunks that do not ride along run
 eager prefill forwards of their own: plain chunks in one, chunks that score their context (echo
 with logprobs, or a resumed job's logprobs) in another, which keeps every position's logits. A
 completed prefill's keys and values are copied from its leader's slot to those of the prompt's
@@ -151,15 +152,23 @@ class Runner:
         the `searching` sequences' contrastive candidates go with them, see `contrast`), and the
         prefills the chunks completed, each with its last position's logits (V,) and its
         keys/values copied to its other sequences' slots. The plain chunks ride along with the
-        decoding rows where their route takes them (PACKED, KERNEL)."""
-        if not rows and not searching:
-            return None, self._completed(self._prefill_groups(chunks))
+        decoding rows where their route takes them (PACKED, KERNEL, and where CUDA graphs take them
+        BUCKET, which also takes them without decoding rows)."""
         plain = [(unit, n) for unit, n in chunks if unit.score_from is None and unit.seqs[0].search is None]
+        if not rows and not searching:
+            route = self.routes.route(0, [(unit.fed, n) for unit, n in plain]) if plain else None
+            if route is None or route.graph is not Graph.BUCKET:
+                return None, self._completed(self._prefill_groups(chunks))
+            self.routes_taken[route.graph] += 1
+            _, last = self._decode(route, [], [], plain)
+            return None, self._completed(self._fed(plain, last, all_logits=False)
+                                         + self._prefill_groups([c for c in chunks if c not in plain]))
         candidates = sum(s.search.k for s in searching)
-        route = self.routes.route(len(rows), [(unit.fed, n) for unit, n in plain], candidates)
+        route = self.routes.route(len(rows), [(unit.fed, n) for unit, n in plain], candidates,
+                                  max((s.position for s in rows), default=-1) + 1)
         self.batch_sizes[len(rows) + candidates] += 1
         self.routes_taken[route.graph] += 1
-        riding = plain if route.graph in (Graph.PACKED, Graph.KERNEL) else []
+        riding = plain if route.graph in (Graph.PACKED, Graph.KERNEL, Graph.BUCKET) else []
         decoded, last = self._decode(route, rows, searching, riding)
         done = self._fed(riding, last, all_logits=False)
         return decoded, self._completed(done + self._prefill_groups([c for c in chunks if c not in riding]))
@@ -180,11 +189,11 @@ class Runner:
         slots = [s.slot for s in rows] + [unit.seqs[0].slot for unit, n in riding for _ in range(n)]
         positions = [s.position for s in rows] + [p for unit, n in riding for p in range(unit.fed, unit.fed + n)]
         where = self.where(route, slots, positions) if not riding else self.routes.where(route, slots, positions)
-        tokens = self._last_tokens(rows, where[0, :len(rows)])
-        if riding:
-            tokens = torch.cat([tokens, to_device([t for unit, n in riding for t in unit.context[unit.fed:unit.fed + n]],
-                                                  self.device)])
-        outputs = None if route.graph is Graph.BUCKET else chunk_rows(len(rows), [n for _, n in riding])
+        prompts = [t for unit, n in riding for t in unit.context[unit.fed:unit.fed + n]]
+        tokens = to_device(prompts, self.device) if not rows else self._last_tokens(rows, where[0, :len(rows)])
+        if riding and rows:
+            tokens = torch.cat([tokens, to_device(prompts, self.device)])
+        outputs = None if route.graph is Graph.BUCKET and not riding else chunk_rows(len(rows), [n for _, n in riding])
         logits = self.routes.run(route, tokens, where, max(positions) + 1, outputs)
         return (logits, None) if not riding else (logits[:len(rows)], logits[len(rows):])
 

@@ -33,8 +33,10 @@ if triton is not None:
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """Program (b, h): write row b's new key and value of head h at its slot's position p =
         positions[b], then out[b, h] = softmax(q . K[slot, h, lo:p + 1]) V[slot, h, lo:p + 1] with
-        lo = max(p + 1 - window, 0): positions before p read from the cache, p's from the inputs
-        (no program reads what another writes in this step). Products and softmax in float32."""
+        lo = max(p + 1 - window, 0). p's key and value come from the inputs, and so do those of
+        the positions that rows before b write in this step (a prompt chunk fed as rows: its slot's
+        positions p - j at rows b - j); every other position from the cache, which no program of
+        this step writes there. Products and softmax in float32."""
         b, h = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slots + b).to(tl.int64)
         pos = tl.minimum(tl.load(positions + b).to(tl.int32), span - 1)
@@ -51,18 +53,30 @@ if triton is not None:
         m = tl.zeros([1], tl.float32) + tl.sum(k_cur.to(tl.float32) * qv, axis=0) * scale
         total = tl.full([1], 1.0, tl.float32)
         acc = v_cur.to(tl.float32)
+        # before `split` no row of this step writes this slot: a chunk's row p - j is row b - j
+        split = tl.maximum(pos - b, lo)
         for start in range(lo, pos, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < pos
             at = base + n[:, None] * sk_n + d[None, :]
             ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(cache_k + at, mask=ok, other=0.0).to(tl.float32)
+            if start + BLOCK_N <= split:
+                k = tl.load(cache_k + at, mask=ok, other=0.0).to(tl.float32)
+                v = tl.load(cache_v + at, mask=ok, other=0.0).to(tl.float32)
+            else:  # the row that would write position n in this step, and whether it does
+                r = tl.maximum(b - pos + n, 0)
+                fresh = (n_ok & (n >= split) & (tl.load(slots + r, mask=n_ok, other=-1).to(tl.int64) == slot)
+                         & (tl.minimum(tl.load(positions + r, mask=n_ok, other=-1).to(tl.int32), span - 1) == n))
+                new = ok & fresh[:, None]
+                k = tl.where(new, tl.load(k_new + r[:, None] * snk_b + h * snk_h + d[None, :], mask=new, other=0.0),
+                             tl.load(cache_k + at, mask=ok & ~new, other=0.0)).to(tl.float32)
+                v = tl.where(new, tl.load(v_new + r[:, None] * snv_b + h * snv_h + d[None, :], mask=new, other=0.0),
+                             tl.load(cache_v + at, mask=ok & ~new, other=0.0)).to(tl.float32)
             s = tl.sum(k * qv[None, :], axis=1) * scale
             s = tl.where(n_ok, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=0))
             shrink = tl.exp(m - m_new)
             p = tl.exp(s - m_new)
-            v = tl.load(cache_v + at, mask=ok, other=0.0).to(tl.float32)
             acc = acc * shrink + tl.sum(p[:, None] * v, axis=0)
             total = total * shrink + tl.sum(p, axis=0)
             m = m_new
@@ -75,8 +89,9 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k:
     """Write k, v (B, heads, head size) at each row's slot and position of the cache (slots, heads,
     positions, head size; its last dimension contiguous), and attend q (B, heads, head size) of row
     b to its slot's positions <= positions[b] (and > positions[b] - local where local > 0): (B,
-    heads, head size) in q's dtype. Rows that share a slot must not see each other's new positions
-    (padding rows, which share one at position 0 with equal keys and values, do not)."""
+    heads, head size) in q's dtype. Rows may share a slot as a prompt chunk's tokens do: at
+    consecutive positions in consecutive rows, each then seeing the ones before it; padding rows
+    share one at position 0, with equal keys and values."""
     B, heads, size = q.shape
     # in the cache's dtype before the kernel, rounded as PyTorch rounds (a no-op where they agree)
     k, v = k.to(cache_k.dtype), v.to(cache_v.dtype)

@@ -103,11 +103,17 @@ class GraphedDecode:
         self.replays = Counter()  # by (batch, span)
         self.draws = Counter()  # by (batch, kind)
 
-    def record(self, batches: list[int]) -> None:
-        """A graph for every batch of `batches` and every span bucket."""
+    def record(self, batches: list[int], max_span: int | None = None) -> None:
+        """A graph for every batch of `batches` and every span bucket (up to `max_span`'s)."""
+        top = span_bucket(min(max_span or self.max_span, self.max_span), self.max_span)
         for batch in batches:
             for span in span_buckets(self.max_span):
-                self._record(batch, span)
+                if span <= top:
+                    self._record(batch, span)
+
+    def has(self, batch: int, span: int) -> bool:
+        """Whether a graph of `batch` rows attending to `span` keys was recorded."""
+        return span <= self.max_span and (batch, span_bucket(span, self.max_span)) in self.graphs
 
     def record_draws(self, batches: list[int]) -> None:
         """Each batch's draws, of every kind."""
@@ -119,13 +125,14 @@ class GraphedDecode:
         """No draws in the graphs (recording them failed): the sampler draws every step's tokens."""
         self.draw_kinds, self.draw_graphs = {}, {}
 
-    def __call__(self, tokens: torch.Tensor, where: torch.Tensor, span: int) -> torch.Tensor:
-        """Logits (B, V) of the rows: tokens (B,) at their slots and positions (where: (2, B)), all on
-        the device, copied into the graph's rows; attending to keys 0 .. span-1. A copy, since the
-        next replay overwrites the buffer."""
+    def __call__(self, tokens: torch.Tensor, where: torch.Tensor, span: int,
+                 outputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, V) of the rows, or of the rows `outputs` (R,) only: tokens (B,) at their slots
+        and positions (where: (2, B)), all on the device, copied into the graph's rows; attending
+        to keys 0 .. span-1. A copy, since the next replay overwrites the buffer."""
         self.load(tokens, where)
         self.replay(len(tokens), span)
-        return self.logits[:len(tokens)].clone()
+        return self.logits[:len(tokens)].clone() if outputs is None else self.logits[outputs]
 
     def replay(self, batch: int, span: int) -> None:
         """The step of the batch's rows as they are (`__call__` fills them; `draw` advances them),
