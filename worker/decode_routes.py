@@ -253,8 +253,9 @@ class DecodeRoutes:
     def _record_graphs(self, max_len: int, last: torch.Tensor, draws: dict) -> None:
         """The BUCKET decode's CUDA graphs, every batch and span bucket, the batches past the
         slots' up to GRAPHED_ROWS (which only steps with prompt tokens riding along fill) up to
-        GRAPHED_SPAN, and each decoding batch's draws, recorded before serving."""
-        rows = bucket(max(self.slots, GRAPHED_ROWS))
+        GRAPHED_SPAN, and each decoding batch's draws, recorded before serving. A compiled step
+        compiles each batch of its own: it records the slots' batches alone."""
+        rows = bucket(self.slots if self.compiled else max(self.slots, GRAPHED_ROWS))
         graphs = GraphedDecode(self._call, self.cache, spare_slot=self.slots, max_batch=rows,
                                max_span=max_len, vocab=self.model.config.vocab_size, last=last, draws=draws,
                                eager=self.device.type != "cuda")
