@@ -1337,6 +1337,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--pytest-path", default=PYTEST_PATH, help="the tests of the cuda-tests phase")
     parser.add_argument("--pytest-k", default="", help="of those, the ones pytest's -k expression selects")
     parser.add_argument("--engine-systems", default="", help="engine-small's systems (default: the plan's)")
+    parser.add_argument("--xl-systems", default="",
+                        help="engine-xl's and engine-6b's systems (default: the plan's, engine-bf16)")
     args = parser.parse_args(argv)
     args.argv = argv
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
@@ -1346,6 +1348,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     plan = QUICK if args.quick else Plan()
     if args.engine_systems:
         plan = dataclasses.replace(plan, engine_systems=tuple(args.engine_systems.split(",")))
+    if args.xl_systems:
+        plan = dataclasses.replace(plan, xl_systems=tuple(args.xl_systems.split(",")))
     return run_check(args, plan)
 
 

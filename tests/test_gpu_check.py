@@ -183,16 +183,19 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
 @pytest.mark.timeout(600)
 def test_the_6b_phase_runs_when_named_alone(tmp_path):
     """engine-6b (GPT-J-6B's shape; on the CPU the tiny one) is a call of its own: the phases that
-    prepare it run, the others do not, and its weights' reads reach the summary."""
+    prepare it run, the others do not, its systems as --xl-systems names them, and its weights'
+    reads reach the summary."""
     out = tmp_path / "out"
     results = gpu_check.main(["--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--quick",
-                              "--skip-install", "--phases", "engine-6b", "--budget", "600"])
+                              "--skip-install", "--phases", "engine-6b", "--xl-systems", "transformers,engine",
+                              "--budget", "600"])
     phases = results["phases"]
     assert set(phases) == {"install", "environment", "checkpoints", "kernels", "engine-6b"}
     assert {name: e["status"] for name, e in phases.items()} == {
         "install": "skipped", "environment": "ok", "checkpoints": "ok", "kernels": "ok", "engine-6b": "ok"}
     large = phases["engine-6b"]["result"]
     assert large["workload"]["checkpoint"] == f"{gpu_check.QUICK.large}-random"
+    assert set(large["summary"]["by_system"]) == {"transformers", "engine"}  # --xl-systems
     assert set(large["summary"]["by_system"]["engine"]) == {"1"}
     assert large["summary"]["by_system"]["engine"]["1"]["weight_gbps"] > 0
     assert "reads its weights at" in (out / "gpu_check.md").read_text()
