@@ -608,12 +608,13 @@ def _engine_table(result: dict, caption: str) -> list[str]:
     if not cs:
         unavailable = f" (not available: {result['unavailable']})" if result.get("unavailable") else ""
         return [caption, "", "no rows" + unavailable]
-    lines = [caption, "", "| system | " + " | ".join(map(str, cs)) + " | % of ceiling at 1 |",
-             "| --- |" + " ---: |" * (len(cs) + 1)]
+    lines = [caption, "", "| system | " + " | ".join(map(str, cs)) + " | % of ceiling at 1 | first token at 1 (ms) |",
+             "| --- |" + " ---: |" * (len(cs) + 2)]
     for name, by_c in by_system.items():
         fraction = by_c.get("1", {}).get("ceiling_fraction")
         lines.append(f"| {name} | " + " | ".join(_num(by_c.get(str(c), {}).get("tokens_per_s")) for c in cs)
-                     + f" | {'' if fraction is None else f'{100 * fraction:.0f}%'} |")
+                     + f" | {'' if fraction is None else f'{100 * fraction:.0f}%'} | "
+                     + f"{_ms(by_c.get('1', {}).get('ttft_p50_s'))} |")
     if result.get("unavailable"):
         lines += ["", "Not available: " + "; ".join(f"{k}: {v}" for k, v in result["unavailable"].items())]
     agreement = result.get("summary", {}).get("greedy_equals_transformers")

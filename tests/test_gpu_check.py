@@ -165,6 +165,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     summary = (out / "gpu_check.md").read_text()
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
+    assert "first token at 1 (ms)" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     assert "the worker's engine in the stack" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
