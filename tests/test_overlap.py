@@ -538,7 +538,8 @@ def test_prompts_fed_as_rows_of_the_graphs_give_what_eager_prefills_give(model, 
 
     eager = []
     for name in ("forward_cached", "forward_packed"):  # the eager prefill's forwards
-        monkeypatch.setattr(model, name, lambda *a, _f=getattr(model, name), _n=name, **k: eager.append(_n) or _f(*a, **k))
+        monkeypatch.setattr(model, name,
+                            lambda *a, _f=getattr(model, name), _n=name, **k: eager.append(_n) or _f(*a, **k))
     sync = Engine(model, tok, max_batch=4, overlap=False, cuda_graphs=False, event_sink=Sink())
     graphed = Engine(model, tok, max_batch=4, overlap=True, decode_steps=4, cuda_graphs=True, event_sink=Sink())
     for engine in (sync, graphed):

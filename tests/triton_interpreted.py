@@ -424,6 +424,7 @@ def check_decode_steps() -> int:
 
 
 if __name__ == "__main__":
-    print(f"kernel cases {check_kernel()}; chunk-row cases {check_chunk_rows()}; self-checks {check_self_check()}; add-norm cases {check_add_norm()}; "
+    print(f"kernel cases {check_kernel()}; chunk-row cases {check_chunk_rows()}; self-checks {check_self_check()}; "
+          f"add-norm cases {check_add_norm()}; "
           f"few-row matmul cases {check_few_rows()}; norm-fed matmul cases {check_norm_linear()}; "
           f"decode-step rows {check_decode_steps()}")

@@ -15,8 +15,9 @@ is read from one place, `DecodeRoutes.route(rows, chunks, candidates)`.
                                      chunks with more attention work than MIXED_ATTENTION go PACKED
     contrastive candidates           CANDIDATES: forward_cached with hidden states, always eager
 
-Prompts that score their context, and prompts that no decoding row runs beside but where CUDA
-graphs take them, are fed by the runner's eager prefill forwards, never here. Why each line: docs/notes/decode-routes.md.
+Prompts that score their context, and prompts that no decoding row runs beside unless CUDA graphs
+take them, are fed by the runner's eager prefill forwards, never here. Why each line:
+docs/notes/decode-routes.md.
 
 The compiled graphs are few (`planned`): one per bucket whose route is BUCKET, and where the
 engine mixes, SMALL's and KERNEL's. Their one dynamic size is the span (the keys attended, never 1,
