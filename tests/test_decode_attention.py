@@ -148,3 +148,43 @@ def test_the_gpu_kernel_attends_as_pytorchs_ops_and_transformers_do():
                        r"(\d+); norm-fed matmul cases (\d+); decode-step rows 120", done.stdout)
     # as many as the kernels have block configurations
     assert counts and int(counts[1]) > 0 and int(counts[2]) > 0, done.stdout[-2000:]
+
+
+@pytest.mark.skipif(not triton_decode.available(), reason="Triton is not installed (the dev extras install it)")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_gpu_kernels_compile_for_a_hopper_gpu(dtype):
+    """Every Triton kernel of the project compiled, without a GPU, to a cubin for an H100 / H200
+    (sm_90) by Triton's own compiler and ptxas: the interpreter runs code the compiler would refuse
+    (a branch whose tensors differ in type, an op Triton lacks on a GPU), which only a GPU session
+    would otherwise see. One block configuration each, the widest the few-row kernels take."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanogpt.kernels import triton_gemv, triton_norm
+
+    widest = max(triton_gemv.CONFIGS, key=lambda c: c.block_n * c.block_k)
+    flags = dict(HAS_BIAS=True, HAS_Y=True, HAS_BETA=True, ACTIVATION=triton_gemv.ACTIVATIONS["gelu"],
+                 BLOCK_M=2, BLOCK_N=widest.block_n, BLOCK_K=widest.block_k, BLOCK=1024)
+    kernels = [(triton_decode._decode_attention, dict(BLOCK_N=triton_decode.BLOCK_KEYS, BLOCK_D=64)),
+               (triton_gemv._one_row, {}), (triton_gemv._few_rows, {}), (triton_gemv._norm_rows, {}),
+               (triton_norm._add_layer_norm, {})]
+    for kernel, blocks in kernels:
+        parameters = inspect.signature(kernel.fn).parameters
+        names = list(parameters)
+        constexprs = {name: blocks.get(name, flags.get(name)) for name, p in parameters.items()
+                      if "constexpr" in str(p.annotation)}
+        signature = {name: "constexpr" if name in constexprs else "*i64" if name in ("slots", "positions") else
+                     "fp32" if name in ("scale", "eps") else f"*{dtype}" if name in POINTERS else "i32"
+                     for name in names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(name),): value for name, value in constexprs.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel.fn.__name__
+
+
+# the kernels' tensor parameters (the rest are sizes, strides and flags)
+POINTERS = {"q", "k_new", "v_new", "cache_k", "cache_v", "out", "x", "w", "bias", "y", "gamma", "beta", "total",
+            "weight", "normed"}
