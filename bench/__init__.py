@@ -95,11 +95,12 @@ def prompt_ids(index: int, length: int = 32) -> list[int]:
     return [rng.randrange(EOS) for _ in range(length)]
 
 
-def rounds_at(concurrency: int, repeats: int, min_requests: int = 0) -> int:
-    """Rounds of `concurrency` requests at once to run: `repeats`, or more where that many rounds
-    would time fewer than `min_requests` requests (a round of one request is tens of milliseconds
-    on a GPU, and a median of two such rounds moved by a fifth between runs)."""
-    return max(repeats, -(-min_requests // max(concurrency, 1)))
+def rounds(concurrency: list[int], repeats: int, min_requests: int = 0) -> list[tuple[int, int, int]]:
+    """A benchmark's rounds in the order to run them, (round, concurrency, rounds of it): `repeats`
+    of each concurrency, or more where that many would time fewer than `min_requests` requests (a
+    round of one request is a single sample of tens of milliseconds on a GPU)."""
+    count = {c: max(repeats, -(-min_requests // max(c, 1))) for c in concurrency}
+    return [(r, c, count[c]) for r in range(max(count.values(), default=0)) for c in concurrency if r < count[c]]
 
 
 def output_arguments(parser, name: str) -> None:

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from bench import EOS, SHAPES, model_shape, prompt_ids, rounds_at, save_figure
+from bench import EOS, SHAPES, model_shape, prompt_ids, rounds, save_figure
 
 SYSTEMS = ("transformers", "engine", "serial", "engine-int8", "engine-compile", "engine-bf16")
 # also known, not run by default: the other precisions with the decode step compiled, and on a GPU
@@ -416,7 +416,7 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
                   log=print, device: str = "cpu", min_requests: int = 0) -> dict:
     """Start every system on `device`, run them alternately, summarize. Returns a JSON-able dict.
     min_requests: more rounds than `repeats` at a concurrency whose rounds would time fewer requests
-    (bench.rounds_at).
+    (bench.rounds).
     threads: torch threads of every system and of the limits' measurement (default: torch's, one
     per core).
     gate: a bench.machine.Gate that times each run in a quiet moment of the (shared) machine and
@@ -428,9 +428,9 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
     config = model_shape(checkpoint)
     load_before = os.getloadavg()
     # First calls allocate, pack weights and meet every sequence length; a compiled system compiles
-    # for each batch size it meets, and on a GPU a batch size's first round costs tens of
-    # milliseconds more (the H200's engine: 120 ms, then 61 ms, at 8 requests), so there every
-    # system, and elsewhere a compiled one, runs the whole workload once at every concurrency first.
+    # for each batch size it meets, and on a GPU a batch size's first round is slower than the next
+    # (docs/performance.md#gpu), so there every system, and elsewhere a compiled one, runs the whole
+    # workload once at every concurrency first.
     # One system loads at a time: an engine times its kernels and its attention as it loads
     # (nanogpt/kernels/planner.py, decode_attention.py) and trusts no timing taken while other
     # processes are busy, so systems loading side by side fell back to the rules (int8 at 32 requests: 1044 against
@@ -459,25 +459,23 @@ def run_benchmark(checkpoint: Path, systems: list[str], concurrency: list[int], 
         runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in concurrency} for name in ready}
         names = list(ready)
         shape = (config["n_layer"], config["n_embd"], config["vocab_size"])
-        rounds = {c: rounds_at(c, repeats, min_requests) for c in concurrency}
-        for r in range(max(rounds.values())):
-            for c in (c for c in concurrency if r < rounds[c]):
-                # timed as the runs are: once other processes (the last run's system winding down) are quiet
-                ceilings = gate.measure(lambda: {"ceilings": round_ceilings(
-                    limits, {PRECISION[name] for name in names}, c, shape, device)})["ceilings"]
-                for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
-                    if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
-                        continue
-                    result = gate.measure(lambda: procs[name].run(c, workload.new_tokens))
-                    if PRECISION[name] in ceilings:
-                        result["ceiling_tokens_per_s"] = workload_ceiling(
-                            ceilings[PRECISION[name]], c, workload.prompt_tokens, workload.new_tokens)
-                    runs[name][c].append(result)
-                    log(f"repeat {r + 1}/{rounds[c]}  C={c:<3} {name:<15} "
-                        f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
-                        f"ttft {statistics.median(result['ttft']):6.2f} s  "
-                        f"rss {result['peak_rss_mb']:6.0f} MB  others {result['foreign_cores']:.2f} cores "
-                        f"(waited {result['waited_s']:.0f} s, try {result['attempts']})")
+        for r, c, of_c in rounds(concurrency, repeats, min_requests):
+            # timed as the runs are: once other processes (the last run's system winding down) are quiet
+            ceilings = gate.measure(lambda: {"ceilings": round_ceilings(
+                limits, {PRECISION[name] for name in names}, c, shape, device)})["ceilings"]
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+                if name == "serial" and (c > SERIAL_UP_TO or (c >= SERIAL_ONCE_FROM and r > 0)):
+                    continue
+                result = gate.measure(lambda: procs[name].run(c, workload.new_tokens))
+                if PRECISION[name] in ceilings:
+                    result["ceiling_tokens_per_s"] = workload_ceiling(
+                        ceilings[PRECISION[name]], c, workload.prompt_tokens, workload.new_tokens)
+                runs[name][c].append(result)
+                log(f"repeat {r + 1}/{of_c}  C={c:<3} {name:<15} "
+                    f"{result['completion_tokens'] / result['seconds']:8.1f} tok/s  "
+                    f"ttft {statistics.median(result['ttft']):6.2f} s  "
+                    f"rss {result['peak_rss_mb']:6.0f} MB  others {result['foreign_cores']:.2f} cores "
+                    f"(waited {result['waited_s']:.0f} s, try {result['attempts']})")
     finally:
         for proc in procs.values():
             proc.close()

@@ -72,7 +72,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import CACHE, rounds_at
+from bench import CACHE, rounds
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / ".wheels"
@@ -94,7 +94,7 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
 
 # the measuring phases, which --phases chooses from, and those that prepare them, which always run
 MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile", "engine-6b")
-DEFAULT = MEASURED[:-1]  # engine-6b: asked for by name
+DEFAULT = tuple(name for name in MEASURED if name != "engine-6b")  # engine-6b: a call of its own
 PHASES = ("install", "environment", "checkpoints", "kernels", *MEASURED)
 # Each phase's own limit on a GPU (seconds), with room over what its pieces took on an H200.
 LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "kernels": 150, "cuda-tests": 240, "engine-small": 180,
@@ -126,7 +126,7 @@ class Plan:
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     stack_repeats: int = 2
-    min_requests: int = 8  # more rounds where the repeats would time fewer requests (bench.rounds_at)
+    min_requests: int = 8  # more rounds where the repeats would time fewer requests (bench.rounds)
     client_processes: int = 8  # the stack's load from this many processes (bench/loadgen.py ClientProcesses)
     web_workers: int = 4  # gunicorn's, as docker-compose.yml deploys the web tier
     stream_at: int = 8
@@ -507,7 +507,7 @@ def phases(check: Check) -> None:
 
     # the kernels' choice on a cold Triton cache, in the background: what it builds, the engines after find
     kernels = work / "kernels.json"
-    if any(check.wanted(name) for name in MEASURED[1:]) and check.runnable("kernels"):
+    if any(check.wanted(name) for name in MEASURED if name != "cuda-tests") and check.runnable("kernels"):
         check.start_background("kernels", check.python(*me, "kernels", "--device", args.device, "--json", str(kernels)))
 
     def checkpoint(shape: str) -> str | None:
@@ -978,22 +978,20 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         entry["runs"] = runs
         worker = WorkerCPU(web.info["worker_pid"])
         entry["worker_cpu_ms"], entry["engine_in_stack"] = {}, {}
-        rounds = {c: rounds_at(c, args.repeats, args.min_requests) for c in concurrency}
-        for r in range(max(rounds.values())):
-            for c in (c for c in concurrency if r < rounds[c]):
-                before, busy = worker.sample(), engine_busy(web.info["worker_metrics_url"])
-                report = clients.run(bodies(c, args.new_tokens), c)
-                entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
-                entry["engine_in_stack"].setdefault(str(c), []).append(
-                    busy_share(busy, engine_busy(web.info["worker_metrics_url"]), report["wall_s"], c))
-                report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
-                runs[str(c)].append(report)
-                print(f"{dtype} repeat {r + 1}/{rounds[c]} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "
-                      f"errors {report['errors']}" + (f" ({report['first_error']})" if report["errors"] else ""),
-                      flush=True)
-                entry["tokens_per_s"] = {c: statistics.median(x["tokens_per_s"] for x in rs)
-                                         for c, rs in runs.items() if rs}
-                save()
+        for r, c, of_c in rounds(concurrency, args.repeats, args.min_requests):
+            before, busy = worker.sample(), engine_busy(web.info["worker_metrics_url"])
+            report = clients.run(bodies(c, args.new_tokens), c)
+            entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
+            entry["engine_in_stack"].setdefault(str(c), []).append(
+                busy_share(busy, engine_busy(web.info["worker_metrics_url"]), report["wall_s"], c))
+            report["wrong_length"] = report["completion_tokens"] != (c - report["errors"]) * args.new_tokens
+            runs[str(c)].append(report)
+            print(f"{dtype} repeat {r + 1}/{of_c} C={c:<3} {report['tokens_per_s']:8.1f} tok/s "
+                  f"errors {report['errors']}" + (f" ({report['first_error']})" if report["errors"] else ""),
+                  flush=True)
+            entry["tokens_per_s"] = {c: statistics.median(x["tokens_per_s"] for x in rs)
+                                     for c, rs in runs.items() if rs}
+            save()
         if args.stream_at:
             samples = []
             stream = openai_sender(url, args.model, stream=True)

@@ -166,6 +166,16 @@ def test_benchmark_shapes_are_the_published_models():
     assert round(sum(p.numel() for p in gptj.parameters()) / 1e9, 2) == 6.05
 
 
+def test_rounds_repeat_a_concurrency_until_enough_requests_are_timed():
+    from bench import rounds
+
+    assert rounds([1, 8, 32], 2) == [(0, 1, 2), (0, 8, 2), (0, 32, 2), (1, 1, 2), (1, 8, 2), (1, 32, 2)]
+    # 8 requests at least: one request a round takes 8 rounds, interleaved with the others while they last
+    assert rounds([1, 8], 2, min_requests=8) == [(0, 1, 8), (0, 8, 2), (1, 1, 8), (1, 8, 2)] + [
+        (r, 1, 8) for r in range(2, 8)]
+    assert rounds([3], 1, min_requests=8) == [(0, 3, 3), (1, 3, 3), (2, 3, 3)]
+
+
 def test_a_large_shape_is_saved_in_bfloat16(tmp_path, monkeypatch):
     import json
 
