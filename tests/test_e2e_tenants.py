@@ -217,6 +217,29 @@ def test_one_key_cannot_take_the_queue(stack, tenants):
     assert alice.get(f"/jobs/{theirs.json()['id']}/stream", cast_to=httpx2.Response).text.rstrip().endswith("[DONE]")
 
 
+def places_in_jobs_quotas(r: redis.Redis, job_id: str) -> int:
+    return sum(r.zscore(key, job_id) is not None for key in r.scan_iter("nanoserve:quota:jobs:*", count=1000)
+               if not key.endswith(b":bytes"))
+
+
+def test_a_request_that_saw_its_job_end_gives_the_jobs_place_back(stack, tenants, r):
+    """Sync and streamed completions, and a polled job's stream followed to its end, free their key's
+    place in its jobs quota as they end; a polled job nobody followed keeps it until it lapses or the
+    key reaches its cap (the cap's own test above)."""
+    _, alice = tenants
+    done = complete(alice)
+    chunks = list(complete(alice, stream=True))
+    assert places_in_jobs_quotas(r, done.id) == 0 and places_in_jobs_quotas(r, chunks[0].id) == 0
+    polled = submit_job(alice).json()["id"]
+    deadline = time.monotonic() + 60
+    while alice.get(f"/jobs/{polled}", cast_to=httpx2.Response).json()["status"] != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert places_in_jobs_quotas(r, polled) == 1
+    assert alice.get(f"/jobs/{polled}/stream", cast_to=httpx2.Response).text.rstrip().endswith("[DONE]")
+    assert places_in_jobs_quotas(r, polled) == 0
+
+
 def test_one_key_cannot_hold_every_stream(stack, tenants):
     mallory, alice = tenants
     results: list = []

@@ -5,8 +5,9 @@ Each quota is a sorted set per owner (`web/access/ownership.py`'s scope) in Redi
 process counts into the same place: a member per held thing, scored by the time it lapses on its own.
 Taking a place is one Lua script (drop what lapsed, refuse at the cap, add), so concurrent requests
 never overshoot. A member is given back when its holder knows it ended (a stream closes, a file is
-deleted); what ends elsewhere (a job on a worker, a batch in the dispatcher) lapses at its deadline or
-is dropped when the owner reaches the cap and `ended` says it is over. A crashed web process's holds
+deleted, a request that followed its job saw the job end); what ends unseen (a polled job on a
+worker, a batch in the dispatcher) lapses at its deadline or is dropped when the owner reaches the
+cap and `ended` says it is over. A crashed web process's holds
 lapse after a few keepalive periods: an open hold is refreshed as it runs.
 """
 from __future__ import annotations
@@ -95,11 +96,16 @@ class Quota:
             r.zadd(self.key(owner), {member: lapses_at}, xx=True)
 
     def give_back(self, r: redis.Redis, owner: str, *members: str) -> None:
-        if members and (self.cap or self.byte_cap):
-            with r.pipeline(transaction=True) as pipe:
-                pipe.zrem(self.key(owner), *members)
-                pipe.hdel(self.sizes_key(owner), *members)
+        with r.pipeline(transaction=True) as pipe:
+            self.queue_give_back(pipe, owner, *members)
+            if len(pipe):
                 pipe.execute()
+
+    def queue_give_back(self, pipe: redis.client.Pipeline, owner: str, *members: str) -> None:
+        """`give_back`'s commands, queued on `pipe` (to go with other commands in one round trip)."""
+        if members and (self.cap or self.byte_cap):
+            pipe.zrem(self.key(owner), *members)
+            pipe.hdel(self.sizes_key(owner), *members)
 
     def _take(self, r: redis.Redis, owner: str, member: str, lapses_at: float, size: int,
               force: bool = False) -> tuple[bool, int]:
@@ -131,13 +137,25 @@ def quota(settings: Settings, kind: str) -> Quota:
 
 class Hold:
     """A request held open (a stream or a synchronous wait) in its key's `open` quota: taken when it
-    starts, refreshed while it runs, given back when it ends."""
+    starts, refreshed while it runs, given back when it ends.
+
+    The job it follows (`follow`) has a place of the same owner's in another quota (`jobs`): once the
+    request has seen the job end (`job_ended`), the release gives that place back too, in the same
+    round trip, rather than leaving it to lapse or to be found over at the owner's cap."""
 
     def __init__(self, r: redis.Redis, quota: Quota, owner: str, stale_s: float):
         self.r, self.quota, self.owner, self.stale_s = r, quota, owner, stale_s
         self.member = secrets.token_hex(8)
         self._refreshed = time.monotonic()
+        self._job: tuple[Quota, str] | None = None
+        self._job_ended = False
         quota.take(r, owner, self.member, time.time() + stale_s)
+
+    def follow(self, quota: Quota, member: str) -> None:
+        self._job = (quota, member)
+
+    def job_ended(self) -> None:
+        self._job_ended = True
 
     def refresh(self) -> None:
         """Push the lapse back; cheap to call often (a round trip at most every third of stale_s)."""
@@ -150,7 +168,13 @@ class Hold:
 
     def release(self) -> None:
         try:
-            self.quota.give_back(self.r, self.owner, self.member)
+            with self.r.pipeline(transaction=True) as pipe:
+                self.quota.queue_give_back(pipe, self.owner, self.member)
+                if self._job is not None and self._job_ended:
+                    quota, member = self._job
+                    quota.queue_give_back(pipe, self.owner, member)
+                if len(pipe):
+                    pipe.execute()
         except redis.RedisError:
             pass
 

@@ -59,6 +59,7 @@ def create_completion():
     deadline = None if job.stream else time.monotonic() + s.sync_timeout_s
     events = follow(jq, job.id, tick_s=s.keepalive_s, deadline=deadline)
     events = _accounted(events, admitted.grant, job.model, started)
+    hold.follow(access.quota("jobs"), job.id)
     if not job.stream:
         try:
             return jsonify(wait_for_completion(held(events, hold), deadline, jq, job.id, s.sync_timeout_s))
@@ -132,10 +133,13 @@ def admit_completion(for_job: bool = False) -> Admitted:
 
 
 def held(events: Iterator[Event | None], hold: Hold | None) -> Iterator[Event | None]:
-    """Pass events through, keeping the request's hold on its `open` quota fresh."""
+    """Pass events through, keeping the request's hold on its `open` quota fresh, and telling it when
+    the job ended (its release then gives back the job's place too)."""
     for event in events:
         if hold is not None:
             hold.refresh()
+            if event is not None and event.type in protocol.TERMINAL_EVENTS:
+                hold.job_ended()
         yield event
 
 

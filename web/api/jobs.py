@@ -64,6 +64,7 @@ def stream_job(job_id: str):
                       logprobs=payload.get("logprobs") is not None)
     g.grant = access.admit_request(caller)
     hold = access.hold_open(caller)
+    hold.follow(access.quota("jobs"), job_id)  # its place, when the caller's scope is the submitter's
     jq = job_queue()
     events = held(follow(jq, job_id, after=after, tick_s=settings().keepalive_s), hold)
     return sse_response(guarded(sse_frames(events, fmt), jq, job_id, cancel_on_disconnect=False, hold=hold))
