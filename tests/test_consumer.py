@@ -242,6 +242,51 @@ def test_a_burst_of_jobs_starts_and_ends_in_a_few_transactions(redis_url, client
     assert 3 <= transactions <= 8, commands  # the enqueue, and a start and a record for each of a wake or few
 
 
+class SlowWriter(StreamWriter):
+    """A writer whose every write reaches Redis half a second late (a Redis under load)."""
+
+    def _flush(self, active, due):
+        time.sleep(0.5)
+        return super()._flush(active, due)
+
+
+class WritingEngine(SleepingEngine):
+    """Ends each job as the engine does: its `done` event handed to the writer, then its handle."""
+
+    def __init__(self, writer: StreamWriter):
+        self.writer = writer
+        super().__init__()
+
+    def _end(self, handle: RequestHandle, error=None) -> None:
+        self.writer([(handle.job_id, "done", {"completion": {"id": handle.job_id}})])
+        super()._end(handle, error)
+
+
+def test_rq_hears_a_job_finished_only_once_its_done_event_is_in_its_stream(redis_url, client):
+    """The writer's thread writes a job's last events after the engine let it go: the consumer
+    records the job finished in rq only once they are in its stream (web takes a job rq calls
+    finished that left no terminal event for a failed one)."""
+    writer = SlowWriter(protocol.redis_client(redis_url))
+    pool = WorkerPool(redis_url, heartbeat_interval=30, maintenance_interval=1)
+    pool.add(Binding(MODEL, WritingEngine(writer), writer), "cpu", concurrency=2)
+    try:
+        queue = rq_json.queue(protocol.queue_name(MODEL), client)
+        jobs = [enqueue(queue, 1) for _ in range(3)]
+        seen = set()
+        deadline = time.monotonic() + 20
+        while len(seen) < len(jobs):
+            assert time.monotonic() < deadline, "the jobs never finished"
+            for job in jobs:
+                if job.id not in seen and job.get_status() == JobStatus.FINISHED:
+                    last = client.xrevrange(protocol.stream_key(job.id), count=1)
+                    assert last and protocol.decode_event(last[0][1])[0] == "done"
+                    seen.add(job.id)
+            time.sleep(0.01)
+    finally:
+        pool.stop()
+        pool.join(idle_grace=5)
+
+
 def test_a_job_past_rqs_timeout_is_taken_out_of_the_engine_failed_and_retried(redis_url, client):
     """rq's job timeout: the consumer takes the job out of the engine (no `cancelled` event in its
     stream), fails it so rq retries it, and once its retries run out its stream ends with an error."""

@@ -1,7 +1,8 @@
 """The engine's event sink (worker/events.py StreamWriter) against a real redis-server: a streamed
 job's every step is written as it is made; a job read whole at its end has its tokens written at
 most every DEFER_S after its own last write, its first token and its end at once, and its cancel
-flag read with each write and at least every CHECK_S between writes."""
+flag read with each write and at least every CHECK_S between writes. The writer's own thread
+writes: `step` hands a step's events over as the engine does and waits for what was due."""
 from __future__ import annotations
 
 import time
@@ -25,6 +26,21 @@ def delta(job_id: str, token: int):
     return (job_id, "delta", {"index": 0, "text": f"<{token}>", "token_ids": [token]})
 
 
+def step(writer: StreamWriter, events) -> set[str]:
+    """One engine step's events handed over, and what was due written: the jobs to cancel that the
+    engine has by then (from this call, or from the write it asked for)."""
+    cancelled = writer(events)
+    assert writer.wait_written(timeout=10)
+    return cancelled | writer.cancelled()
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def length(client, job_id: str) -> int:
     return client.xlen(protocol.stream_key(job_id))
 
@@ -33,7 +49,7 @@ def test_a_streamed_job_is_written_every_step(client):
     writer = StreamWriter(client)
     writer.track("s", streamed=True)
     for token in range(5):
-        writer([delta("s", token)])
+        step(writer, [delta("s", token)])
         assert length(client, "s") == token + 1
 
 
@@ -41,24 +57,24 @@ def test_a_job_read_at_its_end_writes_its_tokens_every_defer_s_and_its_first_and
     writer = StreamWriter(client)
     writer.DEFER_S = 0.5  # a whole test's steps fit in it on a slow machine
     writer.track("w", streamed=False)
-    writer([delta("w", 0)])
+    step(writer, [delta("w", 0)])
     assert length(client, "w") == 1  # the first token: web times the answer's first token by it
     started = time.monotonic()
     for token in range(1, 4):
-        writer([delta("w", token)])
+        step(writer, [delta("w", token)])
     assert time.monotonic() - started < writer.DEFER_S
     assert length(client, "w") == 1  # waiting with the job's next tokens
-    writer([("w", "usage", {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5})])
+    step(writer, [("w", "usage", {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5})])
     # any other event takes the waiting tokens with it, in order, as one delta
     assert events(client, "w")[1:] == [("delta", {"index": 0, "text": "<1><2><3>", "token_ids": [1, 2, 3]}),
                                        ("usage", {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5})]
-    writer([delta("w", 4)])
+    step(writer, [delta("w", 4)])
     assert length(client, "w") == 3
     time.sleep(writer.DEFER_S)
-    writer([delta("w", 5)])
+    step(writer, [delta("w", 5)])
     assert length(client, "w") == 4  # DEFER_S after the last write, the next step writes
-    writer([delta("w", 6)])
-    writer([("w", "done", {"completion": {}})])
+    step(writer, [delta("w", 6)])
+    step(writer, [("w", "done", {"completion": {}})])
     assert length(client, "w") == 6  # its end at once
     assert read_history(client, "w").tokens == {0: list(range(7))}
 
@@ -77,14 +93,14 @@ def test_waiting_deltas_join_per_choice_with_their_logprobs(client):
     writer.DEFER_S = 60.0
     writer.track("w", streamed=False)
     writer.track("s", streamed=True)
-    writer([scored(0, 0), scored(1, 0)])  # the first step is written at once
+    step(writer, [scored(0, 0), scored(1, 0)])  # the first step is written at once
     for token in range(1, 4):
-        writer([scored(0, token), scored(1, 10 + token)])
-    writer([delta("s", 0)])  # a streamed job's step writes at once
-    writer([delta("s", 1)])
+        step(writer, [scored(0, token), scored(1, 10 + token)])
+    step(writer, [delta("s", 0)])  # a streamed job's step writes at once
+    step(writer, [delta("s", 1)])
     assert length(client, "s") == 2  # never joined
     usage = {"prompt_tokens": 1, "completion_tokens": 8, "total_tokens": 9}
-    writer([("w", "usage", usage)])  # the job's own next event takes its waiting deltas along
+    step(writer, [("w", "usage", usage)])  # the job's own next event takes its waiting deltas along
     written = events(client, "w")
     assert [data.get("index") for _, data in written] == [0, 1, 0, 1, None]
     assert written[2][1] == {"index": 0, "text": "<1><2><3>", "token_ids": [1, 2, 3], "logprobs": {
@@ -92,10 +108,10 @@ def test_waiting_deltas_join_per_choice_with_their_logprobs(client):
         "top_logprobs": [{"<1>": -0.1}, {"<2>": -0.2}, {"<3>": -0.3}], "text_offset": [3, 6, 9]}}
     assert written[3][1]["token_ids"] == [11, 12, 13] and written[3][1]["logprobs"]["text_offset"] == [33, 36, 39]
     # a choice's end closes its waiting delta: nothing after it joins what came before it
-    writer([scored(0, 4)])
-    writer([("w", "delta", {"index": 0, "text": "", "token_ids": [], "finish_reason": "length", "stop_reason": None})])
-    writer([scored(0, 5)])
-    writer([("w", "done", {"completion": {}})])
+    step(writer, [scored(0, 4)])
+    step(writer, [("w", "delta", {"index": 0, "text": "", "token_ids": [], "finish_reason": "length", "stop_reason": None})])
+    step(writer, [scored(0, 5)])
+    step(writer, [("w", "done", {"completion": {}})])
     assert [data.get("token_ids") for _, data in events(client, "w")[5:]] == [[4], [], [5], None]
 
 
@@ -107,12 +123,12 @@ def test_another_jobs_write_leaves_a_jobs_waiting_tokens_waiting(client):
     writer.track("w", streamed=False)
     writer.track("v", streamed=False)
     writer.track("s", streamed=True)
-    writer([delta("w", 0)])
-    writer([delta("w", 1)])
+    step(writer, [delta("w", 0)])
+    step(writer, [delta("w", 1)])
     assert length(client, "w") == 1
-    writer([delta("w", 2), delta("s", 0), delta("v", 0), ("s", "done", {"completion": {}})])
+    step(writer, [delta("w", 2), delta("s", 0), delta("v", 0), ("s", "done", {"completion": {}})])
     assert (length(client, "w"), length(client, "s"), length(client, "v")) == (1, 2, 1)
-    writer([("w", "done", {"completion": {}})])  # its end takes its waiting tokens along, as one delta
+    step(writer, [("w", "done", {"completion": {}})])  # its end takes its waiting tokens along, as one delta
     assert [kind for kind, _ in events(client, "w")] == ["delta", "delta", "done"]
     assert read_history(client, "w").tokens == {0: [0, 1, 2]}
 
@@ -121,13 +137,13 @@ def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_within_check_s_though_
     writer = StreamWriter(client)
     writer.DEFER_S, writer.CHECK_S = 60.0, 0.2
     writer.track("w", streamed=False)
-    assert writer([delta("w", 0)]) == set()  # its first token: written
+    assert step(writer, [delta("w", 0)]) == set()  # its first token: written
     client.set(protocol.cancel_key("w"), 1)
-    assert writer([delta("w", 1)]) == set()  # read within CHECK_S of the write: not yet
+    assert step(writer, [delta("w", 1)]) == set()  # read within CHECK_S of the write: not yet
     time.sleep(writer.CHECK_S)
-    assert writer([delta("w", 2)]) == {"w"}  # read, though its tokens still wait
+    assert step(writer, [delta("w", 2)]) == {"w"}  # read, though its tokens still wait
     assert length(client, "w") == 1
-    assert writer([delta("w", 3)]) == set()  # and not again within CHECK_S
+    assert step(writer, [delta("w", 3)]) == set()  # and not again within CHECK_S
 
 
 def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_with_the_next_write(client):
@@ -136,28 +152,28 @@ def test_the_cancel_flag_of_a_job_read_at_its_end_is_read_with_the_next_write(cl
     writer.CHECK_S = 60.0  # only the writes read the flags here
     writer.track("w", streamed=False)
     writer.track("s", streamed=True)
-    assert writer([delta("w", 0)]) == set()
+    assert step(writer, [delta("w", 0)]) == set()
     client.set(protocol.cancel_key("w"), 1)
-    assert writer([delta("w", 1)]) == set()  # no write this step: the flag waits too
-    assert writer([delta("s", 0)]) == {"w"}  # a streamed job's write reads every running job's flag
+    assert step(writer, [delta("w", 1)]) == set()  # no write this step: the flag waits too
+    assert step(writer, [delta("s", 0)]) == {"w"}  # a streamed job's write reads every running job's flag
     client.set(protocol.cancel_key("s"), 1)
     time.sleep(writer.DEFER_S)
-    assert writer([delta("w", 2)]) == {"w", "s"}
+    assert step(writer, [delta("w", 2)]) == {"w", "s"}
     writer.untrack("s")
     writer.untrack("w")
     time.sleep(writer.DEFER_S)
-    assert writer([]) == set()  # untracked: no flag read for them
+    assert step(writer, []) == set()  # untracked: no flag read for them
 
 
 def test_a_new_attempts_deltas_never_join_an_earlier_attempts(client):
     writer = StreamWriter(client)
     writer.DEFER_S = 60.0
     writer.track("w", open_attempt(client, "w").attempt_ms, streamed=False)
-    writer([delta("w", 0)])
-    writer([delta("w", 1)])  # waiting
+    step(writer, [delta("w", 0)])
+    step(writer, [delta("w", 1)])  # waiting
     # the job taken up again (its retry) before that was written
     writer.track("w", open_attempt(client, "w").attempt_ms, streamed=False)
-    writer([delta("w", 7)])  # the new attempt's first token: written at once; the waiting one is the old attempt's
+    step(writer, [delta("w", 7)])  # the new attempt's first token: written at once; the waiting one is the old attempt's
     assert [data["token_ids"] for _, data in events(client, "w")] == [[0], [7]]
 
 
@@ -168,12 +184,12 @@ def test_once_a_newer_attempt_opens_an_older_ones_writes_are_refused(client):
         older, newer = StreamWriter(client), StreamWriter(client)
         older.track(job_id, open_attempt(client, job_id).attempt_ms)
         for token in range(written_before):
-            older([delta(job_id, token)])
+            step(older, [delta(job_id, token)])
         history = open_attempt(client, job_id)
         assert history.tokens == ({0: [0]} if written_before else {})
         newer.track(job_id, history.attempt_ms)
-        older([delta(job_id, 50), (job_id, "done", {"completion": {}})])
-        newer([delta(job_id, written_before)])
+        step(older, [delta(job_id, 50), (job_id, "done", {"completion": {}})])
+        step(newer, [delta(job_id, written_before)])
         assert [data["token_ids"] for _, data in events(client, job_id)] == [[t] for t in range(written_before + 1)]
 
 
@@ -184,7 +200,7 @@ def test_an_attempts_fence_is_no_entry_and_a_finished_job_gets_none(client):
     assert 0 < client.ttl(protocol.stream_key("f")) <= protocol.STREAM_TTL
     writer = StreamWriter(client)
     writer.track("f", history.attempt_ms)
-    writer([delta("f", 3), ("f", "done", {"completion": {"id": "f"}})])
+    step(writer, [delta("f", 3), ("f", "done", {"completion": {"id": "f"}})])
     last = client.xinfo_stream(protocol.stream_key("f"))["last-generated-id"]
     ended = open_attempt(client, "f")
     assert ended.terminal == ("done", {"completion": {"id": "f"}}) and ended.attempt_ms is None
@@ -194,14 +210,14 @@ def test_an_attempts_fence_is_no_entry_and_a_finished_job_gets_none(client):
 
 
 def test_events_kept_through_an_outage_land_without_another_step(tmp_path):
-    """Redis goes away while a step is written: the writer keeps the events and its retry thread
-    writes them once Redis is back, though the engine (idle now) never calls it again."""
+    """Redis goes away while a step is written: the writer keeps the events and its thread writes
+    them once Redis is back, though the engine (idle now) never calls it again."""
     server = start_redis(persist_dir=str(tmp_path))
     client = redis.Redis.from_url(server.url, socket_timeout=1, socket_connect_timeout=1)
     writer = StreamWriter(client)
     writer.RETRY_S = 0.1
     writer.track("o", open_attempt(client, "o").attempt_ms)
-    writer([delta("o", 0)])
+    step(writer, [delta("o", 0)])
     server.stop()
     try:
         assert writer([delta("o", 1), ("o", "done", {"completion": {}})]) == set()
@@ -222,16 +238,48 @@ def test_an_outage_past_max_pending_loses_the_oldest_events_and_later_deltas_joi
     writer.DEFER_S, writer.RETRY_S = 60.0, 0.1
     writer.track("w", open_attempt(client, "w").attempt_ms, streamed=False)
     writer.track("s", open_attempt(client, "s").attempt_ms, streamed=True)
-    writer([delta("w", 0)])  # its first token: written
-    writer([delta("w", 1)])  # waiting
+    step(writer, [delta("w", 0)])  # its first token: written
+    step(writer, [delta("w", 1)])  # waiting
     server.stop()
     try:
         writer([delta("s", 0)])  # fails: s's and w's events kept, one over max_pending
+        wait_until(lambda: writer.failing)
         writer([delta("w", 2)])
         server = start_redis(port=server.port, persist_dir=str(tmp_path))
         assert writer.wait_written(timeout=20)
-        writer([("w", "done", {"completion": {}})])
+        step(writer, [("w", "done", {"completion": {}})])
         assert [data.get("token_ids") for _, data in events(client, "w")] == [[0], [2], None]
         assert [data["token_ids"] for _, data in events(client, "s")] == [[0]]
+    finally:
+        server.stop()
+
+
+def test_the_engines_call_never_waits_for_redis_and_what_comes_during_a_write_goes_with_the_next(tmp_path):
+    """Redis frozen (SIGSTOP) while a step is written: the engine's calls return all the same, and
+    the steps it hands over meanwhile are written, in order, in one transaction once Redis answers."""
+    import os
+    import signal
+    import threading
+
+    server = start_redis(persist_dir=str(tmp_path))
+    client = redis.Redis.from_url(server.url)  # no socket timeout: a call that waited would wait for good
+    writer = StreamWriter(client)
+    writer.track("s", open_attempt(client, "s").attempt_ms, streamed=True)
+    step(writer, [delta("s", 0)])
+    execs = client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        calls = threading.Thread(target=lambda: [writer([delta("s", token)]) for token in range(1, 6)], daemon=True)
+        calls.start()
+        calls.join(timeout=10)
+        assert not calls.is_alive()  # five steps handed over while Redis answers nothing
+        assert not writer.wait_written(timeout=0.2)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    try:
+        assert writer.wait_written(timeout=10)
+        assert [data["token_ids"] for _, data in events(client, "s")] == [[t] for t in range(6)]
+        # what a write under way held, then every step that came meanwhile: not a write a step
+        assert 1 <= client.info("commandstats")["cmdstat_exec"]["calls"] - execs <= 2
     finally:
         server.stop()

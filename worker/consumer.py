@@ -61,6 +61,9 @@ REREGISTER_S = 1.0
 # How often a consumer asks whether `rq suspend` holds its worker, at most (seconds): rq's own worker
 # asks before every job.
 SUSPENSION_CHECK_S = 1.0
+# How long recording ended jobs waits for their last events to be written (seconds); past it, as
+# when Redis is away, the records are tried again on the next turn of the loop.
+RECORD_WAIT_S = 2.0
 
 
 @dataclass
@@ -434,6 +437,10 @@ class Consumer:
         finished = [run for run in ended if not isinstance(run.outcome, tuple)]
         recorded, unrecorded = [], []
         try:
+            # rq hears of a job's end after its stream does: web takes a job rq calls finished that
+            # left no terminal event for a failed one
+            if not self.binding.writer.wait_written(RECORD_WAIT_S, [run.job.id for run in finished]):
+                raise redis.ConnectionError("the jobs' last events are not written yet")
             self._write_finished([(delivery, run.outcome) for run in finished for delivery in [run, *run.followers]])
             recorded += finished
         except redis.RedisError:

@@ -19,12 +19,13 @@ Each step reads like vLLM's, one module per stage:
 
 Running a step ahead (`overlap`, by default on a GPU): a step's sampled tokens are taken in during
 the next step, after its forward and draws are launched, so that the host's work (text, stops,
-events, the Redis writes, scheduling) runs while the GPU computes. The next step feeds each
-sequence the token its slot last drew, from the device (runner.py `last`), and counts it in the
-sequence's position (`Sequence.pending`). A sequence that turns out to have ended in the step
-before draws one token more, which is dropped: never a wrong output, a row's work at most. Requests
-whose next token depends on the previous one on the host (beam and contrastive search, a grammar,
-multi-token bans) take their tokens in at once, and while one is in the engine every step does.
+events, scheduling) runs while the GPU computes (a worker's event sink writes to Redis on a thread
+of its own: worker/events.py). The next step feeds each sequence the token its slot last drew, from
+the device (runner.py `last`), and counts it in the sequence's position (`Sequence.pending`). A
+sequence that turns out to have ended in the step before draws one token more, which is dropped:
+never a wrong output, a row's work at most. Requests whose next token depends on the previous one on
+the host (beam and contrastive search, a grammar, multi-token bans) take their tokens in at once,
+and while one is in the engine every step does.
 
 Several decode forwards a step (`decode_steps`, running ahead only): while nothing waits to be
 admitted or prefilled, a step launches up to `decode_steps` decode forwards and draws back to back,

@@ -37,12 +37,16 @@ class StreamWriter:
     """The engine's `event_sink`: XADD the events of a step that are due, refresh their streams' TTL
     and read the cancel flags of every job this process is running, all in one MULTI/EXEC.
 
+    - The engine's thread only hands its events over; a thread of the writer's own writes them. The
+      engine goes on with its next step meanwhile: a write's round trip (Redis waking every reader
+      of the streams it touches before it answers) is not part of any step. Whatever was handed
+      over while a write was under way goes with the next one, in one transaction.
     - One transaction per write: a worker killed mid-write leaves each stream with a whole number
       of steps (a step's last deltas, finishes, usage and `done` land together or not at all), which
-      is what a retried attempt resumes from.
-    - If Redis is unreachable the events are kept, and a thread of the writer's own writes them, in
-      order with what follows, every `RETRY_S` until Redis answers: the engine thread neither waits
-      out the outage's timeouts step after step nor has to step again for its last events to land.
+      is what a retried attempt resumes from. A job's events are written in the order they came.
+    - If Redis is unreachable the events are kept, and the writer's thread tries again every
+      `RETRY_S`, with whatever came meanwhile, until Redis answers: the engine neither waits out the
+      outage's timeouts nor has to step again for its last events to land.
     - A streamed job's events are written the step they are made. A job that is not streamed (the
       synchronous answer, a polled or batch job) is read whole at its end, so its tokens are written
       at most every `DEFER_S` after its own last write, and at once for its first token and its
@@ -56,12 +60,15 @@ class StreamWriter:
       killed meanwhile has its retry compute those tokens again (the resumed attempt starts from
       what the stream holds, as always).
     - The cancel flags of the running jobs are read (one MGET) with every write, and between writes
-      at least every `CHECK_S` (one round trip that wakes no reader): a cancel is seen within
-      `CHECK_S` and a step, however long a job's tokens wait.
+      at least every `CHECK_S` (one round trip that wakes no reader); the engine gets the jobs
+      whose flag was set from its next call: a cancel is seen within `CHECK_S` and a write.
     - Writes are idempotent: each event gets its entry id here (`<ms>-<n>`: the attempt's fence,
       see `open_attempt`, n counting the attempt's events), so a transaction sent again after its
       reply was lost (Redis restarting, redis-py retrying) is refused entry by entry instead of
       duplicated, and so is every write of an older attempt once a newer one opened.
+    - `wait_written` waits for what was handed over to be written: the consumer records a job
+      finished in rq only once its terminal event is in its stream (web takes a job rq calls
+      finished that left no terminal event for a failed one).
     """
 
     DEFER_S = 1.0  # how long the tokens of a job nobody reads token by token may wait
@@ -81,8 +88,15 @@ class StreamWriter:
         self._active: set[str] = set()  # jobs whose cancel flag is read with every write
         self._silenced: dict[str, threading.Event] = {}  # see `silence`
         self._failing_since: float | None = None  # when writes started failing (logged once)
-        self._late_cancels: set[str] = set()  # cancel flags the retry thread read
-        self._lock = threading.Lock()  # consumer threads call track/silence while the engine writes
+        self._cancelled: set[str] = set()  # jobs whose flag a write found set, for the engine's next call
+        # the engine's thread hands events over and consumer threads track jobs while the writer's writes
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # work for the writer's thread, or a write done
+        self._due: set[str] = set()  # jobs whose kept events the writer's thread is to write
+        self._check_due = False  # a read of the cancel flags is due
+        self._writing: set[str] = set()  # jobs whose events the write under way holds
+        self._asked = self._done = 0  # writes asked for, and of those the last one done (wait_written)
+        self._thread: threading.Thread | None = None
 
     def track(self, job_id: str, attempt_ms: int | None = None, streamed: bool = True) -> None:
         """Number this job's events from now on (`attempt_ms`: the attempt `open_attempt` opened,
@@ -115,6 +129,8 @@ class StreamWriter:
             self._silenced.pop(job_id, None)
 
     def __call__(self, events: Iterable[Event]) -> set[str]:
+        """Take a step's events (the engine's thread) and hand what is due to the writer's thread;
+        returns the jobs whose cancel flag was found set since the last call."""
         with self._lock:
             urgent: set[str] = set()
             for job_id, event_type, data in events:
@@ -131,54 +147,86 @@ class StreamWriter:
                     ended.set()
                 if terminal:
                     self._next_id.pop(job_id, None)
-            if self._failing_since is not None:  # Redis is away: the retry thread writes
-                return set()
-            late, self._late_cancels = self._late_cancels, set()
             now = time.monotonic()
-            due = [job_id for job_id in self._pending
-                   if job_id in urgent or now - self._written_at.get(job_id, -math.inf) >= self.DEFER_S]
-            if not due and (now - self._checked_at < self.CHECK_S or not self._active):
-                return late
-            active = sorted(self._active)
-        if not due:
-            return self._check(active) | late
-        try:
-            return self._flush(active, due) | late
-        except redis.RedisError as exc:
-            with self._lock:
-                self._failing_since = time.monotonic()
-            log.warning("event stream writes failing; keeping events until Redis answers", extra={"error": str(exc)})
-            threading.Thread(target=self._retry, name="stream-writer-retry", daemon=True).start()
-            return set()
+            due = {job_id for job_id in self._pending
+                   if job_id in urgent or now - self._written_at.get(job_id, -math.inf) >= self.DEFER_S}
+            check = bool(self._active) and now - self._checked_at >= self.CHECK_S and not self._check_due
+            if due or check:
+                self._due |= due
+                self._check_due = self._check_due or check
+                self._asked += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
+                    self._thread.start()
+                self._changed.notify_all()
+            cancelled, self._cancelled = self._cancelled, set()
+            return cancelled
 
-    def _retry(self) -> None:
-        """Write what is kept every RETRY_S until Redis answers (the writes of an outage)."""
+    def cancelled(self) -> set[str]:
+        """The jobs whose cancel flag a write found set since the engine last asked (what its next
+        call would return)."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            return cancelled
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last write failed (Redis away): what is due is kept and tried again."""
+        return self._failing_since is not None
+
+    def _run(self) -> None:
+        """The writer's thread: write what is due, as it comes; through an outage, try again every
+        RETRY_S with everything kept."""
         while True:
-            time.sleep(self.RETRY_S)
             with self._lock:
-                active, kept = sorted(self._active), list(self._pending)
+                while not (self._due or self._check_due):
+                    self._changed.wait()
+                due, check = [job_id for job_id in self._due if job_id in self._pending], self._check_due
+                self._due, self._check_due = set(), False
+                active, asked = sorted(self._active), self._asked
             try:
-                cancelled = self._flush(active, kept)
-            except redis.RedisError:
+                cancelled = self._flush(active, due) if due else self._check(active)
+            except redis.RedisError as exc:
+                with self._lock:
+                    if self._failing_since is None:
+                        self._failing_since = time.monotonic()
+                        log.warning("event stream writes failing; keeping events until Redis answers",
+                                    extra={"error": str(exc)})
+                    self._due |= set(self._pending)
+                    self._check_due = self._check_due or check
+                time.sleep(self.RETRY_S)
                 continue
             with self._lock:
-                self._late_cancels |= cancelled
-                log.info("event stream writes recovered",
-                         extra={"outage_seconds": round(time.monotonic() - self._failing_since, 1)})
-                self._failing_since = None
-            return
+                self._cancelled |= cancelled
+                self._done = asked
+                if self._failing_since is not None:
+                    log.info("event stream writes recovered",
+                             extra={"outage_seconds": round(time.monotonic() - self._failing_since, 1)})
+                    self._failing_since = None
+                self._changed.notify_all()
 
     def holds(self, job_id: str) -> bool:
-        """Whether events of this job wait to be written."""
+        """Whether events of this job wait to be written, or are being written."""
         with self._lock:
-            return bool(self._pending.get(job_id))
+            return bool(self._pending.get(job_id)) or job_id in self._writing
 
-    def wait_written(self, timeout: float) -> bool:
-        """Wait until no event is kept back by an outage (a worker leaving); False if Redis did not answer."""
+    def wait_written(self, timeout: float, job_ids: Iterable[str] | None = None) -> bool:
+        """Wait until what was due when called is written (with `job_ids`: every event those jobs
+        have handed over); False if Redis did not take it within `timeout`."""
         deadline = time.monotonic() + timeout
-        while self._failing_since is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self._failing_since is None
+        with self._lock:
+            if job_ids is None:
+                asked = self._asked
+                written = lambda: self._done >= asked  # noqa: E731
+            else:
+                jobs = set(job_ids)
+                written = lambda: not any(self._pending.get(j) or j in self._writing for j in jobs)  # noqa: E731
+            while not written():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
 
     def _urgent(self, job_id: str, event_type: str) -> bool:
         """Whether this event goes out with this step: anything but a token of a job that is not
@@ -215,20 +263,21 @@ class StreamWriter:
         """The jobs of `active` whose cancel flag is set (none while Redis is unreachable: the next
         write says so)."""
         try:
-            flags = self.client.mget([protocol.cancel_key(job_id) for job_id in active])
+            flags = self.client.mget([protocol.cancel_key(job_id) for job_id in active]) if active else []
         except redis.RedisError:
             return set()
-        self._checked_at = time.monotonic()
+        with self._lock:
+            self._checked_at = time.monotonic()
         return {job_id for job_id, flag in zip(active, flags) if flag is not None}
 
     def _flush(self, active: list[str], due: list[str]) -> set[str]:
-        """Write every kept event of the jobs `due` (one thread at a time: the engine's, or the retry
-        thread during an outage, when the engine's does not write); on failure they are kept, in
-        order, ahead of those added meanwhile."""
+        """Write every kept event of the jobs `due` (the writer's thread); on failure they are kept,
+        in order, ahead of those added meanwhile."""
         with self._lock:
             taken = {job_id: self._pending.pop(job_id) for job_id in due if job_id in self._pending}
             for job_id in taken:
                 self._open.pop(job_id, None)
+            self._writing = set(taken)
         try:
             with self.client.pipeline(transaction=True) as pipe:
                 for job_id, events in taken.items():
@@ -246,13 +295,16 @@ class StreamWriter:
                     self._pending[job_id] = events + self._pending.get(job_id, [])
                     self._open.pop(job_id, None)
                 self._bound()
+                self._writing = set()
             raise
-        now = self._checked_at = time.monotonic()
-        for job_id, events in taken.items():
-            if events[-1][0] in protocol.TERMINAL_EVENTS:
-                self._written_at.pop(job_id, None)
-            else:
-                self._written_at[job_id] = now
+        with self._lock:
+            now = self._checked_at = time.monotonic()
+            for job_id, events in taken.items():
+                if events[-1][0] in protocol.TERMINAL_EVENTS:
+                    self._written_at.pop(job_id, None)
+                else:
+                    self._written_at[job_id] = now
+            self._writing = set()
         written = [(job_id, event) for job_id, events in taken.items() for event in [*events, None]]  # None: EXPIRE
         refused = [(job_id, reply) for (job_id, event), reply in zip(written, replies)
                    if event is not None and isinstance(reply, Exception)]

@@ -245,9 +245,9 @@ class Scheduler:
         self.ended.append((req.handle, None, err))
 
     def settle(self) -> None:
-        """Hand the requests that ended to their callers: called once their events are written, so
-        a caller woken by its end finds them in the job's stream, and its own work (rq's
-        bookkeeping) does not hold the GIL while the engine's thread writes them."""
+        """Hand the requests that ended to their callers, once their events went to the event sink
+        (a caller that needs them in the job's stream waits for the sink's writer:
+        worker/consumer.py records a job's end in rq only then)."""
         ended, self.ended = self.ended, []
         for handle, result, error in ended:
             handle.end(result, error)

@@ -147,8 +147,9 @@ class JobQueue:
         return job.get_status(refresh=False) if job else None
 
     def cancel(self, job_id: str) -> bool:
-        """Ask for a job to stop: the engine drops it within one step once the flag is set, and a job
-        still waiting in the queue is taken out of it. Returns whether it was still queued."""
+        """Ask for a job to stop: the engine drops it within a few steps once the flag is set (the
+        worker's next event write reads it), and a job still waiting in the queue is taken out of
+        it. Returns whether it was still queued."""
         self.redis.set(protocol.cancel_key(job_id), 1, ex=self.settings.cancel_ttl_s)
         job = self.fetch(job_id)
         if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
