@@ -684,6 +684,11 @@ def markdown(results: dict) -> str:
             if path:
                 lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR): "
                              + ", ".join(f"{name} {ms}" for name, ms in path.items()) + ".")
+            burst = entry.get("burst_path")
+            if burst:
+                lines.append(f"\n{dtype}, {burst['concurrency']} requests sent at once, ms (medians over 3 rounds' "
+                             "requests, from Redis's MONITOR): "
+                             + ", ".join(f"{name} {ms}" for name, ms in burst["ms"].items()) + ".")
             cpu = entry.get("worker_cpu_ms")
             if cpu:
                 lines.append(f"\n{dtype}, the worker's CPU a request, ms, medians of the rounds (all threads / the "
@@ -1011,6 +1016,10 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             print(f"{dtype} streamed C={args.stream_at}: ITL p50 {_ms(report['itl_p50_s'])} ms", flush=True)
         entry["request_path_ms"] = request_path(web.info["redis_url"], url, args, bodies(1, args.new_tokens)[0])
         print(f"{dtype} one request's path: {entry['request_path_ms']}", flush=True)
+        if args.stream_at:  # where the time to a first token goes when a burst arrives at once
+            entry["burst_path"] = {"concurrency": args.stream_at, "ms": request_path(
+                web.info["redis_url"], url, args, bodies(1, args.new_tokens)[0], requests=3, concurrency=args.stream_at)}
+            print(f"{dtype} {args.stream_at} requests at once, their paths: {entry['burst_path']['ms']}", flush=True)
     errors = sum(r["errors"] + r["wrong_length"] for rs in entry["runs"].values() for r in rs)
     if errors:
         raise RuntimeError(f"{errors} runs with failed or wrong-length requests")
@@ -1037,12 +1046,14 @@ class WorkerCPU:
         return {"all": ms(sum(used)), "busiest_thread": ms(used[0] if used else 0.0), "rest": ms(sum(used[1:]))}
 
 
-def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) -> dict[str, float]:
-    """Where one request's time goes, alone on the stack, from Redis's own record of every command
-    (MONITOR) during `requests` requests one after another, medians in ms: web (from the client's
-    send to the job in the queue), pickup (queue to the worker's attempt opened), engine (attempt to
-    the `done` event), split into first_token (attempt to its first token's write) and decode (that
-    write to `done`), reply (`done` to the client's answer), and rq's bookkeeping after `done`."""
+def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
+                 concurrency: int = 1) -> dict[str, float]:
+    """Where a request's time goes on the stack, from Redis's own record of every command (MONITOR)
+    during `requests` rounds of `concurrency` requests sent at once, medians over every request in
+    ms: web (from the client's send to the job in the queue), pickup (queue to the worker's attempt
+    opened), engine (attempt to the `done` event), split into first_token (attempt to its first
+    token's write) and decode (that write to `done`), reply (`done` to the client's answer), and
+    rq's bookkeeping after `done`."""
     import openai
     import redis
 
@@ -1062,10 +1073,18 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5) 
     thread.start()
     time.sleep(0.3)
     sent = []
-    for _ in range(requests):
+
+    def send() -> None:
         start = time.time()
         answer = client.completions.create(model=args.model, **body)
         sent.append((answer.id, start, time.time()))
+
+    for _ in range(requests):
+        senders = [threading.Thread(target=send) for _ in range(concurrency)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
     time.sleep(0.3)
     stop.set()
     redis.Redis.from_url(redis_url).ping()  # one more command, so the listener sees the stop

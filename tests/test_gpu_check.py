@@ -150,6 +150,9 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert set(path) == {"web", "pickup", "engine", "first_token", "decode", "reply", "rq_after_done"}
     assert all(ms > 0 for ms in path.values())
     assert path["first_token"] < path["engine"] and path["decode"] < path["engine"]
+    burst = stack["burst_path"]  # the same, for requests sent at once (the streamed measure's count)
+    assert burst["concurrency"] == stack["streamed"]["concurrency"] and set(burst["ms"]) == set(path)
+    assert all(ms > 0 for ms in burst["ms"].values())
     for c in ("1", "2"):
         for cpu in stack["worker_cpu_ms"][c]:
             assert cpu["all"] > 0 and cpu["all"] == pytest.approx(cpu["busiest_thread"] + cpu["rest"], abs=0.02)
