@@ -962,7 +962,8 @@ def _no_control_socket() -> None:
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
     from bench.gateway_bench import busy_share, engine_busy
-    from bench.loadgen import ClientProcesses, completion_body, openai_sender, percentile, run
+    from bench.loadgen import ClientProcesses, completion_body, percentile
+    from bench.loadgen import report as loadgen_report
     from bench.serving_bench import COMPILE_MODES, nanoserve
 
     def bodies(count: int, new_tokens: int) -> list[dict]:  # the engine benchmark's requests
@@ -998,15 +999,12 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
                                      for c, rs in runs.items() if rs}
             save()
         if args.stream_at:
-            samples = []
-            stream = openai_sender(url, args.model, stream=True)
-
-            def send_streamed(body):
-                sample = stream(body)
-                samples.append(sample)
-                return sample
-
-            report = run(send_streamed, bodies(args.stream_at, args.new_tokens), args.stream_at)
+            # a process a stream: one process's client parsing every stream's chunks under its one
+            # GIL would space them out itself
+            streams = stack.enter_context(ClientProcesses(url, args.model, args.stream_at, stream=True))
+            streams.run(bodies(args.stream_at, 4), args.stream_at)
+            samples, wall = streams.samples(bodies(args.stream_at, args.new_tokens), args.stream_at)
+            report = loadgen_report(samples, wall, args.stream_at)
             ok = [s for s in samples if s.error is None]
             gaps = [b - a for s in ok for a, b in zip(s.chunk_times, s.chunk_times[1:])]
             chunks = sum(len(s.chunk_times) for s in ok)

@@ -136,12 +136,16 @@ class ClientProcesses:
         list(self._pool.map(time.sleep, [0.5] * processes))
 
     def run(self, bodies: list[dict], concurrency: int) -> dict:
+        return report(*self.samples(bodies, concurrency), concurrency)
+
+    def samples(self, bodies: list[dict], concurrency: int) -> tuple[list[Sample], float]:
+        """`run`'s samples, and its wall time."""
         shares = [(bodies[i::self.processes], concurrency // self.processes + (i < concurrency % self.processes))
                   for i in range(self.processes)]
         done = [f.result() for f in [self._pool.submit(_run_share, part, clients)
                                      for part, clients in shares if part and clients]]
         samples = [sample for part, _, _ in done for sample in part]
-        return report(samples, max(end for _, _, end in done) - min(start for _, start, _ in done), concurrency)
+        return samples, max(end for _, _, end in done) - min(start for _, start, _ in done)
 
     def close(self) -> None:
         self._pool.shutdown()
