@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "from the compile cache), each taken from the step after it is ready")
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="run each engine step ahead of taking its tokens in, so that the host's work "
-                             "(text, stops, events, Redis) runs while the GPU computes the next step; "
+                             "(text, stops, events) runs while the GPU computes the next step; "
                              "default: on a GPU (docs/notes/overlap.md)")
     parser.add_argument("--decode-steps", type=_at_least_one, default=None, metavar="N",
                         help="with --overlap, the most decode forwards a step runs while no request waits "
