@@ -283,3 +283,16 @@ def test_the_engines_call_never_waits_for_redis_and_what_comes_during_a_write_go
         assert 1 <= client.info("commandstats")["cmdstat_exec"]["calls"] - execs <= 2
     finally:
         server.stop()
+
+
+def test_a_write_that_fails_for_another_reason_than_redis_loses_its_events_and_the_writer_goes_on(client, caplog):
+    """An event Redis never sees (it cannot be encoded): that write's events are lost and said so,
+    as a failed write of the engine's own thread lost them, and the writer writes what follows."""
+    writer = StreamWriter(client)
+    writer.track("x", streamed=True)
+    writer.track("y", streamed=True)
+    writer([("x", "delta", {"index": 0, "text": "", "token_ids": {1, 2}})])  # a set: no JSON for it
+    assert writer.wait_written(timeout=10) and writer.wait_written(timeout=10, job_ids=["x"])
+    assert "events are lost" in caplog.text
+    step(writer, [delta("y", 0), ("y", "done", {"completion": {}})])
+    assert [kind for kind, _ in events(client, "y")] == ["delta", "done"] and length(client, "x") == 0

@@ -196,6 +196,9 @@ class StreamWriter:
                     self._check_due = self._check_due or check
                 time.sleep(self.RETRY_S)
                 continue
+            except Exception:
+                log.exception("event stream write failed; its events are lost", extra={"jobs": len(due)})
+                cancelled = set()
             with self._lock:
                 self._cancelled |= cancelled
                 self._done = asked
@@ -295,6 +298,10 @@ class StreamWriter:
                     self._pending[job_id] = events + self._pending.get(job_id, [])
                     self._open.pop(job_id, None)
                 self._bound()
+                self._writing = set()
+            raise
+        except Exception:  # not Redis's: these events could not be written and never will be
+            with self._lock:
                 self._writing = set()
             raise
         with self._lock:
