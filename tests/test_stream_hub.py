@@ -66,6 +66,39 @@ def test_a_follower_joins_a_read_already_blocked(redis_url, r):
     hub.leave(second)
 
 
+def test_a_follower_woken_for_by_another_transaction_reads_its_stream(redis_url, r):
+    """A request registers its follower, then wakes the hub in its job's enqueue transaction
+    (queue_wake): the hub's read, blocked on other streams, takes the new stream in."""
+    hub = StreamHub(redis_url, block_s=30)
+    first = hub.follow("test-hub:w1", "0-0", r)
+    time.sleep(0.2)  # blocked on the first stream alone, for up to 30 s
+    second = hub.register("test-hub:w2", "0-0")
+    with r.pipeline(transaction=True) as pipe:
+        pipe.set("test-hub:a-job", 1)
+        hub.queue_wake(pipe, "test-hub:w2")
+        pipe.execute()
+    r.xadd("test-hub:w2", {"n": 1})
+    assert [fields[b"n"] for _, fields in second.read(5)] == [b"1"]
+    hub.leave(first)
+    hub.leave(second)
+
+
+def test_a_stream_that_ended_is_no_longer_read_though_its_reader_never_came(redis_url, r):
+    """A request that failed between registering its follower and reading it never leaves: the
+    hub stops reading the stream at its terminal event all the same."""
+    hub = StreamHub(redis_url)
+    orphan = hub.follow("test-hub:orphan", "0-0", r)
+    r.xadd("test-hub:orphan", {"type": "delta", "data": "{}"})
+    time.sleep(0.3)
+    assert "test-hub:orphan" in hub._followers
+    r.xadd("test-hub:orphan", {"type": "done", "data": "{}"})
+    until = time.monotonic() + 5
+    while "test-hub:orphan" in hub._followers and time.monotonic() < until:
+        time.sleep(0.02)
+    assert "test-hub:orphan" not in hub._followers
+    assert [fields[b"type"] for _, fields in read_all(orphan, 2)] == [b"delta", b"done"]  # what was read is kept
+
+
 def test_reads_from_the_given_entry(redis_url, r):
     hub = StreamHub(redis_url)
     ids = [r.xadd("test-hub:from", {"n": n}) for n in range(3)]

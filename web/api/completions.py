@@ -19,6 +19,7 @@ from web.access.quotas import Hold
 from web.api.models import served_models
 from web.api.queue import job_queue
 from web.api.schemas import MAX_USER, CompletionRequest, parse_completion_request
+from web.api.stream_hub import Follower
 from web.api.streaming import ChunkFormat, Event, follow, guarded, sse_frames, wait_for_completion
 from web.settings import settings
 from worker import protocol
@@ -33,6 +34,7 @@ class Admitted:
     job: protocol.CompletionJob
     grant: access.Grant
     hold: Hold | None  # the request's place in its caller's `open` quota (None for a polled job)
+    follower: Follower | None  # the stream hub's place for the job's stream (None for a polled job)
 
 
 @dataclass
@@ -57,7 +59,7 @@ def create_completion():
     admitted = admit_completion()
     jq, job, s, hold = job_queue(), admitted.job, settings(), admitted.hold
     deadline = None if job.stream else time.monotonic() + s.sync_timeout_s
-    events = follow(jq, job.id, tick_s=s.keepalive_s, deadline=deadline)
+    events = follow(jq, job.id, tick_s=s.keepalive_s, deadline=deadline, follower=admitted.follower)
     events = _accounted(events, admitted.grant, job.model, started)
     hold.follow(access.quota("jobs"), job.id)
     if not job.stream:
@@ -113,6 +115,7 @@ def admit_completion(for_job: bool = False) -> Admitted:
     jq.check_capacity(spec.id)
 
     hold = None if for_job else access.hold_open(caller)
+    follower = None
     try:
         g.grant = grant = access.admit(caller, req.user, checked.reserved_tokens)
         job = checked.to_job()
@@ -121,15 +124,21 @@ def admit_completion(for_job: bool = False) -> Admitted:
         jobs = access.quota("jobs")
         try:
             jobs.take(access.redis_client(), access.quota_scope(caller), job.id, lapses, ended=jq.ended)
-            jq.enqueue(job, spec.id, owner=owner_of(caller))
+            # the hub follows the stream from the job's enqueue on, woken in the same transaction
+            key = protocol.stream_key(job.id)
+            follower = None if for_job else jq.hub.register(key, "0-0")
+            jq.enqueue(job, spec.id, owner=owner_of(caller),
+                       also=None if follower is None else lambda pipe: jq.hub.queue_wake(pipe, key))
         except Exception:
             access.settle(grant, 0)
             raise
     except Exception:
         if hold is not None:
             hold.release()
+        if follower is not None:
+            jq.hub.leave(follower)
         raise
-    return Admitted(req, job, grant, hold)
+    return Admitted(req, job, grant, hold, follower)
 
 
 def held(events: Iterator[Event | None], hold: Hold | None) -> Iterator[Event | None]:

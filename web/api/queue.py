@@ -80,7 +80,7 @@ class JobQueue:
                            "rate_limit_error", None, "queue_full", retry)
 
     def enqueue(self, job: protocol.CompletionJob, model_id: str, owner: str,
-                batch_window_left_s: float | None = None) -> Job:
+                batch_window_left_s: float | None = None, also=None) -> Job:
         """Queue the job as `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives
         and expires with the job, and the worker never reads it. A batch's line (its batch's window
         ends in `batch_window_left_s`) goes to the model's batch queue, which workers take from only
@@ -89,7 +89,8 @@ class JobQueue:
         A line's job outlives its window by the queue's ttl: its batch's dispatcher is what ends it
         (it cancels the lines still queued when the window closes). Were the job to expire first, the
         dispatcher would take the line for lost and queue it again. A line queued again leaves no
-        stale entry behind: the same id twice in the queue would run twice at once."""
+        stale entry behind: the same id twice in the queue would run twice at once. `also(pipe)`
+        queues more commands of the caller's in the enqueue's transaction."""
         s = self.settings
         queue, ttl = self.queue(model_id), s.queue_ttl_s
         if batch_window_left_s is not None:
@@ -103,6 +104,8 @@ class JobQueue:
                 # a retried job (its worker crashed) goes to the front: its client may be mid-stream
                 retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
                 description=f"completion {job.id} ({job.model})", pipeline=pipe)
+            if also is not None:
+                also(pipe)
             pipe.execute()
         return queued
 

@@ -25,6 +25,7 @@ import redis
 from worker import protocol
 
 Entries = list  # [(entry_id: bytes, fields: dict)], as redis-py's XREAD returns them
+_TERMINAL = {kind.encode() for kind in protocol.TERMINAL_EVENTS}
 
 
 class Follower:
@@ -75,6 +76,21 @@ class StreamHub:
     def follow(self, key: str, after: str, client: redis.Redis) -> Follower | None:
         """Follow stream `key` from entry `after` (None when the hub already follows it). `client`
         (an ordinary connection) wakes the hub's read."""
+        follower = self.register(key, after)
+        if follower is None:
+            return None
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                self.queue_wake(pipe, key)
+                pipe.execute()
+        except redis.RedisError:
+            self.leave(follower)
+            raise
+        return follower
+
+    def register(self, key: str, after: str) -> Follower | None:
+        """`follow`'s first half: the follower, whose stream the hub reads from its next read on (after
+        `queue_wake`'s commands ran; None when the hub already follows the stream)."""
         with self._lock:
             if key in self._followers:
                 return None
@@ -82,15 +98,13 @@ class StreamHub:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stream-hub", daemon=True)
                 self._thread.start()
-        try:
-            with client.pipeline(transaction=False) as pipe:
-                pipe.xadd(self._wake_key, {"key": key}, maxlen=1)
-                pipe.expire(self._wake_key, self.WAKE_TTL_S)
-                pipe.execute()
-        except redis.RedisError:
-            self.leave(follower)
-            raise
         return follower
+
+    def queue_wake(self, pipe: redis.client.Pipeline, key: str) -> None:
+        """Queue the write that wakes the hub's read (so that its next read takes in `key`), to go
+        with the pipeline's other commands (a job's enqueue)."""
+        pipe.xadd(self._wake_key, {"key": key}, maxlen=1)
+        pipe.expire(self._wake_key, self.WAKE_TTL_S)
 
     def leave(self, follower: Follower) -> None:
         with self._lock:
@@ -154,3 +168,7 @@ class StreamHub:
                 if follower is not None:  # else it left while the read was out
                     follower.last = last
                     follower._put(entries)
+                    if any(fields.get(b"type") in _TERMINAL for _, fields in entries):
+                        # its reader has all it will read: the hub stops reading the stream even if
+                        # that reader never comes to leave (a request that failed before reading)
+                        del self._followers[key]

@@ -18,6 +18,7 @@ from rq.job import Job, JobStatus
 
 from web.access.quotas import Hold
 from web.api.queue import JobQueue
+from web.api.stream_hub import Follower
 from web.batch.dispatcher import Outcome
 from worker import protocol
 from worker.protocol import APIError
@@ -33,7 +34,7 @@ class Event:
 
 
 def follow(jq: JobQueue, job_id: str, after: str = "0-0", tick_s: float = 15.0,
-           deadline: float | None = None) -> Iterator[Event | None]:
+           deadline: float | None = None, follower: Follower | None = None) -> Iterator[Event | None]:
     """The job's events after entry `after`, up to and including its terminal event, read through
     the process's stream hub (web/api/stream_hub.py), or on this thread's own connection where the
     hub already follows the job for another reader.
@@ -42,10 +43,14 @@ def follow(jq: JobQueue, job_id: str, after: str = "0-0", tick_s: float = 15.0,
     or give up at `deadline`, a `time.monotonic()` value). At each such pause the rq job is checked:
     a job rq will never run again (failed after its retries, cancelled while queued, expired in the
     queue) that left no terminal event gets one concluded here, so no reader waits forever.
+
+    `follower`: the hub's place for the stream, registered already and the hub woken for it (by the
+    request's own enqueue: `admit_completion`).
     """
     key = protocol.stream_key(job_id)
     last = after
-    follower = jq.hub.follow(key, after, jq.redis)
+    if follower is None:
+        follower = jq.hub.follow(key, after, jq.redis)
     try:
         while True:
             block_s = tick_s if deadline is None else min(tick_s, deadline - time.monotonic())
