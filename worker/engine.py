@@ -358,7 +358,7 @@ class Engine:
             self.scheduler.complete(req, completion)
         self._steps += max(forwards, 1)
         self.scheduler.cancels.extend(self._emit(events))
-        self.scheduler.settle()  # after the write: see Scheduler.settle
+        self.scheduler.settle()  # after the events went to the sink: see Scheduler.settle
         took = time.perf_counter() - started
         self._busy_s += took
         self.scheduler.timed(batch, took / max(forwards, 1))
