@@ -66,7 +66,10 @@ class Request:
         # sampled, without bans that read the tokens so far or a grammar that must consume each
         self.overlaps = not self.beam and not self.contrastive and not params.sequence_bans and params.grammar is None
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> vLLM's prompt_logprobs list
-        self.prompt_texts = [tokenizer.decode(p) for p in job.prompts]
+        # the prompts' text: what echo repeats and where logprobs' text_offset counts from (decoding
+        # each prompt costs the consumer's thread, which holds the GIL the engine steps with)
+        self.prompt_texts = ([tokenizer.decode(p) for p in job.prompts] if job.echo or self.wants_logprobs
+                             else [""] * len(job.prompts))
         self.cached_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self.echo_entries: dict[int, list[TokenLogprob]] = {}  # prompt index -> prompt's logprobs
         self.seqs = []
