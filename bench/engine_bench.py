@@ -267,10 +267,12 @@ class EngineRun:
                 engine.step()  # in this thread: what a profiler of this thread sees
             results = [handle.result() for handle in handles]
             seconds = time.perf_counter() - start
+            stats = engine.stats()
         finally:
             engine.stop()
         return {"seconds": seconds, "completion_tokens": sum(r["usage"]["completion_tokens"] for r in results),
-                "ttft": [first[job.id] - start for job in jobs], "tokens0": tokens0}
+                "ttft": [first[job.id] - start for job in jobs], "tokens0": tokens0,
+                "step_phase_ms": phase_ms_per_forward(stats["step_phase_seconds"], stats["steps"])}
 
     def weight_bytes(self) -> int:
         return weight_bytes_per_step(self.model)
@@ -521,6 +523,11 @@ def code_version() -> dict:
             "uncommitted": git("status", "--porcelain", "--", "worker", "nanogpt").splitlines()}
 
 
+def phase_ms_per_forward(seconds: dict[str, float], forwards: float) -> dict[str, float]:
+    """An engine's step time by phase (worker/engine.py STEP_PHASES), in ms a forward."""
+    return {phase: 1000 * s / forwards if forwards else 0.0 for phase, s in seconds.items()}
+
+
 def summarize(runs, ready, config, workload: Workload, limits: dict, device: str = "cpu") -> dict:
     """Median over repeats per (system, concurrency), with ratios and fractions of the limits (of
     the matmul and copy limits only on the CPU, the only device bench/machine.py measures them on)."""
@@ -539,6 +546,9 @@ def summarize(runs, ready, config, workload: Workload, limits: dict, device: str
                    "peak_rss_mb": min(r["peak_rss_mb"] for r in rs),
                    "foreign_cores": statistics.median(r.get("foreign_cores", 0.0) for r in rs),
                    "gflops": tok_s / workload.new_tokens * flops / 1e9}
+            if all("step_phase_ms" in r for r in rs):
+                row["step_phase_ms"] = {phase: statistics.median(r["step_phase_ms"][phase] for r in rs)
+                                        for phase in rs[0]["step_phase_ms"]}
             if device == "cpu":
                 row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
             if all("ceiling_tokens_per_s" in r for r in rs):  # each run against the ceiling of its round

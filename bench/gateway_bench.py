@@ -110,13 +110,16 @@ def engine_busy(metrics_url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    out = {"busy_s": 0.0, "forwards": 0.0}
+    out = {"busy_s": 0.0, "forwards": 0.0, "phases_s": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "nanoserve_worker_busy_seconds_total":
                 out["busy_s"] += sample.value
             elif sample.name == "nanoserve_worker_steps_total":
                 out["forwards"] += sample.value
+            elif sample.name == "nanoserve_worker_step_phase_seconds_total":
+                phase = sample.labels["phase"]
+                out["phases_s"][phase] = out["phases_s"].get(phase, 0.0) + sample.value
     return out
 
 
@@ -124,10 +127,14 @@ def busy_share(before: dict[str, float], after: dict[str, float], wall_s: float,
     """Between two `engine_busy` reads over `wall_s` seconds of `requests`: the engine's busy share
     of the wall clock, its busy ms a request, its ms a forward and its forwards a request (more than
     alone where a burst's requests reach it spread out: its batch runs part full for longer)."""
+    from bench.engine_bench import phase_ms_per_forward
+
     busy, forwards = after["busy_s"] - before["busy_s"], after["forwards"] - before["forwards"]
+    phases = {phase: s - before.get("phases_s", {}).get(phase, 0.0) for phase, s in after.get("phases_s", {}).items()}
     return {"busy_share": busy / wall_s if wall_s else 0.0, "busy_ms_per_request": 1000 * busy / max(requests, 1),
             "ms_per_forward": 1000 * busy / forwards if forwards else 0.0,
-            "forwards_per_request": forwards / max(requests, 1)}
+            "forwards_per_request": forwards / max(requests, 1),
+            "step_phase_ms": phase_ms_per_forward(phases, forwards)}
 
 
 def timed(fn) -> float:

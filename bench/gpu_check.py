@@ -704,6 +704,15 @@ def markdown(results: dict) -> str:
                                  f"{c}: " + ", ".join(f"{_median_of(rs, key):.2f}" for key in
                                                       ("busy_share", "forwards_per_request", "ms_per_forward"))
                                  + f", {_ms(engine_step(small, dtype, int(c)))}" for c, rs in inside.items()) + ".")
+                by_phase = []
+                for c, rs in inside.items():
+                    stacked, alone = _median_phases(rs), engine_phases(small, dtype, int(c))
+                    if stacked:
+                        by_phase.append(f"{c}: " + ", ".join(f"{phase} {_num(alone.get(phase), 2)}/"
+                                                             f"{_num(ms, 2)}" for phase, ms in stacked.items()))
+                if by_phase:
+                    lines.append(f"\n{dtype}, where a forward's ms went by phase (worker/engine.py STEP_PHASES), "
+                                 "the engine alone / in the stack, medians: " + "; ".join(by_phase) + ".")
             if entry.get("error"):
                 lines.append(f"\n{dtype}: **failed**: {entry['error'].strip().splitlines()[-1]}")
         pickup = stack.get("pickup_ms")
@@ -761,6 +770,18 @@ def markdown(results: dict) -> str:
 
 def _ms(seconds) -> str:
     return "–" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def engine_phases(engine_result: dict | None, dtype: str, c: int) -> dict[str, float]:
+    """The engine alone's step time by phase at `c` requests, ms a forward (medians of its runs)."""
+    row = ((engine_result or {}).get("summary", {}).get("by_system", {})
+           .get(ENGINE_OF_DTYPE.get(dtype), {}).get(str(c)))
+    return (row or {}).get("step_phase_ms", {})
+
+
+def _median_phases(records: list[dict]) -> dict[str, float]:
+    phased = [r["step_phase_ms"] for r in records if r.get("step_phase_ms")]
+    return {phase: statistics.median(p[phase] for p in phased) for phase in phased[0]} if phased else {}
 
 
 def engine_step(engine_result: dict | None, dtype: str, c: int) -> float | None:

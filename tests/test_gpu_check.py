@@ -158,6 +158,10 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
             assert cpu["all"] > 0 and cpu["all"] == pytest.approx(cpu["busiest_thread"] + cpu["rest"], abs=0.02)
         for inside in stack["engine_in_stack"][c]:  # the worker's engine: busy part of the round, not all of it
             assert 0 < inside["busy_share"] < 1 and inside["ms_per_forward"] > 0 and inside["busy_ms_per_request"] > 0
+            # its forward's ms by phase, from the worker's metrics, as the engine alone's (its summary row)
+            assert sum(inside["step_phase_ms"].values()) == pytest.approx(inside["ms_per_forward"], rel=1e-3)
+            alone = phases["engine-small"]["result"]["summary"]["by_system"]["engine"][c]["step_phase_ms"]
+            assert set(alone) == set(inside["step_phase_ms"]) and alone["forward"] > 0
     pickup = phases["stack"]["result"]["pickup_ms"]  # this host's consumer taking a burst of jobs
     assert 0 < pickup["first_in_engine_ms"] <= pickup["last_in_engine_ms"] < pickup["all_finished_ms"]
 
@@ -170,7 +174,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "first token at 1 (ms)" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
-    assert "the worker's engine in the stack" in summary
+    assert "the worker's engine in the stack" in summary and "where a forward's ms went by phase" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()
     assert all(f"===== {name}: " in log for name in gpu_check.PHASES if name not in ("install", "engine-6b"))

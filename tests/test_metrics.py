@@ -15,6 +15,7 @@ from tests import rq_json
 from tests.stack import spawn_gunicorn, write_models_toml
 from web.dev.local_redis import free_port
 from worker import protocol
+from worker.engine import STEP_PHASES
 from worker.metrics import EngineCollector, batch_size_histogram, start
 
 
@@ -231,6 +232,12 @@ def test_worker_metrics_of_a_real_engine(models_toml):
         text = _get(f"http://127.0.0.1:{port}/metrics")
         busy = value(text, "nanoserve_worker_busy_seconds_total", **labels) - idle
         assert 0 < busy <= took  # the request's steps, not the wait around them
+        phases = {phase: value(text, "nanoserve_worker_step_phase_seconds_total", phase=phase, **labels)
+                  for phase in STEP_PHASES}
+        assert all(seconds >= 0 for seconds in phases.values()) and phases["forward"] > 0
+        # every busy second in one phase (the idle scrape's busy seconds were the warm-up's, none)
+        assert sum(phases.values()) == pytest.approx(value(text, "nanoserve_worker_busy_seconds_total", **labels),
+                                                     rel=1e-6)
         assert value(text, "nanoserve_worker_steps_total", **labels) >= 7  # a prefill and six decode forwards at least
         assert value(text, "nanoserve_worker_tokens_generated_total", **labels) == usage["completion_tokens"] == 14
         assert value(text, "nanoserve_worker_prompt_tokens_total", **labels) == usage["prompt_tokens"]

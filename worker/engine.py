@@ -66,6 +66,10 @@ _DEFAULT = object()
 # Decode forwards a step runs while nothing waits (off a GPU, and on one): a CPU's forward runs on the
 # engine's thread, so host work saved there is a small part of a step; on a GPU it is most of one.
 DECODE_STEPS = {False: 1, True: 4}
+# Where a step's time goes (Engine.stats' step_phase_seconds): scheduling; the forwards and draws
+# launched (on a CPU, computed); waiting for a GPU's draws to reach the host; taking tokens in
+# (text, stops, finishes); the step's events collected and handed to the sink.
+STEP_PHASES = ("schedule", "forward", "wait", "take_in", "events")
 
 
 class RequestHandle:
@@ -174,6 +178,9 @@ class Engine:
         self._ahead: list[Drawn] = []  # the step before's draws, not taken in yet
         self._steps = 0
         self._busy_s = 0.0  # time inside step(): against the wall clock, how much of it the engine worked
+        # where that time went (STEP_PHASES), in seconds: what a profiler would say, at the cost of a
+        # few clock reads a step, so that a worker's steps can be held against an engine's alone
+        self._phase_s = dict.fromkeys(STEP_PHASES, 0.0)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -259,7 +266,7 @@ class Engine:
     def stats(self) -> dict:
         """A snapshot for metrics (read from any thread)."""
         return {"device": str(self.device), **self.scheduler.stats(), **self.runner.stats(), "steps": self._steps,
-                "busy_seconds": self._busy_s}
+                "busy_seconds": self._busy_s, "step_phase_seconds": dict(self._phase_s)}
 
     def _cancel(self, job_id: str) -> None:
         self.scheduler.cancels.append(job_id)
@@ -332,6 +339,8 @@ class Engine:
         docstring). Never raises for a request's sake."""
         events: list[Event] = []
         started = time.perf_counter()
+        phases = self._phase_s
+        taken_in = [phases["take_in"] + phases["wait"]]  # at each mark: taking in is timed where it runs
         if self._ahead and not self._overlaps():  # a request needs its tokens on the host to schedule
             ahead, self._ahead = self._ahead, []
             try:
@@ -340,8 +349,10 @@ class Engine:
             except Exception:
                 self._fault({s.request for d in ahead for s in d.rows
                              if self.scheduler.requests.get(s.request.job.id) is s.request}, events)
+        taken_in.append(phases["take_in"] + phases["wait"])
         batch = self.scheduler.schedule(events)
         forwards = self._forwards(batch)
+        launching = time.perf_counter()
         try:
             with torch.no_grad():
                 if forwards:
@@ -354,13 +365,19 @@ class Engine:
         except Exception:
             self._ahead = []  # its requests are among the batch's
             self._fault(batch.requests, events)
+        collecting = time.perf_counter()
+        taken_in.append(phases["take_in"] + phases["wait"])
         for req, completion in self.output.collect(self.scheduler.requests.values(), events):
             self.scheduler.complete(req, completion)
         self._steps += max(forwards, 1)
         self.scheduler.cancels.extend(self._emit(events))
         self.scheduler.settle()  # after the events went to the sink: see Scheduler.settle
-        took = time.perf_counter() - started
+        ended = time.perf_counter()
+        took = ended - started
         self._busy_s += took
+        phases["schedule"] += launching - started - (taken_in[1] - taken_in[0])
+        phases["forward"] += collecting - launching - (taken_in[2] - taken_in[1])
+        phases["events"] += ended - collecting
         self.scheduler.timed(batch, took / max(forwards, 1))
 
     def _forwards(self, batch: Batch) -> int:
@@ -458,13 +475,18 @@ class Engine:
         since the draw, which only a step run `ahead` has; its sequences leave their pending count,
         and the scheduler takes back the slots of those that ended."""
         live = []
-        for seq, draw in zip(drawn.rows, drawn.draws()):
+        waiting = time.perf_counter()
+        draws = drawn.draws()  # a GPU's draws: waits for their copy to the host
+        took_in = time.perf_counter()
+        self._phase_s["wait"] += took_in - waiting
+        for seq, draw in zip(drawn.rows, draws):
             seq.pending -= ahead
             if seq.finish_reason is None and self.scheduler.requests.get(seq.request.job.id) is seq.request:
                 live.append((seq, draw))
         self.output.accept([seq for seq, _ in live], [draw for _, draw in live])
         if ahead:
             self.scheduler.retire(self.scheduler.decoding)
+        self._phase_s["take_in"] += time.perf_counter() - took_in
 
     def _strategy(self, seq: Sequence):
         return next(strategy for strategy in self.strategies if strategy.takes(seq.request))

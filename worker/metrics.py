@@ -21,13 +21,15 @@ pays nothing for them:
   (at least `min_window` seconds; `rate(nanoserve_worker_tokens_generated_total[1m])` is the
   Prometheus way to get it over a fixed window)
 - `nanoserve_worker_batch_size{model,device}`: histogram of the batch size of every decode step
+- `nanoserve_worker_step_phase_seconds_total{model,device,phase}`: where the busy seconds went
+  (worker/engine.py STEP_PHASES: schedule, forward, wait, take_in, events)
 
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
      "tokens_generated": int, "prompt_tokens": int, "steps": int, "busy_seconds": float,
      "batch_size_counts": {size: steps},
      "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int, "warming_up": int,
-     "compiled_graphs_live": int}
+     "compiled_graphs_live": int, "step_phase_seconds": {phase: float}}
 The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).
 """
 from __future__ import annotations
@@ -95,6 +97,8 @@ class EngineCollector:
                                  "Completion tokens per second since the previous scrape.", labels=LABELS)
         batch = HistogramMetricFamily("nanoserve_worker_batch_size", "Batch size of each decode step.",
                                       labels=LABELS)
+        phases = CounterMetricFamily("nanoserve_worker_step_phase_seconds",
+                                     "Seconds of the engine's steps, by phase.", labels=[*LABELS, "phase"])
         with self._lock:
             for i, (model, engine) in enumerate(self.engines):
                 stats = engine.stats()
@@ -112,9 +116,11 @@ class EngineCollector:
                 if "batch_size_counts" in stats:
                     buckets, total = batch_size_histogram(stats["batch_size_counts"])
                     batch.add_metric(labels, buckets, total)
+                for phase, seconds in stats.get("step_phase_seconds", {}).items():
+                    phases.add_metric([*labels, phase], float(seconds))
         yield from gauges.values()
         yield from counters.values()
-        yield from (rate, batch)
+        yield from (rate, batch, phases)
 
 
 def start(engines: Iterable[Any], port: int, addr: str = "0.0.0.0"):
