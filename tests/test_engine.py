@@ -605,6 +605,9 @@ def test_a_prompt_arriving_while_others_decode_is_fed_beside_them_compiled(compi
     engine = compiled.engine
     routes = engine.runner.routes
     expected = staggered(make_engine(load_model(compiled.checkpoint), tok)[0])
+    # once first, untimed: the chunk a prompt is fed in beside decoding rows follows the pace the
+    # engine measured (Scheduler._in_time), which an engine's first, cold steps would set
+    assert staggered(engine) == expected
     calls = {"forward_packed": 0, "_step": 0}  # packed forwards with decoding rows in them; compiled steps
     for target, name in ((compiled.small, "forward_packed"), (routes, "_step")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
