@@ -436,15 +436,17 @@ class Consumer:
         Redis did not take, to be tried again."""
         finished = [run for run in ended if not isinstance(run.outcome, tuple)]
         recorded, unrecorded = [], []
-        try:
-            # rq hears of a job's end after its stream does: web takes a job rq calls finished that
-            # left no terminal event for a failed one
-            if not self.binding.writer.wait_written(RECORD_WAIT_S, [run.job.id for run in finished]):
-                raise redis.ConnectionError("the jobs' last events are not written yet")
-            self._write_finished([(delivery, run.outcome) for run in finished for delivery in [run, *run.followers]])
-            recorded += finished
-        except redis.RedisError:
+        # rq hears of a job's end after its stream does: web takes a job rq calls finished that left
+        # no terminal event for a failed one
+        if not self.binding.writer.wait_written(RECORD_WAIT_S, [run.job.id for run in finished]):
             unrecorded += finished
+        else:
+            try:
+                self._write_finished([(delivery, run.outcome) for run in finished
+                                      for delivery in [run, *run.followers]])
+                recorded += finished
+            except redis.RedisError:
+                unrecorded += finished
         for run in ended:
             if isinstance(run.outcome, tuple):
                 try:

@@ -159,15 +159,17 @@ class StreamWriter:
                     self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
                     self._thread.start()
                 self._changed.notify_all()
-            cancelled, self._cancelled = self._cancelled, set()
-            return cancelled
+            return self._take_cancelled()
 
     def cancelled(self) -> set[str]:
         """The jobs whose cancel flag a write found set since the engine last asked (what its next
         call would return)."""
         with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
-            return cancelled
+            return self._take_cancelled()
+
+    def _take_cancelled(self) -> set[str]:
+        cancelled, self._cancelled = self._cancelled, set()
+        return cancelled
 
     @property
     def failing(self) -> bool:
@@ -263,12 +265,9 @@ class StreamWriter:
         return entry_id
 
     def _check(self, active: list[str]) -> set[str]:
-        """The jobs of `active` whose cancel flag is set (none while Redis is unreachable: the next
-        write says so)."""
-        try:
-            flags = self.client.mget([protocol.cancel_key(job_id) for job_id in active]) if active else []
-        except redis.RedisError:
-            return set()
+        """The jobs of `active` whose cancel flag is set (the writer's thread; a RedisError is its
+        outage, as a write's is)."""
+        flags = self.client.mget([protocol.cancel_key(job_id) for job_id in active]) if active else []
         with self._lock:
             self._checked_at = time.monotonic()
         return {job_id for job_id, flag in zip(active, flags) if flag is not None}

@@ -7,8 +7,8 @@ Taking a place is one Lua script (drop what lapsed, refuse at the cap, add), so 
 never overshoot. A member is given back when its holder knows it ended (a stream closes, a file is
 deleted, a request that followed its job saw the job end); what ends unseen (a polled job on a
 worker, a batch in the dispatcher) lapses at its deadline or is dropped when the owner reaches the
-cap and `ended` says it is over. A crashed web process's holds
-lapse after a few keepalive periods: an open hold is refreshed as it runs.
+cap and `ended` says it is over. A crashed web process's holds lapse after a few keepalive periods:
+an open hold is refreshed as it runs.
 """
 from __future__ import annotations
 
