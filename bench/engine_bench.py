@@ -528,6 +528,12 @@ def phase_ms_per_forward(seconds: dict[str, float], forwards: float) -> dict[str
     return {phase: 1000 * s / forwards if forwards else 0.0 for phase, s in seconds.items()}
 
 
+def median_phases(records: list[dict]) -> dict[str, float]:
+    """Each phase's median over the records that have `step_phase_ms` ({} where none has)."""
+    phased = [r["step_phase_ms"] for r in records if r.get("step_phase_ms")]
+    return {phase: statistics.median(p[phase] for p in phased) for phase in phased[0]} if phased else {}
+
+
 def summarize(runs, ready, config, workload: Workload, limits: dict, device: str = "cpu") -> dict:
     """Median over repeats per (system, concurrency), with ratios and fractions of the limits (of
     the matmul and copy limits only on the CPU, the only device bench/machine.py measures them on)."""
@@ -547,8 +553,7 @@ def summarize(runs, ready, config, workload: Workload, limits: dict, device: str
                    "foreign_cores": statistics.median(r.get("foreign_cores", 0.0) for r in rs),
                    "gflops": tok_s / workload.new_tokens * flops / 1e9}
             if all("step_phase_ms" in r for r in rs):
-                row["step_phase_ms"] = {phase: statistics.median(r["step_phase_ms"][phase] for r in rs)
-                                        for phase in rs[0]["step_phase_ms"]}
+                row["step_phase_ms"] = median_phases(rs)
             if device == "cpu":
                 row["matmul_peak_fraction"] = row["gflops"] / limits["matmul_gflops"]
             if all("ceiling_tokens_per_s" in r for r in rs):  # each run against the ceiling of its round

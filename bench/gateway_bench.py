@@ -137,6 +137,14 @@ def busy_share(before: dict[str, float], after: dict[str, float], wall_s: float,
             "step_phase_ms": phase_ms_per_forward(phases, forwards)}
 
 
+def median_busy(shares: list[dict]) -> dict:
+    """`busy_share`s' medians, field by field (phase by phase for the step's phases)."""
+    from bench.engine_bench import median_phases
+
+    return {key: median_phases(shares) if key == "step_phase_ms" else statistics.median(s[key] for s in shares)
+            for key in shares[0]}
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -290,7 +298,8 @@ def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
     return used
 
 
-def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path, log=print) -> dict:
+def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path, log=print,
+           requests_per_client: int = 1) -> dict:
     """See the module docstring (`pinned`). Needs two CPUs or more."""
     import psutil
     import torch
@@ -306,7 +315,7 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
     os.environ["OMP_NUM_THREADS"] = "1"  # the worker's, started below
     torch.set_num_threads(1)
     model, context = checkpoint("tiny"), 32 + max_tokens
-    bodies = {c: [completion_body(i, 32, max_tokens) for i in range(c)] for c in concurrency}
+    bodies = {c: [completion_body(i, 32, max_tokens) for i in range(c * requests_per_client)] for c in concurrency}
     me = os.getpid()
     pin(me, engine_cpu)  # the engine's thread, started below, and the threads that submit to it
     models_file = write_models_toml(workdir / "alone.toml", {"tiny": model}, device="cpu", dtype="float32",
@@ -317,7 +326,7 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
 
     def busy() -> dict[str, float]:  # as `engine_busy` reads the worker's
         stats = engine.stats()
-        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"]}
+        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"], "phases_s": stats["step_phase_seconds"]}
 
     try:  # built and compiled as the worker builds it
         send = engine_sender(engine, "tiny")
@@ -328,11 +337,11 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
                 before = busy()
                 report = run(send, bodies[c], c)
                 alone[c].append(report["tokens_per_s"])
-                alone_busy[c].append(busy_share(before, busy(), report["wall_s"], c))
+                alone_busy[c].append(busy_share(before, busy(), report["wall_s"], len(bodies[c])))
     finally:
         engine.stop()
     result = {"cpu_engine": sorted(engine_cpu), "cpus_rest": sorted(rest), "max_tokens": max_tokens,
-              "by_concurrency": {}}
+              "requests_per_client": requests_per_client, "by_concurrency": {}}
     with stack(models_file, workdir, concurrency=max(concurrency)) as web:  # the same model, as the worker serves it
         roles = {web.info["worker_pid"]: "worker", me: "client"}
         for process in psutil.Process(me).children(recursive=True):  # this stack's, not another's on the host
@@ -352,9 +361,10 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
                 after = cpu_seconds(roles)
                 if report["errors"]:
                     raise RuntimeError(f"{report['errors']} requests failed: {report['first_error']}")
-                report["cpu_ms_per_request"] = {role: 1000 * (after[role] - before[role]) / c for role in after}
+                report["cpu_ms_per_request"] = {role: 1000 * (after[role] - before[role]) / len(bodies[c])
+                                                for role in after}
                 report["engine"] = busy_share(busy_before, engine_busy(web.info["worker_metrics_url"]),
-                                              report["wall_s"], c)
+                                              report["wall_s"], len(bodies[c]))
                 runs[c].append(report)
                 log(f"pinned repeat {r + 1}/{repeats} C={c:<3} stack {report['tokens_per_s']:8.1f} tok/s, "
                     f"engine alone {alone[c][r]:8.1f}")
@@ -366,15 +376,13 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
             "engine_tokens_per_s": engine_tps, "stack_tokens_per_s": stack_tps, "ratio": stack_tps / engine_tps,
             "cpu_ms_per_request": {role: statistics.median(r["cpu_ms_per_request"][role] for r in runs[c])
                                    for role in roles_seen},
-            "engine_alone": {key: statistics.median(b[key] for b in alone_busy[c]) for key in alone_busy[c][0]},
-            "engine_in_stack": {key: statistics.median(r["engine"][key] for r in runs[c])
-                                for key in runs[c][0]["engine"]},
+            "engine_alone": median_busy(alone_busy[c]), "engine_in_stack": median_busy([r["engine"] for r in runs[c]]),
             "engine_runs": alone[c], "stack_runs": runs[c]}
     return result
 
 
 def pinned_markdown(result: dict) -> str:
-    lines = ["| requests at once | engine alone tok/s | stack tok/s | stack / engine | engine busy, alone / in the "
+    lines = ["| clients | engine alone tok/s | stack tok/s | stack / engine | engine busy, alone / in the "
              "stack | forwards a request, alone / in the stack | ms a forward, alone / in the stack | CPU ms a "
              "request: worker / web / Redis / client |", "| ---: | ---: | ---: | ---: | --- | --- | --- | --- |"]
     for c, row in result["by_concurrency"].items():
@@ -392,12 +400,16 @@ def pinned_main(argv: list[str]) -> dict:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=1,
+                        help="requests each of the C clients sends, the next as its last is answered (1: a "
+                             "burst of C; more: the steady state of C clients)")
     parser.add_argument("--json", default="bench/.cache/gateway_bench_pinned.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="nanoserve-gateway-bench-") as tmp:
         result = pinned([int(c) for c in args.concurrency.split(",")], args.repeats, args.max_tokens, Path(tmp),
-                        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                        requests_per_client=args.requests_per_client)
     from bench.engine_bench import code_version
     from bench.machine import cpu_flags
     from nanogpt.kernels.machine import cpu_name
@@ -407,6 +419,7 @@ def pinned_main(argv: list[str]) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(pinned_markdown(result))
+    print(f"\nEach client sent {args.requests_per_client} request(s), the next as the last was answered.")
     print(f"\nCPU: {result['cpu']} ({' '.join(result['cpu_flags'])}); code {result['code']['commit']}")
     return result
 

@@ -130,6 +130,7 @@ class Plan:
     client_processes: int = 8  # the stack's load from this many processes (bench/loadgen.py ClientProcesses)
     web_workers: int = 4  # gunicorn's, as docker-compose.yml deploys the web tier
     stream_at: int = 8
+    steady: int = 4  # then each concurrency's clients send this many requests each (the steady state)
     profile_dtype: str = "bfloat16"
     profile_concurrency: tuple[int, ...] = (1, 64)
     profile_steps: int = 32
@@ -141,7 +142,7 @@ QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_syst
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              large="tiny", large_concurrency=(1,),
              stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
-             stream_at=2,
+             stream_at=2, steady=2,
              client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
@@ -371,6 +372,7 @@ class Check:
     def write(self) -> None:
         self.results["wall_s"] = round(time.monotonic() - self.started, 1)
         self.results["stack_over_engine"] = stack_over_engine(self.results["phases"])
+        self.results["steady_over_engine"] = stack_over_engine(self.results["phases"], steady=True)
         for name, text in (("gpu_check.json", json.dumps(self.results, indent=1, default=str)),
                            ("gpu_check.md", markdown(self.results))):
             tmp = self.out / f".{name}.tmp"
@@ -553,7 +555,7 @@ def phases(check: Check) -> None:
         "--dtypes", ",".join(plan.stack_dtypes), "--mode", plan.stack_mode,
         "--concurrency", ",".join(map(str, plan.stack_concurrency)),
         "--repeats", str(plan.stack_repeats), "--min-requests", str(plan.min_requests),
-        "--stream-at", str(plan.stream_at),
+        "--stream-at", str(plan.stream_at), "--steady", str(plan.steady),
         "--client-processes", str(plan.client_processes), "--web-workers", str(plan.web_workers),
         "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
         "--workdir", str(work / "stack"), "--json", str(path)))
@@ -582,14 +584,17 @@ def junit_counts(path: Path) -> dict:
     return counts
 
 
-def stack_over_engine(phases: dict) -> dict:
-    """The whole stack's tokens/s over the engine alone's (engine-small), per dtype and concurrency."""
+def stack_over_engine(phases: dict, steady: bool = False) -> dict:
+    """The whole stack's tokens/s over the engine alone's (engine-small), per dtype and concurrency:
+    the bursts', or `steady`, the rounds whose clients sent several requests each."""
     engine = ((phases.get("engine-small") or {}).get("result") or {}).get("summary", {}).get("by_system", {})
     stack = ((phases.get("stack") or {}).get("result") or {}).get("dtypes", {})
     out = {}
     for dtype, entry in stack.items():
         alone = engine.get(ENGINE_OF_DTYPE.get(dtype), {})
-        ratios = {c: tok_s / alone[c]["tokens_per_s"] for c, tok_s in entry.get("tokens_per_s", {}).items()
+        measured = ({c: r["tokens_per_s"] for c, r in entry.get("steady", {}).items()} if steady
+                    else entry.get("tokens_per_s", {}))
+        ratios = {c: tok_s / alone[c]["tokens_per_s"] for c, tok_s in measured.items()
                   if c in alone and alone[c].get("tokens_per_s")}
         if ratios:
             out[dtype] = ratios
@@ -624,6 +629,7 @@ def _engine_table(result: dict, caption: str) -> list[str]:
 
 
 def markdown(results: dict) -> str:
+    from bench.engine_bench import median_phases
     env, code, phases = results.get("environment") or {}, results.get("code", {}), results["phases"]
     check = results["check"]
     gpu = env.get("gpu_name") or ("CPU" if check["device"] == "cpu" else "unknown GPU")
@@ -673,6 +679,13 @@ def markdown(results: dict) -> str:
                 cells.append(_num(tok_s) + ("" if ratio is None else f" ({ratio:.2f})"))
             lines.append(f"| {dtype} | {_num(entry.get('ready_s'), 1)} | " + " | ".join(cells) + " |")
         for dtype, entry in stack.get("dtypes", {}).items():
+            steady = entry.get("steady")
+            if steady:
+                over = results.get("steady_over_engine", {}).get(dtype, {})
+                lines.append(f"\n{dtype}, the steady state (C clients, {stack.get('steady')} requests each, the next "
+                             "as the last is answered), tokens/s (over the engine alone's bursts): " + "; ".join(
+                                 f"{c}: {_num(r['tokens_per_s'])}" + (f" ({over[c]:.2f})" if c in over else "")
+                                 for c, r in steady.items()) + ".")
             streamed = entry.get("streamed")
             if streamed:
                 lines.append(f"\n{dtype}, streamed at {streamed['concurrency']}: inter-token latency p50 "
@@ -706,7 +719,7 @@ def markdown(results: dict) -> str:
                                  + f", {_ms(engine_step(small, dtype, int(c)))}" for c, rs in inside.items()) + ".")
                 by_phase = []
                 for c, rs in inside.items():
-                    stacked, alone = _median_phases(rs), engine_phases(small, dtype, int(c))
+                    stacked, alone = median_phases(rs), engine_phases(small, dtype, int(c))
                     if stacked:
                         by_phase.append(f"{c}: " + ", ".join(f"{phase} {_num(alone.get(phase), 2)}/"
                                                              f"{_num(ms, 2)}" for phase, ms in stacked.items()))
@@ -777,11 +790,6 @@ def engine_phases(engine_result: dict | None, dtype: str, c: int) -> dict[str, f
     row = ((engine_result or {}).get("summary", {}).get("by_system", {})
            .get(ENGINE_OF_DTYPE.get(dtype), {}).get(str(c)))
     return (row or {}).get("step_phase_ms", {})
-
-
-def _median_phases(records: list[dict]) -> dict[str, float]:
-    phased = [r["step_phase_ms"] for r in records if r.get("step_phase_ms")]
-    return {phase: statistics.median(p[phase] for p in phased) for phase in phased[0]} if phased else {}
 
 
 def engine_step(engine_result: dict | None, dtype: str, c: int) -> float | None:
@@ -930,6 +938,9 @@ def stack_main(argv: list[str]) -> None:
     parser.add_argument("--min-requests", type=int, default=0,
                         help="more repeats at a concurrency whose repeats would time fewer requests than this")
     parser.add_argument("--stream-at", type=int, default=8, help="a streamed round at this concurrency (0: none)")
+    parser.add_argument("--steady", type=int, default=4,
+                        help="after the bursts, a round at each concurrency whose every client sends this many "
+                             "requests, the next as the last is answered (0: none)")
     parser.add_argument("--client-processes", type=int, default=8,
                         help="the closed-loop clients run in this many processes (one's GIL bounds its sending)")
     parser.add_argument("--web-workers", type=int, default=4, help="gunicorn's processes")
@@ -942,7 +953,7 @@ def stack_main(argv: list[str]) -> None:
     _no_control_socket()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     results = {"model": args.model, "device": args.device, "concurrency": concurrency, "repeats": args.repeats,
-               "min_requests": args.min_requests,
+               "min_requests": args.min_requests, "steady": args.steady,
                "client_processes": args.client_processes, "web_workers": args.web_workers,
                "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
     failed = False
@@ -1019,6 +1030,18 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             entry["tokens_per_s"] = {c: statistics.median(x["tokens_per_s"] for x in rs)
                                      for c, rs in runs.items() if rs}
             save()
+        # C clients sending request after request: their requests arrive as others' end, where a
+        # burst's arrive together and the last of them run on while the rest have ended
+        entry["steady"] = {}
+        for c in concurrency if args.steady else ():
+            busy = engine_busy(web.info["worker_metrics_url"])
+            report = clients.run(bodies(c * args.steady, args.new_tokens), c)
+            report["engine_in_stack"] = busy_share(busy, engine_busy(web.info["worker_metrics_url"]), report["wall_s"],
+                                                   c * args.steady)
+            report["wrong_length"] = report["completion_tokens"] != (c * args.steady - report["errors"]) * args.new_tokens
+            entry["steady"][str(c)] = report
+            print(f"{dtype} steady C={c:<3} {report['tokens_per_s']:8.1f} tok/s errors {report['errors']}", flush=True)
+            save()
         if args.stream_at:
             # a process a stream: one process's client parsing every stream's chunks under its one
             # GIL would space them out itself
@@ -1039,7 +1062,8 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             entry["burst_path"] = {"concurrency": args.stream_at, "ms": request_path(
                 web.info["redis_url"], url, args, bodies(1, args.new_tokens)[0], requests=3, concurrency=args.stream_at)}
             print(f"{dtype} {args.stream_at} requests at once, their paths: {entry['burst_path']['ms']}", flush=True)
-    errors = sum(r["errors"] + r["wrong_length"] for rs in entry["runs"].values() for r in rs)
+    errors = sum(r["errors"] + r["wrong_length"]
+                 for r in [*(r for rs in entry["runs"].values() for r in rs), *entry["steady"].values()])
     if errors:
         raise RuntimeError(f"{errors} runs with failed or wrong-length requests")
 

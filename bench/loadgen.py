@@ -139,9 +139,10 @@ class ClientProcesses:
         return report(*self.samples(bodies, concurrency), concurrency)
 
     def samples(self, bodies: list[dict], concurrency: int) -> tuple[list[Sample], float]:
-        """`run`'s samples, and its wall time."""
-        shares = [(bodies[i::self.processes], concurrency // self.processes + (i < concurrency % self.processes))
-                  for i in range(self.processes)]
+        """`run`'s samples, and its wall time. Client k runs in process k % processes, and body j goes
+        to client j % concurrency's process (more bodies than clients: each client sends several)."""
+        shares = [([body for j, body in enumerate(bodies) if j % concurrency % self.processes == i],
+                   concurrency // self.processes + (i < concurrency % self.processes)) for i in range(self.processes)]
         done = [f.result() for f in [self._pool.submit(_run_share, part, clients)
                                      for part, clients in shares if part and clients]]
         samples = [sample for part, _, _ in done for sample in part]

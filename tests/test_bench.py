@@ -256,23 +256,28 @@ def test_gateway_bench_runs_the_real_stack(hf_checkpoint, tmp_path):
 def test_gateway_bench_pinned_holds_the_stack_against_its_engine_with_the_worker_on_its_own_cpu(tmp_path):
     # a process of its own: pinned pins the process that runs it and sets its torch threads
     path = tmp_path / "pinned.json"
-    subprocess.run([sys.executable, "-m", "bench.gateway_bench", "pinned", "--concurrency", "1,2", "--repeats", "1",
-                    "--max-tokens", "4", "--json", str(path)], check=True, cwd=Path(__file__).resolve().parent.parent,
-                   timeout=600)
+    # two repeats (their medians), each client sending two requests, the next as the last is answered
+    subprocess.run([sys.executable, "-m", "bench.gateway_bench", "pinned", "--concurrency", "1,2", "--repeats", "2",
+                    "--requests-per-client", "2", "--max-tokens", "4", "--json", str(path)], check=True,
+                   cwd=Path(__file__).resolve().parent.parent, timeout=600)
     result = json.loads(path.read_text())
     assert result["cpu_engine"] == [min(os.sched_getaffinity(0))] and min(os.sched_getaffinity(0)) not in result["cpus_rest"]
+    assert result["requests_per_client"] == 2
     for c in ("1", "2"):
-        row = result["by_concurrency"][c]
-        (run,) = row["stack_runs"]
-        assert run["errors"] == 0 and run["completion_tokens"] == int(c) * 4
+        row, requests = result["by_concurrency"][c], 2 * int(c)
+        assert len(row["stack_runs"]) == len(row["engine_runs"]) == 2
+        for run in row["stack_runs"]:
+            assert run["errors"] == 0 and run["requests"] == requests and run["completion_tokens"] == requests * 4
         assert row["ratio"] == row["stack_tokens_per_s"] / row["engine_tokens_per_s"] > 0
         assert set(row["cpu_ms_per_request"]) == {"worker", "web", "redis", "client"}
         assert all(ms > 0 for ms in row["cpu_ms_per_request"].values())
         # the engine's time in its steps, alone and in the worker (from its metrics), against the round's wall
         for engine in (row["engine_alone"], row["engine_in_stack"]):
             assert 0 < engine["busy_share"] <= 1 and engine["ms_per_forward"] > 0
-            # each request's prompt and its 4 tokens: 4 forwards at least, a batch's shared
-            assert engine["forwards_per_request"] * int(c) >= 4
+            # each request's prompt and its 4 tokens: 4 forwards a client's request at least, a batch's shared
+            assert engine["forwards_per_request"] * requests >= 4 * 2
+            # and where a forward's time went, by the step's phases
+            assert sum(engine["step_phase_ms"].values()) == pytest.approx(engine["ms_per_forward"], rel=0.05)
 
 
 def test_pickup_bench_times_bursts_of_jobs_through_a_real_worker_pool():

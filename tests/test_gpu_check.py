@@ -107,6 +107,10 @@ def test_the_stack_is_held_against_the_engine_of_its_dtype():
     ratios = gpu_check.stack_over_engine({"engine-small": {"result": engine}, "stack": {"result": stack}})
     assert ratios == {"float32": {"8": 0.5}, "bfloat16": {"8": 0.75}}  # only where the engine has the row
     assert gpu_check.stack_over_engine({"stack": {"result": stack}}) == {}
+    # the steady state's rounds, held against the same engine rows
+    stack["dtypes"]["bfloat16"]["steady"] = {"8": {"tokens_per_s": 180.0}, "1": {"tokens_per_s": 9.0}}
+    steady = gpu_check.stack_over_engine({"engine-small": {"result": engine}, "stack": {"result": stack}}, steady=True)
+    assert steady == {"bfloat16": {"8": 0.9, "1": 0.9}}
 
 
 @pytest.mark.slow
@@ -145,6 +149,14 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
             assert run["errors"] == 0 and run["completion_tokens"] == int(c) * new_tokens
         assert results["stack_over_engine"]["float32"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
     assert stack["streamed"]["errors"] == 0 and stack["streamed"]["itl_p50_s"] > 0
+    # then every concurrency's clients sending QUICK.steady requests each, every request answered in full
+    steady = gpu_check.QUICK.steady
+    for c in ("1", "2"):
+        run = stack["steady"][c]
+        assert run["errors"] == 0 and run["requests"] == int(c) * steady
+        assert run["completion_tokens"] == int(c) * steady * new_tokens
+        assert run["engine_in_stack"]["forwards_per_request"] > 0
+        assert results["steady_over_engine"]["float32"][c] == run["tokens_per_s"] / small["engine"][c]["tokens_per_s"]
     # where one request's time goes, and what requests cost the worker's CPU
     path = stack["request_path_ms"]
     assert set(path) == {"web", "pickup", "engine", "first_token", "decode", "reply", "rq_after_done"}
@@ -174,6 +186,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "first token at 1 (ms)" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
+    assert f"the steady state (C clients, {steady} requests each" in summary
     assert "the worker's engine in the stack" in summary and "where a forward's ms went by phase" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()
