@@ -689,7 +689,8 @@ def markdown(results: dict) -> str:
             streamed = entry.get("streamed")
             if streamed:
                 lines.append(f"\n{dtype}, streamed at {streamed['concurrency']}: inter-token latency p50 "
-                             f"{_ms(streamed.get('itl_p50_s'))} ms, p99 {_ms(streamed.get('itl_p99_s'))} ms, TTFT p50 "
+                             f"{_ms(streamed.get('itl_p50_s'))} ms, p99 {_ms(streamed.get('itl_p99_s'))} ms, time a "
+                             f"token from the first chunk to the last (TPOT) p50 {_ms(streamed.get('tpot_p50_s'))} ms, TTFT p50 "
                              f"{_ms(streamed.get('ttft_p50_s'))} ms, {streamed.get('tokens_per_chunk') or 0:.2f} "
                              f"tokens a chunk; the engine alone's time per token and request there: "
                              f"{_ms(engine_step(small, dtype, streamed['concurrency']))} ms.")
@@ -1052,7 +1053,12 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             ok = [s for s in samples if s.error is None]
             gaps = [b - a for s in ok for a, b in zip(s.chunk_times, s.chunk_times[1:])]
             chunks = sum(len(s.chunk_times) for s in ok)
+            # each request's time a token from its first chunk to its last: the pace a reader sees where
+            # a step's several tokens arrive as chunks together (the gaps between them are not a step)
+            tpots = [(s.chunk_times[-1] - s.chunk_times[0]) / (s.completion_tokens - 1)
+                     for s in ok if len(s.chunk_times) > 1 and s.completion_tokens > 1]
             report.update(itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
+                          tpot_p50_s=percentile(tpots, 50),
                           tokens_per_chunk=report["completion_tokens"] / chunks if chunks else None)
             entry["streamed"] = report
             print(f"{dtype} streamed C={args.stream_at}: ITL p50 {_ms(report['itl_p50_s'])} ms", flush=True)

@@ -149,6 +149,8 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
             assert run["errors"] == 0 and run["completion_tokens"] == int(c) * new_tokens
         assert results["stack_over_engine"]["float32"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
     assert stack["streamed"]["errors"] == 0 and stack["streamed"]["itl_p50_s"] > 0
+    # each request's time a token from its first chunk to its last
+    assert stack["streamed"]["tpot_p50_s"] > 0
     # then every concurrency's clients sending QUICK.steady requests each, every request answered in full
     steady = gpu_check.QUICK.steady
     for c in ("1", "2"):
@@ -186,7 +188,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "first token at 1 (ms)" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
-    assert f"the steady state (C clients, {steady} requests each" in summary
+    assert f"the steady state (C clients, {steady} requests each" in summary and "(TPOT) p50" in summary
     assert "the worker's engine in the stack" in summary and "where a forward's ms went by phase" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()
