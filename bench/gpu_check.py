@@ -1031,7 +1031,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             entry["tokens_per_s"] = {c: statistics.median(x["tokens_per_s"] for x in rs)
                                      for c, rs in runs.items() if rs}
             save()
-        # C clients sending request after request: their requests arrive as others' end, where a
+        # C clients sending request after request: their requests arrive as others end, where a
         # burst's arrive together and the last of them run on while the rest have ended
         entry["steady"] = {}
         for c in concurrency if args.steady else ():
