@@ -18,13 +18,15 @@ alternating, in the same run.
    banned) on `gpt2-small`: the gateway's aggregate tokens/s as a fraction of the engine alone's,
    median over the repeats.
 
-    python -m bench.gateway_bench pinned [--concurrency 1,8,32,64] [--repeats 3] [--json PATH]
+    python -m bench.gateway_bench pinned [--concurrency 1,8,32,64] [--repeats 3] [--requests-per-client 1]
+                                         [--json PATH]
 
 `pinned`: whether the stack keeps up with an engine whose steps cost what a GPU's do, as a GPU host
 runs it. The tiny model (a step of about a millisecond on one core, as a GPU's) in one torch
 thread; the engine alone, and then the stack's worker process, on CPU 0; web, Redis and the
-`openai` client on the other CPUs. Per concurrency C, bursts of C requests of 64 tokens: the
-stack's tokens/s against the engine alone's; the engine's busy share of each round, its forwards a
+`openai` client on the other CPUs. Per concurrency C, C clients each sending `--requests-per-client`
+requests of 64 tokens, the next as the last is answered (1: bursts of C; more: the steady state): the
+stack's tokens/s against the engine alone's under the same load; the engine's busy share of each round, its forwards a
 request and its time a forward, alone and in the worker (`busy_share`); and each process's CPU
 milliseconds a request.
 """
