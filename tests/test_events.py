@@ -243,9 +243,10 @@ def test_an_outage_past_max_pending_loses_the_oldest_events_and_later_deltas_joi
     server.stop()
     try:
         writer([delta("s", 0)])  # fails: s's and w's events kept, one over max_pending
-        wait_until(lambda: writer.failing)
-        writer([delta("w", 2)])
+        wait_until(lambda: writer.failing)  # the failed write cut the events kept to max_pending
+        # back before the next token: a retry failing after it would cut again, the token itself
         server = start_redis(port=server.port, persist_dir=str(tmp_path))
+        writer([delta("w", 2)])
         assert writer.wait_written(timeout=20)
         step(writer, [("w", "done", {"completion": {}})])
         assert [data.get("token_ids") for _, data in events(client, "w")] == [[0], [2], None]
