@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from bench import checkpoint
+from bench import checkpoint, rounds
 from bench.loadgen import Sample, completion_body, openai_sender, percentile, run
 from bench.machine import Gate
 
@@ -145,6 +145,36 @@ def median_busy(shares: list[dict]) -> dict:
 
     return {key: median_phases(shares) if key == "step_phase_ms" else statistics.median(s[key] for s in shares)
             for key in shares[0]}
+
+
+def engine_as_served(models_file: Path, name: str, device: str, compile: bool | None,
+                     schedule: list[tuple[int, int, int]], bodies) -> Iterator[tuple[int, dict]]:
+    """The engine of `models_file`'s model `name` built as the worker builds it
+    (processor.build_engine: its precision, slots, context, kernels and compile), in this process,
+    without an event sink; each body of `bodies(c)` put straight into it by `c` closed-loop threads.
+    Yields, for each round (_, c, _) of `schedule` (bench.rounds), c and its loadgen report, with the
+    engine's busy share of it as `engine` (`busy_share`). A round of c bodies at every concurrency
+    warms it first; the engine is stopped after the last."""
+    from models.registry import Registry
+    from processor import build_engine
+
+    engine = build_engine(Registry.from_file(models_file).get(name), device, None, compile=compile)
+
+    def busy() -> dict[str, float]:  # as `engine_busy` reads the worker's
+        stats = engine.stats()
+        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"], "phases_s": stats["step_phase_seconds"]}
+
+    try:
+        send = engine_sender(engine, name)
+        for c in sorted({c for _, c, _ in schedule}):
+            run(send, bodies(c)[:c], c)
+        for _, c, _ in schedule:
+            before = busy()
+            report = run(send, bodies(c), c)
+            report["engine"] = busy_share(before, busy(), report["wall_s"], len(bodies(c)))
+            yield c, report
+    finally:
+        engine.stop()
 
 
 def timed(fn) -> float:
@@ -306,8 +336,6 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
     import psutil
     import torch
 
-    from models.registry import Registry
-    from processor import build_engine
     from tests.stack import write_models_toml
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -322,26 +350,12 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
     pin(me, engine_cpu)  # the engine's thread, started below, and the threads that submit to it
     models_file = write_models_toml(workdir / "alone.toml", {"tiny": model}, device="cpu", dtype="float32",
                                     max_batch=max(concurrency), context_length=context)
-    engine = build_engine(Registry.from_file(models_file).get("tiny"), "cpu", None, compile=None)
     alone: dict[int, list[float]] = {c: [] for c in concurrency}
     alone_busy: dict[int, list[dict]] = {c: [] for c in concurrency}
-
-    def busy() -> dict[str, float]:  # as `engine_busy` reads the worker's
-        stats = engine.stats()
-        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"], "phases_s": stats["step_phase_seconds"]}
-
-    try:  # built and compiled as the worker builds it
-        send = engine_sender(engine, "tiny")
-        for c in concurrency:
-            run(send, bodies[c][:c], c)
-        for _ in range(repeats):
-            for c in concurrency:
-                before = busy()
-                report = run(send, bodies[c], c)
-                alone[c].append(report["tokens_per_s"])
-                alone_busy[c].append(busy_share(before, busy(), report["wall_s"], len(bodies[c])))
-    finally:
-        engine.stop()
+    for c, report in engine_as_served(models_file, "tiny", "cpu", None, rounds(concurrency, repeats),
+                                      lambda c: bodies[c]):
+        alone[c].append(report["tokens_per_s"])
+        alone_busy[c].append(report["engine"])
     result = {"cpu_engine": sorted(engine_cpu), "cpus_rest": sorted(rest), "max_tokens": max_tokens,
               "requests_per_client": requests_per_client, "by_concurrency": {}}
     with stack(models_file, workdir, concurrency=max(concurrency)) as web:  # the same model, as the worker serves it

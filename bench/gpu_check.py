@@ -30,7 +30,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
   prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
   requests, 2 repeats (8 at 1 request), and a streamed round at 8 (inter-token latency); each over
-  the engine alone of engine-small; and how fast the host's consumer takes a burst of 64 jobs
+  the engine alone of engine-small and over the engine as the worker builds it (its slots and
+  context), run first in the phase's own process; and how fast the host's consumer takes a burst of 64 jobs
   (bench/pickup_bench.py);
 - engine-xl: the bfloat16 engine on the GPT-2 XL shape at 1, 8 and 32 requests, one repeat (8 at 1
   request; last of the benchmarks: the longest, so a budget that runs out costs its rows rather
@@ -679,6 +680,14 @@ def markdown(results: dict) -> str:
                 cells.append(_num(tok_s) + ("" if ratio is None else f" ({ratio:.2f})"))
             lines.append(f"| {dtype} | {_num(entry.get('ready_s'), 1)} | " + " | ".join(cells) + " |")
         for dtype, entry in stack.get("dtypes", {}).items():
+            served, over = entry.get("engine_as_served"), entry.get("over_served", {})
+            if served:
+                lines.append(f"\n{dtype}, the engine as the worker builds it ({max(cs)} slots, the workload's context), "
+                             "alone in the stack phase's process, tokens/s (the stack's bursts / steady state over "
+                             "it): " + "; ".join(
+                                 f"{c}: {_median_of(rs, 'tokens_per_s'):.0f} ("
+                                 + "/".join(_num(over.get(kind, {}).get(c), 2) for kind in ("bursts", "steady")) + ")"
+                                 for c, rs in served.items()) + ".")
             steady = entry.get("steady")
             if steady:
                 over = results.get("steady_over_engine", {}).get(dtype, {})
@@ -994,14 +1003,31 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
-    from bench.gateway_bench import busy_share, engine_busy
+    import gc
+
+    import torch
+
+    from bench.gateway_bench import busy_share, engine_as_served, engine_busy
     from bench.loadgen import ClientProcesses, completion_body, percentile
     from bench.loadgen import report as loadgen_report
-    from bench.serving_bench import COMPILE_MODES, nanoserve
+    from bench.serving_bench import COMPILE_MODES, nanoserve, served_models
 
     def bodies(count: int, new_tokens: int) -> list[dict]:  # the engine benchmark's requests
         return [completion_body(i, args.prompt_tokens, new_tokens) for i in range(count)]
 
+    # the engine as the worker builds it (its slots, context and compile), alone in this process: what
+    # the stack is held against, where engine-small's engine has one slot a request and no more context
+    served = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
+                           args.prompt_tokens + args.new_tokens, workdir, args.device)
+    entry["engine_as_served"] = alone = {}
+    for c, report in engine_as_served(served, args.model, args.device, COMPILE_MODES[args.mode],
+                                      rounds(concurrency, args.repeats, args.min_requests),
+                                      lambda c: bodies(c, args.new_tokens)):
+        alone.setdefault(str(c), []).append(report)
+        print(f"{dtype} the engine as served C={c:<3} {report['tokens_per_s']:8.1f} tok/s", flush=True)
+    gc.collect()  # its model, cache and graphs, before the worker takes the device
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     started = time.perf_counter()
     with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
                    workdir, compile=COMPILE_MODES[args.mode], device=args.device,
@@ -1068,6 +1094,10 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             entry["burst_path"] = {"concurrency": args.stream_at, "ms": request_path(
                 web.info["redis_url"], url, args, bodies(1, args.new_tokens)[0], requests=3, concurrency=args.stream_at)}
             print(f"{dtype} {args.stream_at} requests at once, their paths: {entry['burst_path']['ms']}", flush=True)
+    served = {c: statistics.median(r["tokens_per_s"] for r in rs) for c, rs in alone.items()}
+    entry["over_served"] = {
+        "bursts": {c: tok_s / served[c] for c, tok_s in entry["tokens_per_s"].items() if served.get(c)},
+        "steady": {c: r["tokens_per_s"] / served[c] for c, r in entry["steady"].items() if served.get(c)}}
     errors = sum(r["errors"] + r["wrong_length"]
                  for r in [*(r for rs in entry["runs"].values() for r in rs), *entry["steady"].values()])
     if errors:

@@ -197,6 +197,16 @@ def sweep(send: Send, requests: list[Request], rates: list[float], *, seed: int 
 COMPILE_MODES = {"": None, "compile": True, "eager": False}
 
 
+def served_models(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
+                  workdir: Path, device: str = "cpu") -> Path:
+    """The registry `nanoserve` serves from: `model_dir` as `model`, in `dtype` on `device`, with
+    `max_concurrency` KV-cache slots of `context_length` positions (workdir/models.toml)."""
+    from tests.stack import write_models_toml
+
+    return write_models_toml(workdir / "models.toml", {model: model_dir}, device=device, dtype=dtype,
+                             max_batch=max_concurrency, context_length=context_length)
+
+
 @contextmanager
 def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
               workdir: Path, compile: bool | None = None, device: str = "cpu", web_workers: int = 2):
@@ -204,10 +214,8 @@ def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, con
     step compiled or not by `compile`, None: the worker's default; `web_workers` gunicorn processes);
     yields its web service (`.url`; `.info` names Redis's URL and the worker's pid)."""
     from bench.gateway_bench import stack
-    from tests.stack import write_models_toml
 
-    models_file = write_models_toml(workdir / "models.toml", {model: model_dir}, device=device, dtype=dtype,
-                                    max_batch=max_concurrency, context_length=context_length)
+    models_file = served_models(model_dir, model, dtype, max_concurrency, context_length, workdir, device)
     with stack(models_file, workdir, concurrency=max_concurrency, compile=compile, web_workers=web_workers) as web:
         yield web
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -148,6 +149,15 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
         for run in stack["runs"][c]:
             assert run["errors"] == 0 and run["completion_tokens"] == int(c) * new_tokens
         assert results["stack_over_engine"]["float32"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
+    # the engine as the worker builds it, alone, the same rounds: what the stack's rounds are held against
+    assert {c: len(runs) for c, runs in stack["engine_as_served"].items()} == {"1": 2, "2": 1}
+    for c in ("1", "2"):
+        served = stack["engine_as_served"][c]
+        assert all(r["errors"] == 0 and r["completion_tokens"] == int(c) * new_tokens for r in served)
+        assert 0 < served[0]["engine"]["busy_share"] <= 1 and served[0]["engine"]["forwards_per_request"] > 0
+        median = statistics.median(r["tokens_per_s"] for r in served)
+        assert stack["over_served"]["bursts"][c] == stack["tokens_per_s"][c] / median
+        assert stack["over_served"]["steady"][c] == stack["steady"][c]["tokens_per_s"] / median
     assert stack["streamed"]["errors"] == 0 and stack["streamed"]["itl_p50_s"] > 0
     # each request's time a token from its first chunk to its last
     streamed = stack["streamed"]  # first chunk to last, within each request's own time
@@ -190,6 +200,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "first token at 1 (ms)" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     assert f"the steady state (C clients, {steady} requests each" in summary and "(TPOT) p50" in summary
+    assert "the engine as the worker builds it (2 slots" in summary
     assert "the worker's engine in the stack" in summary and "where a forward's ms went by phase" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()
