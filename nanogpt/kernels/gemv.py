@@ -24,11 +24,12 @@ def available() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
-           algorithm: str = "", residual: torch.Tensor | None = None) -> torch.Tensor:
+           algorithm: str = "", residual: torch.Tensor | None = None, in_order: bool = False) -> torch.Tensor:
     """activation(x @ weight.T + bias) + residual, for float32 or bfloat16 x and weight of one
     dtype; `activation`, `algorithm` as oneDNN's post-ops name them ("gelu" with "tanh" or "none",
-    "relu", "none")."""
-    return extension.extension().linear(x, weight, bias, activation, algorithm, residual)
+    "relu", "none"). `in_order`: the weight rows read one after another in memory order, not eight
+    at a time (which of the two reads faster depends on the CPU: docs/notes/gemv.md#in-order)."""
+    return extension.extension().linear(x, weight, bias, activation, algorithm, residual, in_order)
 
 
 def int8_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:

@@ -24,10 +24,11 @@ from nanogpt.kernels import gemv
 
 PLAIN = "linear"
 GEMV = "gemv"
+GEMV_IN_ORDER = "gemv-in-order"  # the same, its weight rows read in memory order (gemv.py `in_order`)
 INT8_GEMV = "int8-gemv"  # the int8 mode's (csrc/int8_gemv.cpp)
 # The kernels that are not PyTorch's: left out of the benchmarks' ceiling, the fastest kernel
 # PyTorch offers
-OWN = (GEMV, INT8_GEMV)
+OWN = (GEMV, GEMV_IN_ORDER, INT8_GEMV)
 # The packed kernels lay a weight out for a row count they are told; one pack serves every row
 # count as fast as a pack per count (docs/notes/kernel-ops.md#one-pack).
 PACK_ROWS = 64
@@ -122,6 +123,10 @@ KERNELS = {kernel.name: kernel for kernel in [
            lambda x, packed, w, b: gemv.linear(x, w, b),
            lambda x, packed, w, b, activation: gemv.linear(x, w, b, activation[0], activation[2]),
            lambda x, packed, w, b, residual: gemv.linear(x, w, b, residual=residual)),
+    Kernel(GEMV_IN_ORDER, (torch.float32, torch.bfloat16), lambda dtype: gemv.available(), None,
+           lambda x, packed, w, b: gemv.linear(x, w, b, in_order=True),
+           lambda x, packed, w, b, activation: gemv.linear(x, w, b, activation[0], activation[2], in_order=True),
+           lambda x, packed, w, b, residual: gemv.linear(x, w, b, residual=residual, in_order=True)),
     # The int8 mode's (INT8_ENGINES, as torch.ao's dynamic linear calls them, and the int8 GEMV).
     # Weight-only int8 (aten._weight_int8pack_mm) is left out: far slower at a decode's rows
     # (docs/notes/kernel-ops.md#weight-only-int8).
@@ -152,7 +157,7 @@ def post_op(activation: nn.Module | None) -> tuple | None:
 @dataclass(frozen=True)
 class Plan:
     """Which kernel serves which row counts: `ranges` holds (most rows, kernel name) in rising
-    order, the last one unbounded; each is `packed` or a kernel that needs no pack (PLAIN, GEMV).
+    order, the last one unbounded; each is `packed` or a kernel that needs no pack (PLAIN, the GEMVs).
     `packed` is the one kernel the layers hold a pack of (PLAIN: none); int8 layers hold INT8's
     and a pack of their own for any other int8 kernel named. `seconds` holds what the
     choice was made from: {kernel: {rows: seconds}}; `source` says how it was made (measured,
@@ -175,7 +180,7 @@ class Plan:
                 spans.append((most, name))
         words = [f"{name} up to {most} rows" for most, name in spans[:-1]]
         words.append(spans[-1][1] + (" above" if words else " at every row count"))
-        gelu = "" if self.fused_gelu or self.packed in (PLAIN, GEMV) else f", GELU after {self.packed}'s matmul"
+        gelu = "" if self.fused_gelu or KERNELS[self.packed].pack is None else f", GELU after {self.packed}'s matmul"
         return f"{', '.join(words)}{gelu} ({self.source})"
 
     @property

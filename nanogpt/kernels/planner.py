@@ -35,7 +35,8 @@ from torch.nn import functional as F
 
 from nanogpt.kernels import gemv, machine
 from nanogpt.kernels.linear import KernelLinear
-from nanogpt.kernels.matmuls import (GEMV, INT8, INT8_GEMV, KERNELS, ONEDNN_ACTIVATIONS, PLAIN, Plan, available)
+from nanogpt.kernels.matmuls import (GEMV, GEMV_IN_ORDER, INT8, INT8_GEMV, KERNELS, ONEDNN_ACTIVATIONS, PLAIN, Plan,
+                                     available)
 from nanogpt.kernels.quantize import Int8Linear
 
 log = logging.getLogger(__name__)
@@ -218,9 +219,13 @@ def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
     return _plans[key]
 
 
-def _rule(names, packed: str, rows: int) -> str:
-    """The kernel RULE gives `rows` where `names` are available and `packed` is packed (INT8: int8's)."""
+def _rule(names, packed: str, rows: int, seconds: dict | None = None) -> str:
+    """The kernel RULE gives `rows` where `names` are available and `packed` is packed (INT8: int8's).
+    Given trusted `seconds`, the GEMV's rows go to whichever of its two orders of reading the
+    weight timed faster (the same sums: no margin; docs/notes/gemv.md#in-order)."""
     own = INT8_GEMV if packed == INT8 else GEMV
+    if own == GEMV and seconds and GEMV_IN_ORDER in seconds and seconds[GEMV_IN_ORDER][rows] < seconds[GEMV][rows]:
+        own = GEMV_IN_ORDER
     return own if own in names and rows <= gemv.ROWS else packed
 
 
@@ -252,7 +257,7 @@ def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
         packed = challenger
     ranges = []
     for most, r in _row_ranges(seconds):
-        rule = _rule(seconds, packed, r)
+        rule = _rule(seconds, packed, r, seconds)
         fastest = min([*unpacked, packed], key=lambda name: seconds[name][r])
         ranges.append((most, fastest if seconds[fastest][r] * machine.MARGIN < seconds[rule][r] else rule))
     if all(name == PLAIN for _, name in ranges):

@@ -6,7 +6,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "epilogue(x @ w.T + bias), each weight row read once",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("activation") = "none",
-        py::arg("algorithm") = "", py::arg("residual") = py::none());
+        py::arg("algorithm") = "", py::arg("residual") = py::none(), py::arg("in_order") = false);
   m.def("int8_linear", &int8_linear_rows, "epilogue(an int8 layer(x)) as fbgemm computes it, each weight row read once",
         py::arg("x"), py::arg("weight"), py::arg("row_sums"), py::arg("weight_scale"), py::arg("bias"),
         py::arg("activation") = "none", py::arg("algorithm") = "");

@@ -21,7 +21,7 @@
 
 namespace {
 
-enum class Kind { Plain, Mkl, Onednn, Gemv, Int8, Int8Gemv };
+enum class Kind { Plain, Mkl, Onednn, Gemv, GemvInOrder, Int8, Int8Gemv };
 
 struct Range {
   double most;  // the most rows it serves
@@ -46,6 +46,7 @@ Kind kind_of(const std::string& name) {
   if (name == "mkl") return Kind::Mkl;
   if (name == "onednn") return Kind::Onednn;
   if (name == "gemv") return Kind::Gemv;
+  if (name == "gemv-in-order") return Kind::GemvInOrder;
   if (name == "int8-gemv") return Kind::Int8Gemv;
   if (name.rfind("int8", 0) == 0) return Kind::Int8;
   TORCH_CHECK(false, "nanoserve: no kernel named ", name);
@@ -108,7 +109,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& weight,
   const Kind kind = range ? range->kind : Kind::Plain;
   switch (kind) {
     case Kind::Gemv:
-      return linear(x, weight, bias, activation, algorithm, c10::nullopt);
+    case Kind::GemvInOrder:
+      return linear(x, weight, bias, activation, algorithm, c10::nullopt, kind == Kind::GemvInOrder);
     case Kind::Onednn:
       return call("mkldnn::_linear_pointwise", "",
                   {x, range->pack, bias, activation, c10::List<c10::optional<at::Scalar>>(),

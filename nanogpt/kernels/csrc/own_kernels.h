@@ -6,7 +6,7 @@
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                      const std::string& activation, const std::string& algorithm,
-                     const c10::optional<torch::Tensor>& residual);  // gemv.cpp
+                     const c10::optional<torch::Tensor>& residual, bool in_order);  // gemv.cpp
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& cache_k, const torch::Tensor& cache_v,
                                const torch::Tensor& slots, const torch::Tensor& positions, int64_t span,
