@@ -5,8 +5,8 @@ through the widest vector registers the CPU has, on PyTorch's own threads; and t
 At one row a decode step is reading the weights, and PyTorch's kernels read them below the
 machine's bandwidth; another library's GEMV would bring its own thread pool, which on a small
 machine takes the cores from PyTorch's (docs/notes/gemv.md#why, int8-gemv.md#why). The kernel plan
-(planner.py) offers them as the kernels "gemv" and "int8-gemv" beside PyTorch's and decides by
-timing where they serve.
+(planner.py) offers them as the kernels "gemv" (and "gemv-in-order", the same sums with the weight
+rows read in memory order) and "int8-gemv" beside PyTorch's and decides by timing where they serve.
 """
 from __future__ import annotations
 
