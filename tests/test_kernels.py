@@ -285,6 +285,30 @@ def test_the_gemvs_rows_go_to_the_faster_of_its_two_orders_without_a_margin():
     assert planner.plan_from(seconds).ranges[0] == (2, "linear")
 
 
+def test_a_kernel_that_reads_the_weights_right_after_another_does_not_time_the_others_cache(monkeypatch):
+    # the second of two kernels that read the same weights as they are would find the end of the
+    # first's pass in the cache: what it reads before its timed pass is other memory
+    calls = []
+
+    def kernel(name, pack):
+        return matmuls.Kernel(name, (torch.float32,), lambda dtype: True, pack,
+                              lambda x, packed, w, b: calls.append(name))
+
+    for name, pack in (("raw-a", None), ("raw-b", None), ("packed", lambda w, b: w.clone())):
+        monkeypatch.setitem(matmuls.KERNELS, name, kernel(name, pack))
+    monkeypatch.setattr(planner, "_evictor", lambda device: lambda: calls.append("evict"))
+    weights = [(torch.randn(8, 4), None)]
+    planner.time_kernels(weights, ["raw-a", "raw-b", "packed"], rows=(1,), repeats=2)
+    # a warm-up pass and two timed ones; raw-a follows the packed kernel, raw-b follows raw-a
+    assert calls == ["raw-a", "evict", "raw-b", "packed"] * 3
+    calls.clear()
+    planner.time_kernels(weights, ["raw-a", "raw-b"], rows=(1,), repeats=1)
+    assert calls == ["evict", "raw-a", "evict", "raw-b"] * 2  # each follows the other, across passes too
+    calls.clear()
+    planner.time_kernels(weights, ["raw-a", "packed"], rows=(1,), repeats=1)
+    assert "evict" not in calls
+
+
 def test_the_timed_sample_outgrows_the_last_level_cache(tmp_path, monkeypatch):
     # a sample that fits the cache is timed from it: the sample is twice the largest cache reported
     for index, size in enumerate(["48K", "2048K", "491520K"]):
