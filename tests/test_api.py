@@ -672,3 +672,22 @@ def test_a_character_the_vocabulary_lacks_is_a_400(redis_url, tmp_path):
                         ({"prompt": "ab", "bad_words": ["z"]}, "bad_words")):
         err = error_of(client.post("/v1/completions", json={"model": "chars", "max_tokens": 2, **body}), 400)
         assert err["param"] == param and "not in this model's vocabulary" in err["message"]
+
+
+def test_a_stream_gives_its_places_back_before_the_client_sees_its_end(r):
+    """A client that has read `data: [DONE]` and at once sends its next request finds its key's open
+    place and its ended job's place given back, not still held by the stream that just ended."""
+    from web.access.quotas import Hold, Quota
+    from web.api.streaming import DONE, guarded
+
+    open_quota, jobs = Quota("open", 4, "open streams"), Quota("jobs", 4, "completions")
+    jobs.take(r, "owner", "job-1", time.time() + 60)
+    hold = Hold(r, open_quota, "owner", stale_s=30)
+    hold.follow(jobs, "job-1")
+    hold.job_ended()
+    frames = guarded(iter(['data: {"x": 1}\n\n', DONE]), None, "job-1", cancel_on_disconnect=False, hold=hold)
+    assert next(frames) == 'data: {"x": 1}\n\n'
+    assert r.zcard(open_quota.key("owner")) == 1 and r.zcard(jobs.key("owner")) == 1  # held while it streams
+    assert next(frames) == DONE  # the stream's generator waits here until the server asks for more
+    assert r.zcard(open_quota.key("owner")) == 0 and r.zcard(jobs.key("owner")) == 0
+    assert list(frames) == []

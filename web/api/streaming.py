@@ -212,6 +212,7 @@ class ChunkFormat:
         return body
 
 
+DONE = "data: [DONE]\n\n"  # the last frame of every stream
 EMPTY_LOGPROBS = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
@@ -263,7 +264,7 @@ def sse_frames(events: Iterator[Event | None], fmt: ChunkFormat) -> Iterator[str
         if body is not None:
             yield sse_frame(body, event.id)
         if event.type in protocol.TERMINAL_EVENTS:
-            yield "data: [DONE]\n\n"
+            yield DONE
             return
 
 
@@ -290,13 +291,18 @@ def guarded(frames: Iterator[str], jq: JobQueue, job_id: str, cancel_on_disconne
     stream's `hold` on its caller's quota of open streams is given back."""
     finished = False
     try:
-        yield from frames
+        for frame in frames:
+            if frame == DONE and hold is not None:
+                # before the client sees the end: a next request of its key finds its places free
+                hold.release()
+                hold = None
+            yield frame
         finished = True
     except redis.RedisError:
         finished = True
         yield sse_frame(protocol.error_body("The queue became unreachable during the stream.", "server_error",
                                             None, "redis_unavailable"))
-        yield "data: [DONE]\n\n"
+        yield DONE
     finally:
         if hold is not None:
             hold.release()
