@@ -169,9 +169,9 @@ def engine_as_served(models_file: Path, name: str, device: str, compile: bool | 
         for c in sorted({c for _, c, _ in schedule}):
             run(send, bodies(c)[:c], c)
         for _, c, _ in schedule:
-            before = busy()
-            report = run(send, bodies(c), c)
-            report["engine"] = busy_share(before, busy(), report["wall_s"], len(bodies(c)))
+            batch, before = bodies(c), busy()
+            report = run(send, batch, c)
+            report["engine"] = busy_share(before, busy(), report["wall_s"], len(batch))
             yield c, report
     finally:
         engine.stop()

@@ -1017,10 +1017,10 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
 
     # the engine as the worker builds it (its slots, context and compile), alone in this process: what
     # the stack is held against, where engine-small's engine has one slot a request and no more context
-    served = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
-                           args.prompt_tokens + args.new_tokens, workdir, args.device)
+    registry = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
+                             args.prompt_tokens + args.new_tokens, workdir, args.device)
     entry["engine_as_served"] = alone = {}
-    for c, report in engine_as_served(served, args.model, args.device, COMPILE_MODES[args.mode],
+    for c, report in engine_as_served(registry, args.model, args.device, COMPILE_MODES[args.mode],
                                       rounds(concurrency, args.repeats, args.min_requests),
                                       lambda c: bodies(c, args.new_tokens)):
         alone.setdefault(str(c), []).append(report)

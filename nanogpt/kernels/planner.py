@@ -221,14 +221,15 @@ def choose(layers: list[nn.Module], gelu: bool = False) -> Plan:
     return _plans[key]
 
 
-def _rule(names, packed: str, rows: int, seconds: dict | None = None) -> str:
-    """The kernel RULE gives `rows` where `names` are available and `packed` is packed (INT8: int8's).
-    Given trusted `seconds`, the GEMV's rows go to whichever of its two orders of reading the
-    weight timed faster (the same sums: no margin; docs/notes/gemv.md#in-order)."""
+def _rule(seconds: dict[str, dict[int, float]], packed: str, rows: int, measured: bool = False) -> str:
+    """The kernel RULE gives `rows` where the kernels timed in `seconds` are available and `packed`
+    is packed (INT8: int8's). `measured`: the timings can be trusted, and the GEMV's rows go to
+    whichever of its two orders of reading the weight was faster (the same sums: no margin;
+    docs/notes/gemv.md#in-order)."""
     own = INT8_GEMV if packed == INT8 else GEMV
-    if own == GEMV and seconds and GEMV_IN_ORDER in seconds and seconds[GEMV_IN_ORDER][rows] < seconds[GEMV][rows]:
+    if own == GEMV and measured and GEMV_IN_ORDER in seconds and seconds[GEMV_IN_ORDER][rows] < seconds[GEMV][rows]:
         own = GEMV_IN_ORDER
-    return own if own in names and rows <= gemv.ROWS else packed
+    return own if own in seconds and rows <= gemv.ROWS else packed
 
 
 def _timed_rows(seconds: dict[str, dict[int, float]]) -> list[int]:
@@ -259,7 +260,7 @@ def plan_from(seconds: dict[str, dict[int, float]]) -> Plan:
         packed = challenger
     ranges = []
     for most, r in _row_ranges(seconds):
-        rule = _rule(seconds, packed, r, seconds)
+        rule = _rule(seconds, packed, r, measured=True)
         fastest = min([*unpacked, packed], key=lambda name: seconds[name][r])
         ranges.append((most, fastest if seconds[fastest][r] * machine.MARGIN < seconds[rule][r] else rule))
     if all(name == PLAIN for _, name in ranges):
