@@ -21,7 +21,7 @@ from nanogpt.kernels.quantize import quantize_int8
 from worker.engine import Engine
 from worker.errors import EngineError, EngineFault, RequestCancelled
 from worker.protocol import CompletionJob
-from worker.decode_routes import MIXED_ATTENTION, DecodeRoutes, Graph, Route, bucket
+from worker.decode_routes import MIXED_ATTENTION, DecodeRoutes, Graph, Route, bucket, graph_of
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy", "A", "Once upon a time, in a land far away,"]
 _ids = itertools.count()
@@ -532,8 +532,8 @@ def texts(results) -> list[str]:
 def decode_rows(compiled, monkeypatch) -> list[int]:
     """The rows of every decode step the compiled engine runs from here on, as its graph gets them."""
     routes, rows = compiled.engine.runner.routes, []
-    step = routes._step
-    monkeypatch.setattr(routes, "_step", lambda tokens, *args: rows.append(len(tokens)) or step(tokens, *args))
+    forward = routes._forward
+    monkeypatch.setattr(routes, "_forward", lambda route, tokens, *args: rows.append(len(tokens)) or forward(route, tokens, *args))
     return rows
 
 
@@ -608,8 +608,8 @@ def test_a_prompt_arriving_while_others_decode_is_fed_beside_them_compiled(compi
     # once first, untimed: the chunk a prompt is fed in beside decoding rows follows the pace the
     # engine measured (Scheduler._in_time), which an engine's first, cold steps would set
     assert staggered(engine) == expected
-    calls = {"forward_packed": 0, "_step": 0}  # packed forwards with decoding rows in them; compiled steps
-    for target, name in ((compiled.small, "forward_packed"), (routes, "_step")):
+    calls = {"forward_packed": 0, "_forward": 0}  # packed forwards with decoding rows in them; compiled steps
+    for target, name in ((compiled.small, "forward_packed"), (routes, "_forward")):
         def counted(*args, _run=getattr(target, name), _name=name, **kwargs):
             calls[_name] += _name != "forward_packed" or len(args[0]) > 1  # a prompt's own prefill packs one batch
             return _run(*args, **kwargs)
@@ -620,10 +620,43 @@ def test_a_prompt_arriving_while_others_decode_is_fed_beside_them_compiled(compi
     taken = engine.runner.routes_taken - taken
     if routes.mixed:  # the decode-only steps of two rows too, through the graph of small rows
         assert taken[Graph.KERNEL] >= 1 and taken[Graph.SMALL] >= 3 and calls["forward_packed"] == 0
-        assert calls["_step"] == taken[Graph.KERNEL] + taken[Graph.SMALL] == taken.total()
+        assert calls["_forward"] == taken[Graph.KERNEL] + taken[Graph.SMALL] == taken.total()
     else:
         assert taken[Graph.PACKED] == calls["forward_packed"] >= 1
-        assert calls["_step"] == taken[Graph.BUCKET] >= 3
+        assert calls["_forward"] == taken[Graph.BUCKET] >= 3
+
+
+def test_the_compiled_graphs_are_called_without_dynamo(compiled, tok, monkeypatch):
+    """On a CPU every graph compiled at start is then called directly (compile.DirectCall), not
+    through dynamo's evaluation of the frame: serving calls dynamo's compiled step no more, and
+    gives the eager engine's tokens and logprobs."""
+    routes = compiled.engine.runner.routes
+    assert set(map(graph_of, routes.live)) == set(routes._direct)
+    through_dynamo = []
+    step = routes._step
+    monkeypatch.setattr(routes, "_step", lambda *args: through_dynamo.append(len(args[0])) or step(*args))
+    jobs = lambda: [job(tok, [p], max_tokens=6, logprobs=2) for p in (PROMPTS * 3)[:n]]  # noqa: E731
+    for n in (1, 3, 10):
+        served, expected = run_all(compiled.engine, jobs()), run_all(compiled.eager, jobs())
+        assert texts(served) == texts(expected)
+        for got, want in zip(served, expected):
+            assert got["choices"][0]["logprobs"]["tokens"] == want["choices"][0]["logprobs"]["tokens"]
+            assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+                want["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    assert through_dynamo == []
+
+
+def test_a_directly_called_graph_refuses_inputs_its_guards_refuse(compiled):
+    """Called with inputs the graph was not compiled for, a direct call serves nothing (None), so
+    that the step goes through dynamo, which compiles for them."""
+    routes = compiled.engine.runner.routes
+    one_row = routes._direct[graph_of(Route(Graph.BUCKET, 1))]
+    keys = torch.arange(5)
+    slot, position = torch.tensor([0]), torch.tensor([4])
+    with torch.no_grad():  # as the engine calls it
+        assert one_row(torch.tensor([7]), slot, position, routes.cache, keys) is not None
+        assert one_row(torch.tensor([7, 8]), slot.repeat(2), position.repeat(2), routes.cache, keys) is None
+        assert one_row(torch.tensor([7], dtype=torch.int32), slot, position, routes.cache, keys) is None
 
 
 def test_chunks_whose_attention_costs_more_than_the_kernel_saves_go_through_the_eager_forward(compiled):

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from nanogpt.kernels import decode_attention
-from nanogpt.runtime.compile import compile_decode
+from nanogpt.runtime.compile import DirectCall, compile_decode
 from nanogpt.runtime.cuda_graphs import GraphedDecode
 from nanogpt.runtime.transfer import to_device
 
@@ -86,6 +86,21 @@ def bucket(rows: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= rows), -(-rows // last) * last)
 
 
+def graph_of(route: Route) -> tuple:
+    """The compiled graph a route runs: BUCKET's one per batch size, SMALL's and KERNEL's one each."""
+    return (route.graph, route.rows if route.graph is Graph.BUCKET else None)
+
+
+def _mark(tokens, slots, positions, keys, out) -> None:
+    """forward_decode's sizes marked for compiling: the span always dynamic; the rows fixed in
+    BUCKET's graphs (`out` None), dynamic in SMALL's and KERNEL's with `out`. Marked `maybe`: a size
+    that specializes anyway compiles a graph of its own, not a failed step."""
+    torch._dynamo.maybe_mark_dynamic(keys, 0)
+    mark = torch._dynamo.mark_static if out is None else torch._dynamo.maybe_mark_dynamic
+    for tensor in (tokens, slots, positions) if out is None else (tokens, slots, positions, out):
+        mark(tensor, 0)
+
+
 def chunk_rows(rows: int, chunks: list[int]) -> list[int]:
     """The output rows of a KERNEL step of `rows` decoding rows and prompt chunks of `chunks`
     tokens after them: every decoding row, then each chunk's last token."""
@@ -111,6 +126,8 @@ class DecodeRoutes:
         self.live: frozenset[Route] = frozenset()
         self.planned: list[tuple[Route, int | None]] = []
         self._step = model.forward_decode
+        # on a CPU each compiled graph is called without dynamo (compile.DirectCall), by its route
+        self._direct: dict[tuple, DirectCall] = {}
         self._compiling: threading.Thread | None = None
         self._closing = threading.Event()
         if compile:
@@ -197,18 +214,19 @@ class DecodeRoutes:
         keys = torch.arange(max(span, 2), device=self.device)
         out = None if route.graph is Graph.BUCKET else to_device(outputs, self.device)
         with torch.no_grad():  # as the engine steps (and warms up): grad mode is one of the graph's guards
-            logits = self._call(tokens, where[0], where[1], self.cache, keys, out)
+            logits = self._forward(route, tokens, where[0], where[1], keys, out)
         return logits[:real] if out is None else logits
 
+    def _forward(self, route: Route, tokens, slots, positions, keys, out) -> torch.Tensor:
+        """The route's graph: called directly where it can be (`_direct`), else through dynamo."""
+        direct = self._direct.get(graph_of(route))
+        logits = None if direct is None else direct(tokens, slots, positions, self.cache, keys, out)
+        return self._call(tokens, slots, positions, self.cache, keys, out) if logits is None else logits
+
     def _call(self, tokens, slots, positions, cache, keys, out=None) -> torch.Tensor:
-        """forward_decode, compiled or not, its sizes marked: the span always dynamic; the rows
-        fixed in BUCKET's graphs (`out` None), dynamic in SMALL's and KERNEL's with `out`. Marked
-        `maybe`: a size that specializes anyway compiles a graph of its own, not a failed step."""
+        """forward_decode, compiled or not, its sizes marked (`_mark`)."""
         if self.compiled:
-            torch._dynamo.maybe_mark_dynamic(keys, 0)
-            mark = torch._dynamo.mark_static if out is None else torch._dynamo.maybe_mark_dynamic
-            for tensor in (tokens, slots, positions) if out is None else (tokens, slots, positions, out):
-                mark(tensor, 0)
+            _mark(tokens, slots, positions, keys, out)
         return self._step(tokens, slots, positions, cache, keys, out)
 
     def buckets(self, top: int | None = None) -> list[int]:
@@ -239,17 +257,35 @@ class DecodeRoutes:
                 if self._closing.is_set():
                     return
                 began = time.monotonic()
-                self.run(route, torch.zeros(route.rows, dtype=torch.long, device=self.device),
-                         self.where(route, [self.slots] * route.rows, [0] * route.rows), 1,
-                         None if outputs is None else list(range(outputs)))
+                tokens = torch.zeros(route.rows, dtype=torch.long, device=self.device)
+                where = self.where(route, [self.slots] * route.rows, [0] * route.rows)
+                outputs = None if outputs is None else list(range(outputs))
+                self.run(route, tokens, where, 1, outputs)
+                if self.device.type == "cpu":
+                    self._call_directly(route, tokens, where, outputs)
                 self.live = self.live | {route}  # the engine's next route() takes it
                 log.info("decode graph live", extra={"graph": route.graph.name, "rows": route.rows,
                                                      "seconds": round(time.monotonic() - began, 2)})
         except Exception:
             log.exception("compiling the decode step failed; the engine runs it uncompiled")
             self.live, self.compiled, self.mixed, self._step = frozenset(), False, False, self.model.forward_decode
+            self._direct = {}
             return
         log.info("decode step compiled", extra={"graphs": len(self.planned), "seconds": round(time.monotonic() - started, 2)})
+
+    def _call_directly(self, route: Route, tokens: torch.Tensor, where: torch.Tensor, outputs: list[int] | None) -> None:
+        """Call `route`'s compiled graph without dynamo from now on (`run` gave it these inputs);
+        where it cannot be found the route goes on through dynamo."""
+        out = None if outputs is None else to_device(outputs, self.device)
+        args = (tokens, where[0], where[1], self.cache, torch.arange(2, device=self.device), out)
+        try:
+            with torch.no_grad():
+                direct = DirectCall(self._step, args)
+        except Exception:
+            log.warning("a compiled decode graph is called through dynamo", exc_info=True,
+                        extra={"graph": route.graph.name, "rows": route.rows})
+            return
+        self._direct = {**self._direct, graph_of(route): direct}  # replaced: the engine reads it
 
     def _record_graphs(self, max_len: int, last: torch.Tensor, draws: dict) -> None:
         """The BUCKET decode's CUDA graphs, every batch and span bucket, the batches past the

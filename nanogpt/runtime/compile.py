@@ -2,12 +2,16 @@
 without being told."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import types
 
 import torch
 
 from nanogpt.runtime import compile_cache
+
+log = logging.getLogger(__name__)
 
 
 def compile_decode(model):
@@ -23,8 +27,55 @@ def compile_decode(model):
     # every batch size a caller pads to is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_cache.enable()
-    options = {"cpp_wrapper": True} if torch.device(model.device).type == "cpu" else None
-    return torch.compile(model.forward_decode, options=options)
+    return torch.compile(model.forward_decode, options=_options(model))
+
+
+def _options(model) -> dict | None:
+    return {"cpp_wrapper": True} if torch.device(model.device).type == "cpu" else None
+
+
+class DirectCall:
+    """One graph of a compiled `forward_decode` (compile_decode's), called without dynamo: the
+    code dynamo made of the step for that graph (its arguments handed to the compiled graph) run
+    as a plain function. Dynamo would first evaluate the frame and its guards, ~1900 of them on the
+    model's modules and parameters for GPT-2 small: about half a millisecond of a CPU's 1-row step
+    (docs/notes/compiled-decode.md#direct-calls).
+
+    The graph's guards are checked at the first call of each kind of inputs (their sizes but the
+    span, the one size that varies within a graph's calls, their dtypes, grad mode); that covers
+    the served model's modules and weights too, as a served model never changes them. A call they
+    refuse is not served (`__call__` returns None: the caller calls the compiled step, which
+    compiles for it)."""
+
+    def __init__(self, compiled, args: tuple):
+        """The graph that served `compiled(*args)` (a call that ran)."""
+        inline = getattr(compiled, "_torchdynamo_inline", None)  # the frame dynamo compiled
+        if inline is None:
+            raise NotImplementedError("not a torch.compile'd function")
+        self._locals = dict(zip(inline.__code__.co_freevars, (c.cell_contents for c in inline.__closure__ or ())))
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(inline.__code__)
+        entry = next((e for e in entries if e.guard_manager.check(self._f_locals(args))), None)
+        if entry is None:
+            raise LookupError("no compiled graph serves these inputs")
+        self._guards = entry.guard_manager
+        self._fn = types.FunctionType(entry.code, inline.__globals__, inline.__name__, inline.__defaults__,
+                                      inline.__closure__)
+        self._checked: dict[tuple, bool] = {}
+
+    def _f_locals(self, args: tuple) -> dict:
+        return {"args": args, "kwargs": {}, **self._locals}
+
+    def __call__(self, tokens, slots, positions, cache, keys, out=None) -> torch.Tensor | None:
+        args = (tokens, slots, positions, cache, keys, out)
+        kind = (torch.is_grad_enabled(), keys.dtype,
+                *((None, None) if t is None else (t.shape[0], t.dtype) for t in (tokens, slots, positions, out)))
+        ok = self._checked.get(kind)
+        if ok is None:
+            ok = self._checked[kind] = self._guards.check(self._f_locals(args))
+            if not ok:
+                log.warning("a compiled decode graph refused its inputs; the step runs through dynamo",
+                            extra={"inputs": str(kind)})
+        return self._fn(*args) if ok else None
 
 
 # The precisions (precision.py's names) whose compiled decode step was measured ahead of the eager
