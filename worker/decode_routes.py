@@ -27,7 +27,9 @@ the cache holds for them, with a spare position.
 
 A route takes a compiled graph only once it is live: all of them before serving, or, compiled in
 the background, each from the step after its compile finished; until then the step runs eager
-(EAGER, PACKED), which gives the same tokens (docs/notes/background-compile.md).
+(EAGER, PACKED), which gives the same tokens (docs/notes/background-compile.md). On a CPU a live
+graph is then called without dynamo, as the code dynamo made for it (`_forward`,
+nanogpt/runtime/compile.py DirectCall).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""torch.compile of the model's decode step (`forward_decode`), and where the worker compiles it
-without being told."""
+"""torch.compile of the model's decode step (`forward_decode`), its graphs called without dynamo
+once compiled (`DirectCall`), and where the worker compiles it without being told."""
 from __future__ import annotations
 
 import logging
