@@ -38,7 +38,7 @@ class DirectCall:
     """One graph of a compiled `forward_decode` (compile_decode's), called without dynamo: the
     code dynamo made of the step for that graph (its arguments handed to the compiled graph) run
     as a plain function. Dynamo would first evaluate the frame and its guards, ~1900 of them on the
-    model's modules and parameters for GPT-2 small: about half a millisecond of a CPU's 1-row step
+    model's modules and parameters for GPT-2 small, a cost every step pays whatever its rows
     (docs/notes/compiled-decode.md#direct-calls).
 
     The graph's guards are checked at the first call of each kind of inputs (their sizes but the
