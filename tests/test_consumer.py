@@ -109,7 +109,9 @@ def test_a_job_lost_between_taking_and_start_is_retried_while_the_engine_is_full
     busy = enqueue(queue, 60, retry=Retry(max=2))
     wait_until(lambda: busy.get_status() == JobStatus.STARTED, 10, "the long job never started")
 
-    lost = queue.create_job(protocol.JOB_FUNCTION, args=busy.args, job_id="cmpl-lost", retry=Retry(max=2))
+    # a short job, so that the wait for it after the long one is all slack for its pickup
+    short = protocol.CompletionJob(id="cmpl-lost", model=MODEL, prompts=[[1]], max_tokens=5, seed=0)
+    lost = queue.create_job(protocol.JOB_FUNCTION, args=(short.to_payload(),), job_id=short.id, retry=Retry(max=2))
     lost.save()
     client.set(queue.intermediate_queue.get_first_seen_key(lost.id), time.time() - 120)  # seen there long ago
     client.rpush(queue.intermediate_queue.key, lost.id)
