@@ -93,16 +93,6 @@ def graph_of(route: Route) -> tuple:
     return (route.graph, route.rows if route.graph is Graph.BUCKET else None)
 
 
-def _mark(tokens, slots, positions, keys, out) -> None:
-    """forward_decode's sizes marked for compiling: the span always dynamic; the rows fixed in
-    BUCKET's graphs (`out` None), dynamic in SMALL's and KERNEL's with `out`. Marked `maybe`: a size
-    that specializes anyway compiles a graph of its own, not a failed step."""
-    torch._dynamo.maybe_mark_dynamic(keys, 0)
-    mark = torch._dynamo.mark_static if out is None else torch._dynamo.maybe_mark_dynamic
-    for tensor in (tokens, slots, positions) if out is None else (tokens, slots, positions, out):
-        mark(tensor, 0)
-
-
 def chunk_rows(rows: int, chunks: list[int]) -> list[int]:
     """The output rows of a KERNEL step of `rows` decoding rows and prompt chunks of `chunks`
     tokens after them: every decoding row, then each chunk's last token."""
@@ -226,9 +216,14 @@ class DecodeRoutes:
         return self._call(tokens, slots, positions, self.cache, keys, out) if logits is None else logits
 
     def _call(self, tokens, slots, positions, cache, keys, out=None) -> torch.Tensor:
-        """forward_decode, compiled or not, its sizes marked (`_mark`)."""
+        """forward_decode, compiled or not, its sizes marked: the span always dynamic; the rows
+        fixed in BUCKET's graphs (`out` None), dynamic in SMALL's and KERNEL's with `out`. Marked
+        `maybe`: a size that specializes anyway compiles a graph of its own, not a failed step."""
         if self.compiled:
-            _mark(tokens, slots, positions, keys, out)
+            torch._dynamo.maybe_mark_dynamic(keys, 0)
+            mark = torch._dynamo.mark_static if out is None else torch._dynamo.maybe_mark_dynamic
+            for tensor in (tokens, slots, positions) if out is None else (tokens, slots, positions, out):
+                mark(tensor, 0)
         return self._step(tokens, slots, positions, cache, keys, out)
 
     def buckets(self, top: int | None = None) -> list[int]:

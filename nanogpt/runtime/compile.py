@@ -27,18 +27,15 @@ def compile_decode(model):
     # every batch size a caller pads to is a graph, and so is each model of the process
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_cache.enable()
-    return torch.compile(model.forward_decode, options=_options(model))
-
-
-def _options(model) -> dict | None:
-    return {"cpp_wrapper": True} if torch.device(model.device).type == "cpu" else None
+    options = {"cpp_wrapper": True} if torch.device(model.device).type == "cpu" else None
+    return torch.compile(model.forward_decode, options=options)
 
 
 class DirectCall:
     """One graph of a compiled `forward_decode` (compile_decode's), called without dynamo: the
     code dynamo made of the step for that graph (its arguments handed to the compiled graph) run
-    as a plain function. Dynamo would first evaluate the frame and its guards, ~1900 of them on the
-    model's modules and parameters for GPT-2 small, a cost every step pays whatever its rows
+    as a plain function. Dynamo would first evaluate the frame and its guards, on every module and
+    parameter of the model, a cost every step pays whatever its rows
     (docs/notes/compiled-decode.md#direct-calls).
 
     The graph's guards are checked at the first call of each kind of inputs (their sizes but the
