@@ -1,8 +1,8 @@
 """The GPU's Triton kernels, the decode attention (nanogpt/kernels/triton_decode.py), the fused add
 and layer norm (triton_norm.py) and the few-row matmul (triton_gemv.py), checked on a CPU, in
 Triton's interpreter: run by tests/test_decode_attention.py in a process of its own with
-TRITON_INTERPRET=1, which Triton reads once, at import. Exits non-zero on the first mismatch;
-prints what it checked.
+TRITON_INTERPRET=1, which Triton reads once, at import. Its arguments name the checks to run (`CHECKS`;
+none: all of them); exits non-zero on the first mismatch; prints the cases each checked.
 
 1. The kernel against the same attention spelled in PyTorch's ops (DecodeWindow without a kernel),
    outputs and the cache written: float32 and bfloat16, rows in any slot order, padding rows sharing
@@ -349,19 +349,23 @@ def check_norm_choice() -> int:
     return 4
 
 
-def check_decode_steps() -> int:
+# the families whose decode steps check_decode_steps runs (GPT-J with 256-wide heads, as GPT-J-6B's)
+STEP_FAMILIES = (("gpt2", {}), ("gpt_neo", {}), ("gptj", dict(n_embd=512, n_head=2, rotary_dim=64)),
+                 ("gpt_neox", {}), ("gpt_neox", dict(use_parallel_residual=False)), ("opt", {}))
+
+
+def check_decode_steps(families=range(len(STEP_FAMILIES))) -> int:
     import transformers
 
     from conftest import make_family_checkpoint, make_hf_checkpoint
     from nanogpt.checkpoint import load_model
 
     # kv_cache.py reaches the op through these names; on a CPU they would take the C++ kernel
+    attend, pays = decode_attention.write_and_attend, decode_attention.pays
     decode_attention.write_and_attend = kernel
     decode_attention.pays = lambda rows, device: True
     checked = 0
-    # GPT-J with 256-wide heads, as GPT-J-6B's
-    for family, overrides in (("gpt2", {}), ("gpt_neo", {}), ("gptj", dict(n_embd=512, n_head=2, rotary_dim=64)),
-                              ("gpt_neox", {}), ("gpt_neox", dict(use_parallel_residual=False)), ("opt", {})):
+    for family, overrides in [STEP_FAMILIES[i] for i in families]:
         with tempfile.TemporaryDirectory() as directory:
             if family == "gpt2":
                 make_hf_checkpoint(Path(directory), with_tokenizer=False)
@@ -420,11 +424,16 @@ def check_decode_steps() -> int:
         assert calls[0] > 0, family  # the norms added in their own pass (the last one, and prefill's)
         # every layer through a kernel at each decode step, the norm-fed ones through the norm's
         assert matmuls[0] >= 4 * (len(linears) - len(fed)) and normed[0] >= 4 * len(fed), family
+    decode_attention.write_and_attend, decode_attention.pays = attend, pays  # a later check's reference is PyTorch's
     return checked
 
 
+# what a run checks, by name; tests/test_decode_attention.py runs them in a few processes at once
+CHECKS = {"kernel": check_kernel, "chunk-row": check_chunk_rows, "self-check": check_self_check,
+          "add-norm": check_add_norm, "few-row matmul": check_few_rows, "norm-fed matmul": check_norm_linear,
+          **{f"decode-step {i}": (lambda i=i: check_decode_steps([i])) for i in range(len(STEP_FAMILIES))}}
+
+
 if __name__ == "__main__":
-    print(f"kernel cases {check_kernel()}; chunk-row cases {check_chunk_rows()}; self-checks {check_self_check()}; "
-          f"add-norm cases {check_add_norm()}; "
-          f"few-row matmul cases {check_few_rows()}; norm-fed matmul cases {check_norm_linear()}; "
-          f"decode-step rows {check_decode_steps()}")
+    for name in sys.argv[1:] or CHECKS:  # each line: the check's name, then the cases it checked
+        print(f"checked {name}: {CHECKS[name]()}", flush=True)
