@@ -172,8 +172,10 @@ def build_engine(spec, device: str, sink, compile: bool | None = False, backgrou
                                     "overlap": engine.overlap, "decode_steps": engine.decode_steps,
                                     # keys and values: the model's dtype, float32 or bfloat16 (precision.cache_dtype)
                                     "kv_cache": str(engine.runner.cache.k[0].dtype).removeprefix("torch."),
-                                    # decode steps replayed from CUDA graphs (a GPU; 0 where recording failed)
+                                    # decode steps replayed from CUDA graphs (a GPU; 0 where recording failed),
+                                    # and the draws recorded beside them (0: the sampler draws every step)
                                     "cuda_graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs else 0,
+                                    "draw_graphs": len(engine.runner.graphs.draw_graphs) if engine.runner.graphs else 0,
                                     "load_seconds": round(time.monotonic() - started, 2)})
     return engine
 

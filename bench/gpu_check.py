@@ -703,6 +703,15 @@ def markdown(results: dict) -> str:
                              f"{_ms(streamed.get('ttft_p50_s'))} ms, {streamed.get('tokens_per_chunk') or 0:.2f} "
                              f"tokens a chunk; the engine alone's time per token and request there: "
                              f"{_ms(engine_step(small, dtype, streamed['concurrency']))} ms.")
+            said = entry.get("worker_log")
+            if said:
+                ready = said["engine_ready"] or {}
+                lines.append(f"\n{dtype}, the worker's engine as it said it built it: " + ", ".join(
+                    f"{key} {ready.get(key)}" for key in ("compiled", "cuda_graphs", "draw_graphs", "overlap",
+                                                          "decode_steps", "max_batch", "kv_cache"))
+                    + f"; its warnings and errors: {len(said['warnings'])}" + "".join(
+                        f"; {w.get('msg')}" + (f" ({w['error']})" if w.get("error") else "") for w in said["warnings"][:3])
+                    + ".")
             path = entry.get("request_path_ms")
             if path:
                 lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR): "
@@ -1094,6 +1103,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
             entry["burst_path"] = {"concurrency": args.stream_at, "ms": request_path(
                 web.info["redis_url"], url, args, bodies(1, args.new_tokens)[0], requests=3, concurrency=args.stream_at)}
             print(f"{dtype} {args.stream_at} requests at once, their paths: {entry['burst_path']['ms']}", flush=True)
+    entry["worker_log"] = worker_log(workdir)
     served = {c: statistics.median(r["tokens_per_s"] for r in rs) for c, rs in alone.items()}
     entry["over_served"] = {
         "bursts": {c: tok_s / served[c] for c, tok_s in entry["tokens_per_s"].items() if served.get(c)},
@@ -1102,6 +1112,26 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
                  for r in [*(r for rs in entry["runs"].values() for r in rs), *entry["steady"].values()])
     if errors:
         raise RuntimeError(f"{errors} runs with failed or wrong-length requests")
+
+
+def worker_log(workdir: Path, limit: int = 10) -> dict:
+    """What the stack's worker said as it built its engine (processor.py's `engine ready` line: its
+    kernels, compile, CUDA graphs and draws recorded, overlap) and its first `limit` warnings and
+    errors, from its JSON log lines: a worker whose graphs failed to record serves, eagerly."""
+    ready, warnings = None, []
+    for path in sorted(workdir.glob("processor-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                said = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(said, dict):
+                continue
+            if said.get("msg") == "engine ready":
+                ready = {k: v for k, v in said.items() if k not in ("ts", "level", "logger", "msg")}
+            elif said.get("level") in ("warning", "error", "critical") and len(warnings) < limit:
+                warnings.append({k: v[:TAIL] if isinstance(v, str) else v for k, v in said.items() if k != "ts"})
+    return {"engine_ready": ready, "warnings": warnings}
 
 
 class WorkerCPU:

@@ -187,6 +187,11 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
             assert sum(inside["step_phase_ms"].values()) == pytest.approx(inside["ms_per_forward"], rel=1e-3)
             alone = phases["engine-small"]["result"]["summary"]["by_system"]["engine"][c]["step_phase_ms"]
             assert set(alone) == set(inside["step_phase_ms"]) and alone["forward"] > 0
+    # the worker's own account of the engine it built, from its log: on the CPU no CUDA graphs, and
+    # its slots those the stack phase asked of it
+    ready = stack["worker_log"]["engine_ready"]
+    assert ready["cuda_graphs"] == 0 and ready["draw_graphs"] == 0 and ready["max_batch"] == 2, ready
+    assert ready["device"] == "cpu" and ready["dtype"] == "float32" and isinstance(stack["worker_log"]["warnings"], list)
     pickup = phases["stack"]["result"]["pickup_ms"]  # this host's consumer taking a burst of jobs
     assert 0 < pickup["first_in_engine_ms"] <= pickup["last_in_engine_ms"] < pickup["all_finished_ms"]
 
@@ -198,6 +203,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "first token at 1 (ms)" in summary
+    assert "float32, the worker's engine as it said it built it: compiled" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     assert f"the steady state (C clients, {steady} requests each" in summary and "(TPOT) p50" in summary
     assert "the engine as the worker builds it (2 slots" in summary
