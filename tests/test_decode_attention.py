@@ -158,7 +158,11 @@ def test_the_gpu_kernel_attends_as_pytorchs_ops_and_transformers_do():
             run.kill()
     for run, (out, err) in zip(runs, outputs):
         assert run.returncode == 0, out[-2000:] + err[-4000:]
-    checked = {name: int(n) for name, n in re.findall(r"^checked (.+): (\d+)$", "".join(out for out, _ in outputs), re.M)}
+    printed = "".join(out for out, _ in outputs)
+    # the parts together run every check the script has, each once
+    assert {name for names in INTERPRETED for name in names} == set(re.search(r"^checks: (.+)$", printed, re.M)[1].split("; "))
+    assert sum(map(len, INTERPRETED)) == len({name for names in INTERPRETED for name in names})
+    checked = {name: int(n) for name, n in re.findall(r"^checked (.+): (\d+)$", printed, re.M)}
     assert {name: n for name, n in checked.items() if "matmul" not in name} == {
         "kernel": 48, "chunk-row": 16, "self-check": 6, "add-norm": 35, **{f"decode-step {i}": 20 for i in range(6)}}
     # as many as the kernels have block configurations

@@ -435,5 +435,6 @@ CHECKS = {"kernel": check_kernel, "chunk-row": check_chunk_rows, "self-check": c
 
 
 if __name__ == "__main__":
+    print(f"checks: {'; '.join(CHECKS)}", flush=True)  # every one, for a caller that runs them in parts
     for name in sys.argv[1:] or CHECKS:  # each line: the check's name, then the cases it checked
         print(f"checked {name}: {CHECKS[name]()}", flush=True)
