@@ -1,6 +1,6 @@
 """The GPU's Triton kernels, the decode attention (nanogpt/kernels/triton_decode.py), the fused add
 and layer norm (triton_norm.py) and the few-row matmul (triton_gemv.py), checked on a CPU, in
-Triton's interpreter: run by tests/test_decode_attention.py in a process of its own with
+Triton's interpreter: run by tests/test_decode_attention.py in two processes of their own with
 TRITON_INTERPRET=1, which Triton reads once, at import. Its arguments name the checks to run (`CHECKS`;
 none: all of them); exits non-zero on the first mismatch; prints the cases each checked.
 
@@ -428,7 +428,7 @@ def check_decode_steps(families=range(len(STEP_FAMILIES))) -> int:
     return checked
 
 
-# what a run checks, by name; tests/test_decode_attention.py runs them in a few processes at once
+# what a run checks, by name; tests/test_decode_attention.py runs them in two parts at once
 CHECKS = {"kernel": check_kernel, "chunk-row": check_chunk_rows, "self-check": check_self_check,
           "add-norm": check_add_norm, "few-row matmul": check_few_rows, "norm-fed matmul": check_norm_linear,
           **{f"decode-step {i}": (lambda i=i: check_decode_steps([i])) for i in range(len(STEP_FAMILIES))}}
