@@ -1,12 +1,15 @@
-"""One call on a GPU machine without internet: the CUDA tests, the engine benchmark on the GPT-2 small
-and XL shapes, the whole stack on the GPU under the engine benchmark's load, and a profiled decode
-step, within a time budget, every result written under --out.
+"""On a GPU machine without internet: the CUDA tests, the engine benchmark on the GPT-2 small and XL
+shapes, the whole stack on the GPU under the engine benchmark's load, and a profiled decode step,
+within a time budget, every result written under --out.
 
-Where the package registry is reachable (here), then the device tool's `run`:
+Where the package registry is reachable (here), then the device tool's `run`, twice (on an H200 the
+phases together take longer than one call's 8 minutes: docs/gpu-check.md):
 
     make gpu-wheels          # .wheels/: the packages the GPU image lacks, and the code version
     run  carry: [".wheels"]  timeout_s: 560
-         command: python3 -m bench.gpu_check --out $OUT --budget 480
+         command: python3 -m bench.gpu_check --out $OUT --budget 480 --phases cuda-tests,engine-small
+    run  carry: [".wheels"]  timeout_s: 330
+         command: python3 -m bench.gpu_check --out $OUT --budget 300 --phases stack,engine-xl,profile
 
 From a plain checkout anywhere else: `python3 -m bench.gpu_check --out DIR [--budget 480]
 [--device cuda] [--phases NAME,...] [--skip-install]` (--phases: some of the measuring phases,
@@ -21,7 +24,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   device-to-device copy's bandwidth (what a decode step's weight reads are held against);
 - checkpoints: the random-weight GPT-2 small and XL checkpoints, built on the CPU in the background
   while the CUDA tests run;
-- cuda-tests: `pytest tests/test_cuda.py`, that module alone (others import packages the image lacks);
+- cuda-tests: `pytest tests/test_cuda.py`, that module alone (others import packages the image lacks),
+  each test's outcome, time and any failure written as it ends (bench/pytest_live.py);
 - engine-small: `bench.engine_bench --device cuda`, transformers, the engine in float32 and the
   engine in bfloat16 at 1, 8, 32 and 64 requests, 2 repeats (at 1 request 8: a round is one
   request), and the bfloat16 engine running one decode forward a step (`engine-bf16-single`: what
@@ -98,7 +102,7 @@ MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile", "engi
 DEFAULT = tuple(name for name in MEASURED if name != "engine-6b")  # engine-6b: a call of its own
 PHASES = ("install", "environment", "checkpoints", "kernels", *MEASURED)
 # Each phase's own limit on a GPU (seconds), with room over what its pieces took on an H200.
-LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "kernels": 150, "cuda-tests": 240, "engine-small": 180,
+LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "kernels": 150, "cuda-tests": 330, "engine-small": 180,
           "stack": 180, "engine-xl": 220, "profile": 90, "engine-6b": 300}
 MIN_START = 20.0  # a phase with less left than this is skipped
 STOP_GRACE = 15.0  # SIGTERM to SIGKILL: a stack's services stop on SIGTERM
@@ -523,6 +527,7 @@ def phases(check: Check) -> None:
     if check.runnable("cuda-tests"):
         xml = work / "cuda-tests.xml"
         check.phase("cuda-tests", check.python("-m", "pytest", args.pytest_path, "-q", "-rfE", "-p", "no:cacheprovider",
+                                               "-p", "bench.pytest_live",
                                                "--durations=10", f"--junitxml={xml}",
                                                *(["-k", args.pytest_k] if args.pytest_k else [])),
                     read=lambda: junit_counts(xml) if xml.exists() else None)
@@ -1394,7 +1399,8 @@ def wheels_main(argv: list[str]) -> None:
 
 def plot_main(argv: list[str]) -> None:
     """`python -m bench.gpu_check plot OUT.png CHECK.json...`: the GPT-2-small engine and stack rows
-    of one or more checks' results (gpu_check.json), each line named by its code version."""
+    of one or more checks' results (gpu_check.json), each line named by its code version (and the
+    call's number among that version's checks, where there are several)."""
     parser = argparse.ArgumentParser(prog="bench.gpu_check plot")
     parser.add_argument("out")
     parser.add_argument("checks", nargs="+")
@@ -1408,9 +1414,12 @@ def plot_main(argv: list[str]) -> None:
 
     fig, (engine_ax, stack_ax) = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     gpu, ticks = None, set()
-    for path in args.checks:
-        check = json.loads(Path(path).read_text())
-        code = check["code"].get("recorded", check["code"]).get("commit", "?")
+    checks = sorted((json.loads(Path(path).read_text()) for path in args.checks),
+                    key=lambda check: check.get("check", {}).get("started", ""))
+    codes = [check["code"].get("recorded", check["code"]).get("commit", "?") for check in checks]
+    for i, (check, code) in enumerate(zip(checks, codes)):
+        if codes.count(code) > 1:
+            code = f"{code} call {codes[:i].count(code) + 1}"
         gpu = gpu or check.get("environment", {}).get("gpu_name")
         phases = check["phases"]
         engine = ((phases.get("engine-small") or {}).get("result") or {}).get("summary", {}).get("by_system", {})

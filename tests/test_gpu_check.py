@@ -58,6 +58,24 @@ def test_what_a_phase_leaves_running_is_ended(tmp_path):
     assert ends(service) and gpu_check.leftovers(token) == []
 
 
+
+def test_a_cut_test_phase_has_already_said_which_tests_failed_and_why(tmp_path):
+    """The cuda-tests phase's pytest reports each test as it ends (bench/pytest_live.py): stopped
+    at its limit before pytest's summary, its log still names the failure and its assertion."""
+    (tmp_path / "test_cut.py").write_text(
+        "import time\n"
+        "def test_fine(): pass\n"
+        "def test_wrong(): assert 2 + 2 == 5, 'arithmetic is off'\n"
+        "def test_long(): time.sleep(60)\n")
+    entry = gpu_check.run_command([sys.executable, "-m", "pytest", str(tmp_path / "test_cut.py"), "-q",
+                                   "-p", "no:cacheprovider", "-p", "bench.pytest_live"], 10.0, tmp_path / "log",
+                                  {**os.environ, "PYTHONPATH": str(Path(gpu_check.__file__).parents[1])})
+    log = gpu_check.tail(tmp_path / "log")
+    assert entry["status"] == "timed_out" and "short test summary" not in log
+    assert "test_cut.py::test_fine passed" in log
+    assert "test_cut.py::test_wrong failed" in log and "arithmetic is off" in log
+    assert "test_long" not in log  # cut while it ran: not reported as ended
+
 def test_phases_that_do_not_fit_the_budget_are_skipped_and_recorded(tmp_path):
     results = gpu_check.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget", "1",
                               "--device", "cpu", "--quick", "--skip-install", "--phases", "stack"])
