@@ -11,6 +11,7 @@ the jobs it interrupts are re-queued by rq once their heartbeats expire). Logs a
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -103,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "for a slot or a prefill, each fed the one before's draws on the device: the "
                              "scheduling, the take-in and the event write are paid once for them; default: 4 "
                              "on a GPU, 1 on a CPU (docs/notes/decode-steps.md)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each engine in a process of its own, this one keeping rq and the event "
+                             "writer, whose Python would otherwise hold the GIL the engine launches with; "
+                             "default: on a GPU (worker/engine_process.py)")
     parser.add_argument("--compile-first", action="store_true",
                         help="compile every graph before taking jobs, instead of in the background")
     parser.add_argument("--metrics-port", type=int, default=None,
@@ -180,6 +185,20 @@ def build_engine(spec, device: str, sink, compile: bool | None = False, backgrou
     return engine
 
 
+def build_served_engine(spec, device: str, options: dict, sink):
+    """`build_engine` for serving in an engine's own process (worker/engine_process.py): what it
+    loaded frozen there, and once a background compile has ended, its graphs too."""
+    engine = build_engine(spec, device, sink, **options)
+    freeze_heap()
+    if engine.warming:
+        def freeze_when_compiled():
+            engine.runner.routes.wait_compiled()
+            freeze_heap(collect=False)
+
+        threading.Thread(target=freeze_when_compiled, name="freeze-when-compiled", daemon=True).start()
+    return engine
+
+
 def freeze_heap(collect: bool = True) -> None:
     """Keep what loading built out of the garbage collector's full passes. A loaded, compiled
     engine leaves hundreds of thousands of tracked objects (modules, compiled graphs, their
@@ -243,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     from models.registry import ModelNotFoundError, Registry, RegistryError
     from nanogpt.checkpoint import CheckpointError
     from worker.consumer import Binding, WorkerPool
+    from worker.engine_process import EngineBuildError, EngineProcess
     from worker.events import StreamWriter
 
     try:
@@ -282,11 +302,17 @@ def main(argv: list[str] | None = None) -> int:
             # The engine thread writes events itself: connect fast; a failed step is retried later.
             client = protocol.redis_client(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
+            options = dict(compile=args.compile, background=not (args.compile_first or args.warm_up),
+                           overlap=args.overlap, decode_steps=args.decode_steps)
+            apart = not args.warm_up and (args.engine_process if args.engine_process is not None
+                                          else device.startswith("cuda"))
             try:
-                engine = build_engine(spec, device, writer, compile=args.compile,
-                                      background=not (args.compile_first or args.warm_up), overlap=args.overlap,
-                                      decode_steps=args.decode_steps)
-            except CheckpointError as err:
+                if apart:
+                    engine = EngineProcess(functools.partial(build_served_engine, spec, device, options), writer,
+                                           setup=functools.partial(setup_logging, args.log_level))
+                else:
+                    engine = build_engine(spec, device, writer, **options)
+            except (CheckpointError, EngineBuildError) as err:
                 log.error("cannot load model", extra={"model": spec.id, "device": device, "error": str(err)})
                 status = 2
                 break
@@ -294,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.warm_up:
                 continue
             freeze_heap()
-            concurrency = args.concurrency or engine.runner.slots
+            concurrency = args.concurrency or engine.slots
             batch_concurrency = batch_limit(concurrency, args.batch_concurrency)
             pool.add(Binding(spec.id, engine, writer), device, concurrency, batch_concurrency)
             log.info("serving", extra={"model": spec.id, "device": device,

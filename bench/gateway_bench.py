@@ -42,7 +42,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from bench import checkpoint, rounds
 from bench.loadgen import Sample, completion_body, openai_sender, percentile, run
@@ -73,11 +73,12 @@ def engine_sender(engine, model_id: str):
 
 @contextmanager
 def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: bool | None = None,
-          web_workers: int = 2) -> Iterator[Service]:
+          web_workers: int = 2, worker_args: Sequence[str] = ()) -> Iterator[Service]:
     """nanoserve's whole stack serving every model of `models_file`, as `make serve` runs it: a
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn
-    (`web_workers` processes × 64 threads, auth disabled); logs in `workdir`. Yields the gunicorn
+    (`web_workers` processes × 64 threads, auth disabled); `worker_args`: processor.py's further
+    options; logs in `workdir`. Yields the gunicorn
     service (its `.url`; its `.info` names Redis's URL, the worker's pid and its metrics' URL: see
     `engine_busy`)."""
     from models.registry import Registry
@@ -91,7 +92,7 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
         # measured at full speed: after the worker's background compile (a minute or two on a first start)
         with start_processor(server.url, models_file, models=models, concurrency=concurrency, log_dir=workdir,
                              compile=compile, timeout=600.0, warmed=True,
-                             extra_args=["--metrics-port", str(metrics_port)]) as worker, \
+                             extra_args=["--metrics-port", str(metrics_port), *worker_args]) as worker, \
                 start_gunicorn(server.url, models_file, workers=web_workers, threads=64,
                                env={"NANOSERVE_AUTH": "disabled"}, log_dir=workdir) as web:
             web.info.update(redis_url=server.url, worker_pid=worker.pid,

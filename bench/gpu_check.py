@@ -127,7 +127,9 @@ class Plan:
     xl_repeats: int = 1
     large: str = "gpt-j-6b"
     large_concurrency: tuple[int, ...] = (1, 8)
-    stack_dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    # the worker's default (its engine in a process of its own on a GPU), that against the engine in the
+    # worker's own process, then float32
+    stack_dtypes: tuple[str, ...] = ("bfloat16", "bfloat16+thread", "float32")
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     stack_repeats: int = 2
@@ -146,11 +148,18 @@ class Plan:
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              large="tiny", large_concurrency=(1,),
-             stack_dtypes=("float32",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
+             stack_dtypes=("float32+process",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
              stream_at=2, steady=2,
              client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
+# A stack variant is a dtype, or a dtype and how its worker runs the engine: `+thread` in the worker's
+# own process, `+process` in one of its own (processor.py --engine-process; default: on a GPU).
+WORKER_ARGS = {"": [], "thread": ["--no-engine-process"], "process": ["--engine-process"]}
+
+
+def variant_dtype(variant: str) -> str:
+    return variant.partition("+")[0]
 
 
 # ---- running a phase ---------------------------------------------------------------------------
@@ -597,7 +606,7 @@ def stack_over_engine(phases: dict, steady: bool = False) -> dict:
     stack = ((phases.get("stack") or {}).get("result") or {}).get("dtypes", {})
     out = {}
     for dtype, entry in stack.items():
-        alone = engine.get(ENGINE_OF_DTYPE.get(dtype), {})
+        alone = engine.get(ENGINE_OF_DTYPE.get(variant_dtype(dtype)), {})
         measured = ({c: r["tokens_per_s"] for c, r in entry.get("steady", {}).items()} if steady
                     else entry.get("tokens_per_s", {}))
         ratios = {c: tok_s / alone[c]["tokens_per_s"] for c, tok_s in measured.items()
@@ -733,6 +742,10 @@ def markdown(results: dict) -> str:
                                  f"{c}: " + "/".join(str(_median_of(rs, key))
                                                      for key in ("all", "busiest_thread", "rest"))
                                  for c, rs in cpu.items()) + ".")
+                if any("engine_processes" in r for rs in cpu.values() for r in rs):
+                    lines.append(f"\n{dtype}, of that the worker's own process / its engine's process, ms a request: "
+                                 + "; ".join(f"{c}: {_median_of(rs, 'worker_process')}/{_median_of(rs, 'engine_processes')}"
+                                             for c, rs in cpu.items()) + ".")
             inside = entry.get("engine_in_stack")
             if inside:
                 lines.append(f"\n{dtype}, the worker's engine in the stack, medians of the rounds (its busy share of "
@@ -812,14 +825,14 @@ def _ms(seconds) -> str:
 def engine_phases(engine_result: dict | None, dtype: str, c: int) -> dict[str, float]:
     """The engine alone's step time by phase at `c` requests, ms a forward (medians of its runs)."""
     row = ((engine_result or {}).get("summary", {}).get("by_system", {})
-           .get(ENGINE_OF_DTYPE.get(dtype), {}).get(str(c)))
+           .get(ENGINE_OF_DTYPE.get(variant_dtype(dtype)), {}).get(str(c)))
     return (row or {}).get("step_phase_ms", {})
 
 
 def engine_step(engine_result: dict | None, dtype: str, c: int) -> float | None:
     """The engine alone's seconds per token of each request at `c` requests (c / its tokens/s)."""
     row = ((engine_result or {}).get("summary", {}).get("by_system", {})
-           .get(ENGINE_OF_DTYPE.get(dtype), {}).get(str(c)))
+           .get(ENGINE_OF_DTYPE.get(variant_dtype(dtype)), {}).get(str(c)))
     return c / row["tokens_per_s"] if row else None
 
 
@@ -981,13 +994,20 @@ def stack_main(argv: list[str]) -> None:
                "client_processes": args.client_processes, "web_workers": args.web_workers,
                "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
     failed = False
-    for dtype in args.dtypes.split(","):
-        entry = results["dtypes"][dtype] = {}
-        workdir = Path(args.workdir) / dtype
+    for variant in args.dtypes.split(","):
+        dtype, _, how = variant.partition("+")
+        if how not in WORKER_ARGS:
+            raise SystemExit(f"unknown stack variant {variant!r}: DTYPE, DTYPE+thread or DTYPE+process")
+        entry = results["dtypes"][variant] = {}
+        workdir = Path(args.workdir) / variant
         workdir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
+        # a variant of a dtype measured already is held against that dtype's engine as served
+        served = next((e["engine_as_served"] for v, e in results["dtypes"].items()
+                       if v != variant and variant_dtype(v) == dtype and e.get("engine_as_served")), None)
         try:
-            measure_stack(entry, dtype, args, concurrency, workdir, lambda: write_json(args.json, results))
+            measure_stack(entry, dtype, args, concurrency, workdir, lambda: write_json(args.json, results),
+                          WORKER_ARGS[how], served)
         except Exception:
             failed = True
             entry["error"] = traceback.format_exc()[-TAIL:]
@@ -1016,7 +1036,8 @@ def _no_control_socket() -> None:
         os.environ["GUNICORN_CMD_ARGS"] = (os.environ.get("GUNICORN_CMD_ARGS", "") + " --no-control-socket").strip()
 
 
-def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save) -> None:
+def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save,
+                  worker_args: list[str] = (), served: dict | None = None) -> None:
     import gc
 
     import torch
@@ -1033,19 +1054,22 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
     # the stack is held against, where engine-small's engine has one slot a request and no more context
     registry = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
                              args.prompt_tokens + args.new_tokens, workdir, args.device)
-    entry["engine_as_served"] = alone = {}
-    for c, report in engine_as_served(registry, args.model, args.device, COMPILE_MODES[args.mode],
-                                      rounds(concurrency, args.repeats, args.min_requests),
-                                      lambda c: bodies(c, args.new_tokens)):
-        alone.setdefault(str(c), []).append(report)
-        print(f"{dtype} the engine as served C={c:<3} {report['tokens_per_s']:8.1f} tok/s", flush=True)
-    gc.collect()  # its model, cache and graphs, before the worker takes the device
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if served is not None:
+        entry["engine_as_served"] = alone = served
+    else:
+        entry["engine_as_served"] = alone = {}
+        for c, report in engine_as_served(registry, args.model, args.device, COMPILE_MODES[args.mode],
+                                          rounds(concurrency, args.repeats, args.min_requests),
+                                          lambda c: bodies(c, args.new_tokens)):
+            alone.setdefault(str(c), []).append(report)
+            print(f"{dtype} the engine as served C={c:<3} {report['tokens_per_s']:8.1f} tok/s", flush=True)
+        gc.collect()  # its model, cache and graphs, before the worker takes the device
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     started = time.perf_counter()
     with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
                    workdir, compile=COMPILE_MODES[args.mode], device=args.device,
-                   web_workers=args.web_workers) as web, \
+                   web_workers=args.web_workers, worker_args=worker_args) as web, \
             contextlib.ExitStack() as stack:
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started
@@ -1140,24 +1164,47 @@ def worker_log(workdir: Path, limit: int = 10) -> dict:
 
 
 class WorkerCPU:
-    """The worker process's CPU time by thread (Linux /proc), to say what a request costs it: all
-    threads, its busiest thread (on a GPU the engine's), and the rest (the consumer's threads, the event
-    writer, heartbeats): on a GPU host the rest holds the GIL the engine's thread launches with."""
+    """The worker's CPU time by thread (Linux /proc), its engines' processes of their own included,
+    to say what a request costs it: all threads, its busiest thread (on a GPU the engine's), and the
+    rest (the consumer's threads, the event writer, heartbeats): in one process with the engine's
+    thread, the rest holds the GIL that thread launches with. With an engine process, also what the
+    worker's own process and the engine's used."""
 
     def __init__(self, pid: int):
         self.pid = pid
 
-    def sample(self) -> dict[int, float]:
+    def sample(self) -> dict[int, tuple[int, float]]:
+        """thread id -> (its process, CPU seconds)."""
         from bench.gateway_bench import thread_cpu_seconds
 
-        return thread_cpu_seconds(self.pid)
+        out = {}
+        for pid in [self.pid, *child_pids(self.pid)]:
+            out.update({tid: (pid, seconds) for tid, seconds in thread_cpu_seconds(pid).items()})
+        return out
 
-    def per_request(self, before: dict[int, float], requests: int) -> dict[str, float]:
+    def per_request(self, before: dict[int, tuple[int, float]], requests: int) -> dict[str, float]:
         """ms of CPU per request since `before`."""
         after = self.sample()
-        used = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+        used = {t: (pid, seconds - before.get(t, (pid, 0.0))[1]) for t, (pid, seconds) in after.items()}
+        ordered = sorted((seconds for _, seconds in used.values()), reverse=True)
         ms = lambda seconds: round(1000 * seconds / max(requests, 1), 2)  # noqa: E731
-        return {"all": ms(sum(used)), "busiest_thread": ms(used[0] if used else 0.0), "rest": ms(sum(used[1:]))}
+        out = {"all": ms(sum(ordered)), "busiest_thread": ms(ordered[0] if ordered else 0.0),
+               "rest": ms(sum(ordered[1:]))}
+        if any(pid != self.pid for pid, _ in used.values()):
+            out["worker_process"] = ms(sum(s for pid, s in used.values() if pid == self.pid))
+            out["engine_processes"] = ms(sum(s for pid, s in used.values() if pid != self.pid))
+        return out
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc): a worker's engine processes."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return children
 
 
 def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,

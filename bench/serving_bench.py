@@ -52,7 +52,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from bench import checkpoint, output_arguments, save_figure, write_results
 from bench.loadgen import Sample, Send, completion_body, openai_sender, percentile
@@ -209,14 +209,17 @@ def served_models(model_dir: Path, model: str, dtype: str, max_concurrency: int,
 
 @contextmanager
 def nanoserve(model_dir: Path, model: str, dtype: str, max_concurrency: int, context_length: int,
-              workdir: Path, compile: bool | None = None, device: str = "cpu", web_workers: int = 2):
+              workdir: Path, compile: bool | None = None, device: str = "cpu", web_workers: int = 2,
+              worker_args: Sequence[str] = ()):
     """nanoserve's whole stack serving `model_dir` as `model` in `dtype` on `device` (with the decode
-    step compiled or not by `compile`, None: the worker's default; `web_workers` gunicorn processes);
-    yields its web service (`.url`; `.info` names Redis's URL and the worker's pid)."""
+    step compiled or not by `compile`, None: the worker's default; `web_workers` gunicorn processes;
+    `worker_args`: processor.py's further options); yields its web service (`.url`; `.info` names
+    Redis's URL and the worker's pid)."""
     from bench.gateway_bench import stack
 
     models_file = served_models(model_dir, model, dtype, max_concurrency, context_length, workdir, device)
-    with stack(models_file, workdir, concurrency=max_concurrency, compile=compile, web_workers=web_workers) as web:
+    with stack(models_file, workdir, concurrency=max_concurrency, compile=compile, web_workers=web_workers,
+               worker_args=worker_args) as web:
         yield web
 
 

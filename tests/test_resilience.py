@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -261,10 +263,12 @@ engine.Engine.step = step
 '''
 
 
-def test_a_dead_engine_thread_exits_the_process_and_its_stream_resumes_elsewhere(models_file, engine, tmp_path):
-    """The engine thread of the processor running a stream dies: the process logs it and exits 1
-    (for its supervisor to restart it), the job is retried at once rather than at its rq timeout,
-    and a healthy processor resumes it: the client's stream is the uninterrupted text."""
+@pytest.mark.parametrize("apart", [False, True], ids=["engine-thread", "engine-process"])
+def test_a_dead_engine_thread_exits_the_process_and_its_stream_resumes_elsewhere(models_file, engine, tmp_path, apart):
+    """The engine thread of the processor running a stream dies (in the processor's own process, or
+    in the engine's process of its own: --engine-process): the processor logs it and exits 1 (for
+    its supervisor to restart it), the job is retried at once rather than at its rq timeout, and a
+    healthy processor resumes it: the client's stream is the uninterrupted text."""
     (tmp_path / "fault").mkdir()
     (tmp_path / "fault" / "sitecustomize.py").write_text(ENGINE_FAULT)
     server = start_redis()
@@ -272,6 +276,7 @@ def test_a_dead_engine_thread_exits_the_process_and_its_stream_resumes_elsewhere
     faulty = healthy = web = None
     try:
         faulty = spawn_processor(server.url, models_file, concurrency=2, log_dir=tmp_path, wait=False,
+                                 extra_args=["--engine-process"] if apart else [],
                                  env={"PYTHONPATH": f"{tmp_path / 'fault'}:{REPO}"})
         web = spawn_gunicorn(server.url, models_file, env=WEB_ENV, workers=1, threads=4, log_dir=tmp_path)
         faulty.wait_ready()
@@ -301,6 +306,46 @@ def test_a_dead_engine_thread_exits_the_process_and_its_stream_resumes_elsewhere
 
 
 # ---- a worker told to stop while its Redis is gone -------------------------------------------
+
+def test_a_killed_engine_process_loses_no_job(models_file, engine, tmp_path):
+    """A worker's engine process (--engine-process) is killed (SIGKILL: the OOM killer) while it holds
+    a synchronous request's job: the worker fails the job at once, so rq retries it, exits 1, and a
+    healthy processor answers the request with the uninterrupted text. The engine is held stopped
+    (SIGSTOP) until the job is in it, so the kill lands while it runs."""
+    server = start_redis()
+    r = redis.Redis.from_url(server.url)
+    doomed = healthy = web = None
+    try:
+        doomed = spawn_processor(server.url, models_file, concurrency=2, log_dir=tmp_path,
+                                 extra_args=["--engine-process"])
+        [child] = [entry["pid"] for entry in log_entries(doomed.logs())
+                   if entry.get("msg") == "engine in a process of its own"]
+        web = spawn_gunicorn(server.url, models_file, env=WEB_ENV, workers=1, threads=4, log_dir=tmp_path)
+        client = openai.OpenAI(base_url=web.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        body = request(5, max_tokens=24)
+        [expected] = reference_texts(engine, [body])
+
+        os.kill(child, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.completions.create, **body)
+            deadline = time.monotonic() + 30
+            while not rq_json.started(protocol.queue_name(MODEL), r).count:  # the job started on the worker
+                assert time.monotonic() < deadline, "the job never started"
+                time.sleep(0.05)
+            os.kill(child, signal.SIGKILL)
+            assert doomed.wait(timeout=60) == 1
+            healthy = spawn_processor(server.url, models_file, concurrency=2, log_dir=tmp_path)
+            answer = answer.result(timeout=120)
+
+        assert answer.choices[0].text == expected and answer.usage.completion_tokens == 24
+        wait_finished(r, [answer.id])
+        assert finished_on(r, [answer.id], healthy) == [answer.id]
+        assert "the engine's process died" in doomed.logs()
+        assert "engine thread died; stopping so the process is restarted" in doomed.logs()
+    finally:
+        stop_all(web, doomed, healthy)
+        server.stop()
+
 
 def test_a_worker_whose_redis_is_gone_stops_within_seconds(models_file, tmp_path):
     """SIGTERM with Redis unreachable: nothing runs and nothing can be taken, so nothing is waited for

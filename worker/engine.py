@@ -259,6 +259,11 @@ class Engine:
         self.scheduler.settle()
 
     @property
+    def slots(self) -> int:
+        """Sequences the KV cache holds at once."""
+        return self.runner.slots
+
+    @property
     def warming(self) -> bool:
         """Whether the decode step's graphs are still compiling in the background (it serves meanwhile)."""
         return self.runner.routes.warming

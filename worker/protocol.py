@@ -289,6 +289,10 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def __reduce__(self):
+        # pickled as it is, whatever its class's __init__ takes (an engine's process sends them)
+        return _restore_error, (type(self), self.args, self.__dict__)
+
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> "APIError":
         """An envelope that came back from a worker (an `error` event) as an APIError."""
@@ -296,6 +300,13 @@ class APIError(Exception):
         type_ = err.get("type") or "server_error"
         return cls(STATUS_BY_TYPE.get(type_, 500), err.get("message") or "The request failed.", type_,
                    err.get("param"), err.get("code"))
+
+
+def _restore_error(cls: type, args: tuple, state: dict) -> APIError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
