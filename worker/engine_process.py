@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 from typing import Any, Callable
@@ -206,12 +207,12 @@ def _serve(conn, build: Callable[[Callable], Any], setup: Callable[[], None] | N
         try:
             if not conn.poll(WATCH_S):
                 if not engine.is_alive():  # an exception ended its thread (logged by threading.excepthook)
-                    raise SystemExit(1)  # the worker sees the pipe end: as a dead engine thread in its own process
+                    _leave(1)  # the worker sees the pipe end: as a dead engine thread in its own process
                 continue
             message = conn.recv()
         except (EOFError, OSError):  # the worker is gone
             engine.stop(timeout=5)
-            return
+            _leave(0)
         kind = message[0]
         if kind == "submit":
             _, number, job, resume = message
@@ -232,4 +233,11 @@ def _serve(conn, build: Callable[[Callable], Any], setup: Callable[[], None] | N
         elif kind == "stop":
             engine.stop()
             send(("stopped",))
-            return
+            _leave(0)
+
+
+def _leave(status: int) -> None:
+    """Exit without the interpreter's teardown: a background compile still running on its thread
+    would abort it (std::terminate), and the worker has what it needs (processor.py leaves so too)."""
+    logging.shutdown()
+    os._exit(status)
