@@ -20,6 +20,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 from typing import Any, Callable
@@ -62,14 +63,18 @@ class EngineProcess:
         try:
             kind, info = self._conn.recv()
         except EOFError:
-            kind, info = "failed", f"the engine's process exited with code {self._process.join(5) or self._process.exitcode}"
+            self._process.join(5)
+            kind, info = "failed", f"the engine's process exited with code {self._process.exitcode}"
         if kind != "ready":
             self._process.join(5)
             raise EngineBuildError(info)
         log.info("engine in a process of its own", extra={"pid": self._process.pid})
         self.slots: int = info["slots"]
         self._last_stats = info["stats"]
-        self._reader = threading.Thread(target=self._read, name=f"{name}-pipe", daemon=True)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._write, name=f"{name}-send", daemon=True)
+        self._sender.start()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-read", daemon=True)
         self._reader.start()
 
     # ---- the engine's interface ----
@@ -116,14 +121,25 @@ class EngineProcess:
     # ---- the pipe ----
 
     def _send(self, message: tuple) -> bool:
+        """Queue a message for the child; False once the pipe has ended. Never blocks: the reader
+        sends cancels, and were it to wait on a full pipe while the child waits on it, neither would
+        go on."""
         with self._send_lock:
             if not self._open:
                 return False
+            self._outbox.put(message)
+            return True
+
+    def _write(self) -> None:
+        """The sender's thread: the queued messages down the pipe, in order."""
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
             try:
                 self._conn.send(message)
-                return True
             except (OSError, ValueError):  # the child is gone; the reader sees the pipe end
-                return False
+                return
 
     def _read(self) -> None:
         """The worker's side: events to the writer (its cancels back to the child), ended jobs to
@@ -155,6 +171,7 @@ class EngineProcess:
                 break
         with self._send_lock:
             self._open = False
+            self._outbox.put(None)
         with self._replied:
             self._replied.notify_all()
         if self._process.is_alive():
