@@ -1,5 +1,6 @@
 """The worker process: load each model once per device, run one batching engine per (model, device),
-and feed the engines from the models' rq queues.
+and feed the engines from the models' rq queues. On a GPU each engine runs in a process of its own
+(--engine-process: worker/engine_process.py), this one keeping rq, the event writers and the heartbeats.
 
     python processor.py [--model NAME ...] [--device cpu|cuda:0|cuda:0,cuda:1|all]
                         [--concurrency N] [--batch-concurrency N] [--redis-url URL]
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec, device in targets:
             if stop.is_set():  # asked to stop while models were loading
                 break
-            # The engine thread writes events itself: connect fast; a failed step is retried later.
+            # The writer's thread writes the engine's events: connect fast; a failed write is retried later.
             client = protocol.redis_client(args.redis_url, socket_connect_timeout=2, socket_timeout=5)
             writer = StreamWriter(client)
             options = dict(compile=args.compile, background=not (args.compile_first or args.warm_up),
