@@ -171,3 +171,61 @@ def test_stopping_fails_the_running_jobs_with_a_fault_and_ends_the_child(spec, t
     broken = dataclasses.replace(spec, checkpoint=str(tmp_path / "no-checkpoint"))
     with pytest.raises(EngineBuildError, match="no-checkpoint"):
         EngineProcess(functools.partial(build_served_engine, broken, "cpu", {"compile": False}), Sink())
+
+
+def test_ctrl_c_to_the_workers_group_drains_it_and_leaves_no_engine_process(redis_server, spec, tmp_path):
+    """Ctrl-C reaches every process of the worker's group: the engine's process ignores it, the
+    worker takes no new jobs, finishes its running ones through the child, stops it and exits 0."""
+    import os
+    import signal
+    import time
+
+    import redis
+    from rq.job import JobStatus
+
+    from tests import rq_json
+    from tests.stack import start_processor, write_models_toml
+
+    url = redis_server.url.rsplit("/", 1)[0] + "/5"  # a database of its own
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    models_file = write_models_toml(tmp_path / "models.toml", {MODEL: spec.checkpoint}, device="cpu", max_batch=8)
+    queue = rq_json.queue(protocol.queue_name(MODEL), r)
+
+    def enqueue(max_tokens: int):
+        job = protocol.CompletionJob(id=protocol.new_completion_id(), model=MODEL, prompts=[[464]], seed=1,
+                                     max_tokens=max_tokens, temperature=0.0, logit_bias={EOS: -100.0})
+        return queue.enqueue_call(protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id,
+                                  result_ttl=protocol.RESULT_TTL)
+
+    with start_processor(url, models_file, concurrency=4, log_dir=tmp_path, extra_args=["--engine-process"]) as worker:
+        [child] = [line for line in worker.logs().splitlines() if "engine in a process of its own" in line]
+        child = int(child.split('"pid": ')[1].split("}")[0].split(",")[0])
+        running = [enqueue(100) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not all(r.exists(protocol.stream_key(job.id)) for job in running):
+            assert time.monotonic() < deadline, "the jobs never started"
+            time.sleep(0.01)
+        os.killpg(worker.process.pid, signal.SIGINT)
+        time.sleep(0.3)
+        assert alive(child)  # the engine's process did not take the signal as its own stop
+        while "taking no new jobs" not in worker.logs():
+            assert time.monotonic() < deadline and worker.alive()
+            time.sleep(0.05)
+        late = enqueue(8)
+        assert worker.wait(timeout=60) == 0
+    for job in running:
+        assert job.get_status() == JobStatus.FINISHED
+        assert job.return_value()["usage"]["completion_tokens"] == 100
+    assert late.get_status() == JobStatus.QUEUED
+    assert '"msg": "stopped"' in worker.logs()
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read().lower()
+    except FileNotFoundError:
+        return False
