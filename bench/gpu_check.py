@@ -65,6 +65,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -541,7 +542,8 @@ def phases(check: Check) -> None:
                                                "-p", "bench.pytest_live",
                                                "--durations=10", f"--junitxml={xml}",
                                                *(["-k", args.pytest_k] if args.pytest_k else [])),
-                    read=lambda: junit_counts(xml) if xml.exists() else None)
+                    read=lambda: {**(junit_counts(xml) if xml.exists() else {}),
+                                  "reported": reported_tests(work / "cuda-tests.log")})
 
     def measure(name: str, shape: str, command) -> None:
         """The phase `name` over the `shape` checkpoint: `command(ckpt, path)` gives the bench's
@@ -599,6 +601,20 @@ def junit_counts(path: Path) -> dict:
                         for case in root.iter("testcase")
                         for problem in list(case.findall("failure")) + list(case.findall("error"))]
     return counts
+
+
+def reported_tests(log_path: Path, slowest: int = 10) -> dict:
+    """What bench/pytest_live.py wrote of the tests that ended (also of a run cut before pytest's
+    summary): how many ended by outcome, the failed ones, and the slowest with their seconds."""
+    ended = []
+    for line in tail(log_path, 10 ** 9).splitlines() if log_path.exists() else []:
+        match = re.match(r"\[test\] (\S+) (\w+)(?: in \w+)? \(([\d.]+) s\)$", line)
+        if match:
+            ended.append((match[1], match[2], float(match[3])))
+    return {"ended": len(ended),
+            "by_outcome": {o: sum(1 for _, outcome, _ in ended if outcome == o) for o in sorted({e[1] for e in ended})},
+            "failed": [name for name, outcome, _ in ended if outcome == "failed"],
+            "slowest": [[name, seconds] for name, _, seconds in sorted(ended, key=lambda e: -e[2])[:slowest]]}
 
 
 def stack_over_engine(phases: dict, steady: bool = False) -> dict:
@@ -672,9 +688,18 @@ def markdown(results: dict) -> str:
 
     tests = (phases.get("cuda-tests") or {}).get("result")
     if tests:
-        lines += ["", "## CUDA tests", "", f"{tests['passed']} passed, {tests['skipped']} skipped, {tests['failures']} "
-                  f"failed, {tests['errors']} errors in {tests['time_s']:.0f} s."]
-        lines += [f"- {f['test']}: {' '.join(f['message'])}" for f in tests["failed"]]
+        lines += ["", "## CUDA tests", ""]
+        if "tests" in tests:  # pytest's summary (JUnit XML): a run that ended
+            lines += [f"{tests['passed']} passed, {tests['skipped']} skipped, {tests['failures']} "
+                      f"failed, {tests['errors']} errors in {tests['time_s']:.0f} s."]
+            lines += [f"- {f['test']}: {' '.join(f['message'])}" for f in tests["failed"]]
+        reported = tests.get("reported") or {}
+        if reported.get("ended"):
+            lines += [f"\nAs each ended: {reported['ended']} tests ("
+                      + ", ".join(f"{n} {outcome}" for outcome, n in reported["by_outcome"].items()) + ")"
+                      + "".join(f"; failed: {name}" for name in reported["failed"])
+                      + "; the slowest: " + ", ".join(f"{name.split('::')[-1]} {sec:.1f} s"
+                                                       for name, sec in reported["slowest"][:5]) + "."]
 
     small = (phases.get("engine-small") or {}).get("result")
     if small:

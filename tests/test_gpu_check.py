@@ -75,6 +75,11 @@ def test_a_cut_test_phase_has_already_said_which_tests_failed_and_why(tmp_path):
     assert "test_cut.py::test_fine passed" in log
     assert "test_cut.py::test_wrong failed" in log and "arithmetic is off" in log
     assert "test_long" not in log  # cut while it ran: not reported as ended
+    # what the phase's results take of it: the tests that ended, by outcome, the failed, the slowest
+    reported = gpu_check.reported_tests(tmp_path / "log")
+    assert reported["ended"] == 2 and reported["by_outcome"] == {"failed": 1, "passed": 1}
+    assert [name.split("::")[-1] for name in reported["failed"]] == ["test_wrong"]
+    assert {name.split("::")[-1] for name, _ in reported["slowest"]} == {"test_fine", "test_wrong"}
 
 def test_phases_that_do_not_fit_the_budget_are_skipped_and_recorded(tmp_path):
     results = gpu_check.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget", "1",
