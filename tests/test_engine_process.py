@@ -173,6 +173,26 @@ def test_stopping_fails_the_running_jobs_with_a_fault_and_ends_the_child(spec, t
         EngineProcess(functools.partial(build_served_engine, broken, "cpu", {"compile": False}), Sink())
 
 
+def test_a_killed_engine_process_fails_its_jobs_at_once(spec):
+    """The child killed (SIGKILL, the OOM killer) while a job runs in it: the job's handle fails with
+    EngineFault as soon as the pipe ends (rq retries such a job), and the engine reads as dead."""
+    import os
+    import signal
+
+    engine = EngineProcess(functools.partial(build_served_engine, spec, "cpu", {"compile": False}), Sink())
+    try:
+        os.kill(engine._process.pid, signal.SIGSTOP)  # held, so the job is in it when it dies
+        job = protocol.CompletionJob(id=protocol.new_completion_id(), model=MODEL, prompts=[[464]], seed=1,
+                                     max_tokens=8, temperature=0.0, logit_bias={EOS: -100.0})
+        handle = engine.submit(job)
+        os.kill(engine._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineFault):
+            handle.result(timeout=10)
+        assert not engine.is_alive()
+    finally:
+        engine.stop()
+
+
 def test_ctrl_c_to_the_workers_group_drains_it_and_leaves_no_engine_process(redis_server, spec, tmp_path):
     """Ctrl-C reaches every process of the worker's group: the engine's process ignores it, the
     worker takes no new jobs, finishes its running ones through the child, stops it and exits 0."""

@@ -260,6 +260,10 @@ class Consumer:
                         checked = -math.inf
                         self.pool.stopping.wait(SUSPENSION_CHECK_S)
                         continue
+                engine = self.binding.engine
+                if engine is not None and not engine.is_alive():  # its process exits: the queues' jobs are others'
+                    self.pool.stopping.wait(self.pool.poll_interval)
+                    continue
                 with self._room:
                     free = self.concurrency - len(self.running)
                     batch_free = self.batch_concurrency - sum(r.queue.name != self.queue_names[0] for r in self.running)

@@ -178,6 +178,7 @@ class EngineProcess:
             self._process.join(5)
         if self._process.exitcode not in (0, None):
             log.error("the engine's process died", extra={"exit_code": self._process.exitcode})
+        self._fail_open_handles()  # no end can come for them now
 
     def _fail_open_handles(self) -> None:
         for number in list(self._handles):
