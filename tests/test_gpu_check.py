@@ -232,6 +232,13 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "first token at 1 (ms)" in summary
     assert "float32+process, the worker's engine as it said it built it: compiled" in summary
     assert "of that the worker's own process / its engine's process" in summary
+    # the same dtype with the engine on a thread of the worker: held against the first variant's engine
+    # as served (not measured again), its CPU all in the worker's process
+    thread = phases["stack"]["result"]["dtypes"]["float32+thread"]
+    assert thread["engine_as_served"] == stack["engine_as_served"]
+    assert all(run["errors"] == 0 for runs in thread["runs"].values() for run in runs)
+    assert all("engine_processes" not in cpu for cpus in thread["worker_cpu_ms"].values() for cpu in cpus)
+    assert "float32+thread, the worker's engine as it said it built it" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     assert f"the steady state (C clients, {steady} requests each" in summary and "(TPOT) p50" in summary
     assert "the engine as the worker builds it (2 slots" in summary

@@ -1,18 +1,17 @@
 """An engine in a process of its own, the worker's process keeping rq and the event writer.
 
 A GPU engine's thread is busy launching: its forwards are short and each launch holds the GIL. In one
-process with the consumer's rq bookkeeping and the event writer, whose Python holds that GIL about as
-long again a request, the engine's forwards in a whole stack took twice the engine alone's on an H200
-(docs/performance.md#gpu). `EngineProcess` runs the engine (`processor.build_engine`) in a spawned
-child and stands in for it in the worker: `submit` gives a `RequestHandle` as the engine's does, the
+process with it, the consumer's rq bookkeeping and the event writer hold that GIL too, and slow its
+forwards (measured: docs/notes/engine-process.md). `EngineProcess` runs the engine
+(`processor.build_served_engine`) in a spawned child and stands in for it in the worker: `submit` gives a `RequestHandle` as the engine's does, the
 child's events reach the worker's `StreamWriter` (which answers with cancels, sent back), a handle
 ends when its job ends there, after that job's events (one pipe keeps them in order).
 
 - The child ignores SIGINT and SIGTERM: the worker decides when it stops (after its running jobs).
   It exits when the worker's end of the pipe closes (the worker died: nothing is left to serve).
-- A child that dies, or whose engine's thread dies, ends the pipe: `is_alive` turns false, the consumer fails the running jobs with
-  EngineFault within a second (rq retries them) and processor.py exits 1, as when an engine's
-  thread dies in the worker's own process.
+- A child that dies, or whose engine's thread dies, ends the pipe: the jobs still in it fail with
+  EngineFault at once (rq retries them), `is_alive` turns false, the consumer takes no more jobs and
+  processor.py exits 1, as when an engine's thread dies in the worker's own process.
 """
 from __future__ import annotations
 
@@ -115,8 +114,7 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
-        self._reader.join(5)
-        self._fail_open_handles()
+        self._reader.join(5)  # it fails the handles still open once the pipe has ended
 
     # ---- the pipe ----
 
