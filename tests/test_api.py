@@ -552,6 +552,29 @@ def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, mon
     assert rq_json.fetch(job_id, r).get_status() == JobStatus.CANCELED and r.exists(protocol.cancel_key(job_id))
 
 
+def test_a_cancel_that_meets_a_worker_starting_the_job_is_no_error(app, client, r, monkeypatch):
+    """A worker may start a queued job between the cancel's read of it and rq's cancel, which then
+    reads an execution the worker has registered but not yet written (rq raises ValueError): the job
+    runs, its cancel flag stops it, and the answer is no 500."""
+    rq_json.worker(["completions:tiny"], r).register_birth()
+    job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
+    with app.app_context():
+        jq = job_queue()
+        fetch = jq.fetch
+
+        def fetch_then_a_worker_starts_it(job_id):
+            stale = fetch(job_id)  # still says queued...
+            # ...as a worker starts it: started, its execution listed but not (or no longer) written
+            r.hset(f"rq:job:{job_id}", "status", JobStatus.STARTED.value)
+            r.zadd(f"rq:executions:{job_id}", {"half-written": time.time() + 60})
+            return stale
+
+        monkeypatch.setattr(jq, "fetch", fetch_then_a_worker_starts_it)
+        assert jq.cancel(job_id) is False  # it was no longer only queued
+    assert r.exists(protocol.cancel_key(job_id))
+    assert client.delete(f"/v1/jobs/{job_id}").status_code == 200
+
+
 def test_a_job_whose_stream_ended_gives_its_place_in_the_keys_quota_back(redis_url, models_file, r):
     """A key's quota of jobs counts what its jobs hold of an engine. The worker writes a job's terminal
     event before rq records the job finished, which lags under load: a job whose stream ended frees

@@ -161,6 +161,8 @@ class JobQueue:
             job.cancel()
         except InvalidJobOperation:  # cancelled since the fetch, by another thread or process: done
             pass
+        except ValueError:  # rq read an execution a worker was starting or ending: it runs, and the flag stops it
+            return False
         return True
 
 
