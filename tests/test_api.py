@@ -533,22 +533,29 @@ def test_job_cancel_while_queued(client, r):
     assert rq_json.queue("completions:tiny", r).count == 0
 
 
-def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, monkeypatch):
-    """A batch's cancel and its dispatcher (or two web processes) may cancel one queued job at once:
-    the one that comes second finds it cancelled under it and must not turn that into a 500."""
+def cancel_after(app, client, r, monkeypatch, meanwhile) -> tuple[str, bool]:
+    """A queued job cancelled with `meanwhile(job_id)` run between the cancel's read of the job (which
+    still says queued) and rq's cancel: its id, and what `JobQueue.cancel` answered."""
     rq_json.worker(["completions:tiny"], r).register_birth()
     job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
     with app.app_context():
         jq = job_queue()
         fetch = jq.fetch
 
-        def fetch_then_lose_the_race(job_id):
-            stale = fetch(job_id)  # still says queued...
-            rq_json.fetch(job_id, r).cancel()  # ...when the other canceller wins
+        def stale_fetch(job_id):
+            stale = fetch(job_id)
+            meanwhile(job_id)
             return stale
 
-        monkeypatch.setattr(jq, "fetch", fetch_then_lose_the_race)
-        assert jq.cancel(job_id) is True
+        monkeypatch.setattr(jq, "fetch", stale_fetch)
+        return job_id, jq.cancel(job_id)
+
+
+def test_a_cancel_that_loses_the_race_to_another_is_no_error(app, client, r, monkeypatch):
+    """A batch's cancel and its dispatcher (or two web processes) may cancel one queued job at once:
+    the one that comes second finds it cancelled under it and must not turn that into a 500."""
+    job_id, queued = cancel_after(app, client, r, monkeypatch, lambda job_id: rq_json.fetch(job_id, r).cancel())
+    assert queued is True
     assert rq_json.fetch(job_id, r).get_status() == JobStatus.CANCELED and r.exists(protocol.cancel_key(job_id))
 
 
@@ -556,21 +563,12 @@ def test_a_cancel_that_meets_a_worker_starting_the_job_is_no_error(app, client, 
     """A worker may start a queued job between the cancel's read of it and rq's cancel, which then
     reads an execution the worker has registered but not yet written (rq raises ValueError): the job
     runs, its cancel flag stops it, and the answer is no 500."""
-    rq_json.worker(["completions:tiny"], r).register_birth()
-    job_id = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).get_json()["id"]
-    with app.app_context():
-        jq = job_queue()
-        fetch = jq.fetch
+    def start(job_id):  # started, its execution listed but not (or no longer) written
+        r.hset(f"rq:job:{job_id}", "status", JobStatus.STARTED.value)
+        r.zadd(f"rq:executions:{job_id}", {"half-written": time.time() + 60})
 
-        def fetch_then_a_worker_starts_it(job_id):
-            stale = fetch(job_id)  # still says queued...
-            # ...as a worker starts it: started, its execution listed but not (or no longer) written
-            r.hset(f"rq:job:{job_id}", "status", JobStatus.STARTED.value)
-            r.zadd(f"rq:executions:{job_id}", {"half-written": time.time() + 60})
-            return stale
-
-        monkeypatch.setattr(jq, "fetch", fetch_then_a_worker_starts_it)
-        assert jq.cancel(job_id) is False  # it was no longer only queued
+    job_id, queued = cancel_after(app, client, r, monkeypatch, start)
+    assert queued is False  # it was no longer only queued
     assert r.exists(protocol.cancel_key(job_id))
     assert client.delete(f"/v1/jobs/{job_id}").status_code == 200
 
