@@ -207,6 +207,26 @@ def test_batch_jobs_take_their_share_of_the_engine_and_interactive_ones_the_rest
         pool.join(idle_grace=5)
 
 
+def test_a_finished_job_reads_back_in_rq_as_rqs_worker_leaves_it(pool, client):
+    """The consumer records a finish in rq's data model (the job's status and end, its result, the
+    finished registry, the execution gone) without writing the job's unchanged fields again: what
+    rq reads back is whole, the job's payload with it."""
+    queue = rq_json.queue(protocol.queue_name(MODEL), client)
+    job = enqueue(queue, 1, meta={"owner": "key:a"}, result_ttl=300)
+    wait_until(lambda: job.get_status() == JobStatus.FINISHED, 10, "the job never finished")
+    back = rq_json.fetch(job.id, client)
+    assert back.get_status(refresh=False) == JobStatus.FINISHED
+    assert back.started_at is not None and back.ended_at is not None and back.ended_at >= back.started_at
+    assert list(back.args) == list(job.args) and back.meta == {"owner": "key:a"} and back.origin == queue.name
+    assert back.return_value()["id"] == job.id
+    result = back.latest_result()
+    assert result.type == result.Type.SUCCESSFUL and result.worker_name == pool.workers[0].name
+    assert job.id in rq_json.finished(queue.name, client).get_job_ids()
+    assert job.id not in queue.started_job_registry.get_job_ids()
+    assert not client.keys(f"rq:execution:{job.id}:*")
+    assert 0 < client.ttl(back.key) <= 300
+
+
 def test_a_burst_of_jobs_starts_and_ends_in_a_few_transactions(redis_url, client):
     """Sixteen jobs enqueued at once and ending together: the consumer takes, starts and records
     them in a few round trips, not a dozen per job as rq's worker does (every one holds the GIL the
