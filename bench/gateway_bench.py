@@ -79,7 +79,7 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
     compiled or not by `compile`, None: where the worker compiles it by default), gunicorn
     (`web_workers` processes × 64 threads, auth disabled); `worker_args`: processor.py's further
     options; logs in `workdir`. Yields the gunicorn service (its `.url`; its `.info` names Redis's
-    URL, the worker's pid and its metrics' URL: see `engine_busy`)."""
+    URL and pid, the worker's pid and its metrics' URL: see `engine_busy`)."""
     from models.registry import Registry
     from tests.stack import start_gunicorn, start_processor
     from web.dev.local_redis import free_port, start_redis
@@ -94,7 +94,7 @@ def stack(models_file: Path, workdir: Path, *, concurrency: int = 32, compile: b
                              extra_args=["--metrics-port", str(metrics_port), *worker_args]) as worker, \
                 start_gunicorn(server.url, models_file, workers=web_workers, threads=64,
                                env={"NANOSERVE_AUTH": "disabled"}, log_dir=workdir) as web:
-            web.info.update(redis_url=server.url, worker_pid=worker.pid,
+            web.info.update(redis_url=server.url, redis_pid=server.process.pid, worker_pid=worker.pid,
                             worker_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
             yield web
     finally:

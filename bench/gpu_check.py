@@ -772,6 +772,12 @@ def markdown(results: dict) -> str:
                     lines.append(f"\n{dtype}, of that the worker's own process / its engine's process, ms a request: "
                                  + "; ".join(f"{c}: {_median_of(rs, 'worker_process')}/{_median_of(rs, 'engine_processes')}"
                                              for c, rs in cpu.items()) + ".")
+            roles = entry.get("stack_cpu_ms")
+            if roles:
+                lines.append(f"\n{dtype}, the stack's CPU a request by role, ms, medians of the rounds (web / Redis "
+                             "/ worker / the clients): " + "; ".join(
+                                 f"{c}: " + "/".join(str(_median_of(rs, key)) for key in ("web", "redis", "worker", "clients"))
+                                 for c, rs in roles.items()) + ".")
             inside = entry.get("engine_in_stack")
             if inside:
                 lines.append(f"\n{dtype}, the worker's engine in the stack, medians of the rounds (its busy share of "
@@ -1106,10 +1112,14 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}
         entry["runs"] = runs
         worker = WorkerCPU(web.info["worker_pid"])
-        entry["worker_cpu_ms"], entry["engine_in_stack"] = {}, {}
+        roles = StackCPU({"web": web.pid, "redis": web.info["redis_pid"], "worker": web.info["worker_pid"]},
+                         clients=lambda: clients.cpu_s)
+        entry["worker_cpu_ms"], entry["stack_cpu_ms"], entry["engine_in_stack"] = {}, {}, {}
         for r, c, of_c in rounds(concurrency, args.repeats, args.min_requests):
             before, busy = worker.sample(), engine_busy(web.info["worker_metrics_url"])
+            roles_before = roles.sample()
             report = clients.run(bodies(c, args.new_tokens), c)
+            entry["stack_cpu_ms"].setdefault(str(c), []).append(roles.per_request(roles_before, c))
             entry["worker_cpu_ms"].setdefault(str(c), []).append(worker.per_request(before, c))
             entry["engine_in_stack"].setdefault(str(c), []).append(
                 busy_share(busy, engine_busy(web.info["worker_metrics_url"]), report["wall_s"], c))
@@ -1220,6 +1230,40 @@ class WorkerCPU:
             out["worker_process"] = ms(sum(s for pid, s in used.values() if pid == self.pid))
             out["engine_processes"] = ms(sum(s for pid, s in used.values() if pid != self.pid))
         return out
+
+
+class StackCPU:
+    """The CPU time of the stack's processes by role, to say what a request costs each: `web`
+    (gunicorn's processes), `redis`, `worker` (its engines' processes included), each a root pid
+    and its descendants, their threads' times read from Linux's /proc (they live as long as their
+    processes); and `clients`, the load's client processes' own count (`ClientProcesses.cpu_s`)."""
+
+    def __init__(self, roots: dict[str, int], clients):
+        self.roots, self.clients = roots, clients
+
+    def sample(self) -> dict[str, float]:
+        """role -> CPU seconds."""
+        from bench.gateway_bench import thread_cpu_seconds
+
+        out = {role: sum(sum(thread_cpu_seconds(pid).values()) for pid in [root, *descendants(root)])
+               for role, root in self.roots.items()}
+        out["clients"] = self.clients()
+        return out
+
+    def per_request(self, before: dict[str, float], requests: int) -> dict[str, float]:
+        """ms of CPU per request since `before`, by role."""
+        after = self.sample()
+        return {role: round(1000 * (after[role] - before.get(role, 0.0)) / max(requests, 1), 2) for role in after}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    out, todo = [], child_pids(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += child_pids(child)
+    return out
 
 
 def child_pids(pid: int) -> list[int]:

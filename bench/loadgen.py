@@ -129,6 +129,7 @@ class ClientProcesses:
 
     def __init__(self, base_url: str, model: str, processes: int, **options):
         self.processes = processes
+        self.cpu_s = 0.0  # the CPU seconds its processes spent in runs, so far
         self._pool = concurrent.futures.ProcessPoolExecutor(
             processes, mp_context=multiprocessing.get_context("spawn"), initializer=_start_sender,
             initargs=(base_url, model, options))
@@ -145,8 +146,9 @@ class ClientProcesses:
                    concurrency // self.processes + (i < concurrency % self.processes)) for i in range(self.processes)]
         done = [f.result() for f in [self._pool.submit(_run_share, part, clients)
                                      for part, clients in shares if part and clients]]
-        samples = [sample for part, _, _ in done for sample in part]
-        return samples, max(end for _, _, end in done) - min(start for _, start, _ in done)
+        samples = [sample for part, _, _, _ in done for sample in part]
+        self.cpu_s += sum(cpu for _, _, _, cpu in done)
+        return samples, max(end for _, _, end, _ in done) - min(start for _, start, _, _ in done)
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -166,10 +168,13 @@ def _start_sender(base_url: str, model: str, options: dict) -> None:
     _send = openai_sender(base_url, model, **options)
 
 
-def _run_share(bodies: list[dict], concurrency: int) -> tuple[list[Sample], float, float]:
+def _run_share(bodies: list[dict], concurrency: int) -> tuple[list[Sample], float, float, float]:
+    """A client process's share of a run: its samples, start, end and CPU seconds (its threads'
+    ended ones included)."""
+    cpu = time.process_time()
     started = time.time()  # a clock every process shares
     samples = closed_loop(_send, bodies, concurrency)
-    return samples, started, time.time()
+    return samples, started, time.time(), time.process_time() - cpu
 
 
 def percentile(values: list[float], q: float) -> float | None:

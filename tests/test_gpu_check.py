@@ -208,6 +208,8 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
             # the engine's process counted with the worker's: both worked
             assert cpu["worker_process"] > 0 and cpu["engine_processes"] > 0
             assert cpu["all"] == pytest.approx(cpu["worker_process"] + cpu["engine_processes"], abs=0.02)
+        for roles in stack["stack_cpu_ms"][c]:  # every role of the stack worked for the round's requests
+            assert set(roles) == {"web", "redis", "worker", "clients"} and all(ms > 0 for ms in roles.values()), roles
         for inside in stack["engine_in_stack"][c]:  # the worker's engine: busy part of the round, not all of it
             assert 0 < inside["busy_share"] < 1 and inside["ms_per_forward"] > 0 and inside["busy_ms_per_request"] > 0
             # its forward's ms by phase, from the worker's metrics, as the engine alone's (its summary row)
@@ -232,6 +234,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "first token at 1 (ms)" in summary
     assert "float32+process, the worker's engine as it said it built it: compiled" in summary
     assert "of that the worker's own process / its engine's process" in summary
+    assert "the stack's CPU a request by role" in summary
     # the same dtype with the engine on a thread of the worker: held against the first variant's engine
     # as served (not measured again), its CPU all in the worker's process
     thread = phases["stack"]["result"]["dtypes"]["float32+thread"]
