@@ -276,6 +276,45 @@ def test_full_queue_is_429_with_retry_after(client, slow_retry, redis_url, r):
     assert error_of(response, 429)["code"] == "queue_full" and response.headers["Retry-After"] == "7"
 
 
+def test_admission_is_one_round_trip_and_a_refusal_takes_nothing_after_it(redis_url, models_file, r):
+    """A job's admission (web/api/admission.py): the model's queue, the caller's open hold, rate
+    limit and jobs quota checked in one script call; refused at one step, the steps after it take
+    nothing and those before it are given back (a request without a worker spends no rate limit)."""
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "key_max_jobs": 1,
+                      "key_rpm": 5, "key_tpm": 600})
+    client = app.test_client()
+    bucket, jobs, opened = ("nanoserve:ratelimit:addr:127.0.0.1", "nanoserve:quota:jobs:addr:127.0.0.1",
+                            "nanoserve:quota:open:addr:127.0.0.1")
+    assert error_of(complete(client, model="org/idle"), 503)["code"] == "no_worker"
+    assert not r.exists(bucket) and not r.exists(jobs) and not r.zcard(opened)
+    rq_json.worker(["completions:tiny"], r).register_birth()  # registered, never works
+    monitor = redis.Redis.from_url(redis_url, socket_timeout=None)
+    commands, listening = [], threading.Event()
+
+    def listen():
+        with monitor.monitor() as m:
+            listening.set()
+            for command in m.listen():
+                commands.append(command["command"])
+                if command["command"].startswith("PING"):
+                    return
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    listening.wait(5)
+    assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).status_code == 202
+    r.ping()
+    thread.join(5)
+    scripts = [c for c in commands if c.startswith(("EVAL", "EVALSHA"))]
+    assert len(scripts) == 1, scripts  # the whole admission; the enqueue is its own transaction
+    tokens = float(r.hget(bucket, "tok"))
+    assert r.zcard(jobs) == 1 and float(r.hget(bucket, "req")) == pytest.approx(4, abs=0.01)
+    # the jobs quota refuses a synchronous request: its open hold and its tokens are given back
+    assert error_of(complete(client), 429)["code"] == "quota_exceeded"
+    assert r.zcard(opened) == 0 and float(r.hget(bucket, "tok")) == pytest.approx(tokens, abs=2)
+    assert r.zcard(jobs) == 1
+
+
 @pytest.mark.parametrize("retry_after", [None, "7"])
 def test_redis_down_is_503_with_retry_after(models_file, monkeypatch, retry_after):
     if retry_after:

@@ -135,37 +135,56 @@ def quota_scope(caller: Caller) -> str:
     return f"key:{caller.key_id}" if caller.key_id else f"addr:{caller.address}"
 
 
-def hold_open(caller: Caller) -> quotas.Hold:
-    """Count a stream or a synchronous wait against the caller's `open` quota (429 past it)."""
+def hold_open(caller: Caller, take: bool = True) -> quotas.Hold:
+    """Count a stream or a synchronous wait against the caller's `open` quota (429 past it);
+    `take=False`: its place is taken by its `take_call` (web/api/admission.py)."""
     s = _state().settings
-    return quotas.Hold(_state().redis, quota("open"), quota_scope(caller), stale_s=max(30.0, 3 * s.keepalive_s))
+    return quotas.Hold(_state().redis, quota("open"), quota_scope(caller), stale_s=max(30.0, 3 * s.keepalive_s),
+                       take=take)
 
 
 def admit(caller: Caller, user: str | None, reserved_tokens: int, strike: bool = True) -> Grant:
     """`strike=False`: a refusal earns no abuse strike (a batch's dispatcher waiting on its caller's
     limits is no abuse)."""
+    reservation = ratelimit.reserve(_state().redis, admission_buckets(caller, user), reserved_tokens, _gates(caller, user))
+    return granted(reservation, caller, user, reserved_tokens, strike)
+
+
+def admission_call(caller: Caller, user: str | None, reserved_tokens: int) -> tuple[list, list]:
+    """`admit`'s reservation script's keys and arguments (web/api/admission.py runs it among others);
+    `granted` reads its reply (ratelimit.reservation, with `admission_buckets`)."""
+    return ratelimit.reserve_call(admission_buckets(caller, user), reserved_tokens, _gates(caller, user))
+
+
+def admission_buckets(caller: Caller, user: str | None) -> list[ratelimit.Bucket]:
+    """The rate-limit buckets a request of `caller` and `user` draws from."""
+    return [bucket for bucket, _, _ in _limits(caller, user, _state().settings)]
+
+
+def granted(reservation: ratelimit.Reservation, caller: Caller, user: str | None, reserved_tokens: int,
+            strike: bool = True) -> Grant:
+    """The Grant of an `admission_call`'s reservation, or its 403 or 429 (a strike, with `strike`)."""
     state = _state()
-    subjects = _subjects(caller, user)
+    _check_gate(reservation, _subjects(caller, user))
     limits = _limits(caller, user, state.settings)
-    buckets = [bucket for bucket, _, _ in limits]
-    gates = [blocklist.entry_key(kind, name) for kind, name in subjects]
-    reservation = ratelimit.reserve(state.redis, buckets, reserved_tokens, gates)
-    _check_gate(reservation, subjects)
     if not reservation.allowed:
         culprits = {bucket.key: subject for bucket, _, subject in limits}
         struck = [culprits[s.bucket.key] for s in reservation.refused if culprits[s.bucket.key]]
         if strike:
             abuse.strike(state.redis, state.settings, "rate_limited", struck)
         raise _rate_limited(reservation, {bucket.key: label for bucket, label, _ in limits}, reserved_tokens)
-    return Grant(caller, user, reserved_tokens, reservation.headers(), buckets)
+    return Grant(caller, user, reserved_tokens, reservation.headers(), [bucket for bucket, _, _ in limits])
+
+
+def _gates(caller: Caller, user: str | None) -> list[str]:
+    return [blocklist.entry_key(kind, name) for kind, name in _subjects(caller, user)]
 
 
 def check_blocked(caller: Caller, user: str | None) -> None:
     """The 403 of `admit` for a blocked key or user, alone: a cheap refusal before costly work."""
     subjects = _subjects(caller, user)
     if subjects:
-        gates = [blocklist.entry_key(kind, name) for kind, name in subjects]
-        _check_gate(ratelimit.reserve(_state().redis, [], 0, gates), subjects)
+        _check_gate(ratelimit.reserve(_state().redis, [], 0, _gates(caller, user)), subjects)
 
 
 def _check_gate(reservation: ratelimit.Reservation, subjects: list[tuple[str, str]]) -> None:

@@ -25,7 +25,7 @@ from worker.protocol import APIError
 
 # KEYS[1]: the set; KEYS[2]: its sizes hash (or a dummy). ARGV: now, cap (0: none), member, lapses at,
 # size, byte cap (0: none). Returns {1, 0} when taken, else {0, seconds until the earliest lapse}.
-_TAKE = """
+TAKE = """
 local now, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
 local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 if #lapsed > 0 then
@@ -53,6 +53,11 @@ return {1, 0}
 """
 
 
+def take_reply(out: list) -> tuple[bool, int]:
+    """What a take script's reply says: taken, else the seconds until the earliest place lapses."""
+    return bool(out[0]), int(out[1])
+
+
 @dataclass(frozen=True)
 class Quota:
     """One kind of thing a key holds, e.g. `jobs`: at most `cap` at once (0: no limit), and for files
@@ -75,7 +80,14 @@ class Quota:
         if not self.cap and not self.byte_cap:
             return
         taken, wait = self._take(r, owner, member, lapses_at, size)
-        if not taken and ended is not None:
+        if not taken:
+            self.take_at_cap(r, owner, member, lapses_at, wait, size, ended)
+
+    def take_at_cap(self, r: redis.Redis, owner: str, member: str, lapses_at: float, wait: int, size: int = 0,
+                    ended: Callable[[list[str]], Iterable[str]] | None = None) -> None:
+        """`take` once its first try found the cap reached (`wait`: what that try said)."""
+        taken = False
+        if ended is not None:
             over = list(ended(r.zrange(self.key(owner), 0, -1)))
             if over:
                 self.give_back(r, owner, *over)
@@ -109,10 +121,14 @@ class Quota:
 
     def _take(self, r: redis.Redis, owner: str, member: str, lapses_at: float, size: int,
               force: bool = False) -> tuple[bool, int]:
+        keys, args = self.take_call(owner, member, lapses_at, size, force)
+        return take_reply(r.register_script(TAKE)(keys=keys, args=args))
+
+    def take_call(self, owner: str, member: str, lapses_at: float, size: int = 0,
+                  force: bool = False) -> tuple[list, list]:
+        """`TAKE`'s keys and arguments (web/api/admission.py runs it among other scripts)."""
         cap, byte_cap = (0, 0) if force else (self.cap, self.byte_cap)
-        out = r.register_script(_TAKE)(keys=[self.key(owner), self.sizes_key(owner)],
-                                       args=[time.time(), cap, member, lapses_at, size, byte_cap])
-        return bool(out[0]), int(out[1])
+        return [self.key(owner), self.sizes_key(owner)], [time.time(), cap, member, lapses_at, size, byte_cap]
 
     def exceeded(self, wait_s: int, size: int = 0) -> APIError:
         if self.byte_cap and size:
@@ -143,13 +159,21 @@ class Hold:
     request has seen the job end (`job_ended`), the release gives that place back too, in the same
     round trip, rather than leaving it to lapse or to be found over at the owner's cap."""
 
-    def __init__(self, r: redis.Redis, quota: Quota, owner: str, stale_s: float):
+    def __init__(self, r: redis.Redis, quota: Quota, owner: str, stale_s: float, take: bool = True):
+        """`take=False`: the place is taken by `take_call`'s script (web/api/admission.py)."""
         self.r, self.quota, self.owner, self.stale_s = r, quota, owner, stale_s
         self.member = secrets.token_hex(8)
         self._refreshed = time.monotonic()
         self._job: tuple[Quota, str] | None = None
         self._job_ended = False
-        quota.take(r, owner, self.member, time.time() + stale_s)
+        if take:
+            quota.take(r, owner, self.member, time.time() + stale_s)
+
+    def take_call(self) -> tuple[list, list] | None:
+        """The take's script keys and arguments; None where the quota has no cap (nothing to take)."""
+        if not self.quota.cap:
+            return None
+        return self.quota.take_call(self.owner, self.member, time.time() + self.stale_s)
 
     def follow(self, quota: Quota, member: str) -> None:
         self._job = (quota, member)

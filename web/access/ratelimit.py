@@ -22,7 +22,7 @@ import redis
 # Returns {-1, gate index} when a gate key exists, else {allowed (0/1), retry_ms, then for each
 # bucket: remaining requests, remaining tokens, reset_requests_ms, reset_tokens_ms, refusal}
 # with refusal 0: fine, 1: out of requests, 2: out of tokens, 3: cost larger than the whole tpm.
-_RESERVE = """
+RESERVE = """
 local ngate = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
 for i = 1, ngate do
@@ -134,9 +134,17 @@ def _dimension_headers(dimension: str, buckets: list[tuple[int, int, int]]) -> d
 
 def reserve(r: redis.Redis, buckets: list[Bucket], cost: int, gates: list[str] = ()) -> Reservation:
     """Take one request and `cost` tokens from every bucket, unless a gate key exists or a bucket is short."""
-    script = r.register_script(_RESERVE)
-    args = [len(gates), cost] + [n for b in buckets for n in (b.rpm, b.tpm)]
-    out = script(keys=[*gates, *(b.key for b in buckets)], args=args)
+    keys, args = reserve_call(buckets, cost, gates)
+    return reservation(r.register_script(RESERVE)(keys=keys, args=args), buckets)
+
+
+def reserve_call(buckets: list[Bucket], cost: int, gates: list[str] = ()) -> tuple[list, list]:
+    """`reserve`'s script keys and arguments (web/api/admission.py runs `RESERVE` among other scripts)."""
+    return [*gates, *(b.key for b in buckets)], [len(gates), cost] + [n for b in buckets for n in (b.rpm, b.tpm)]
+
+
+def reservation(out: list, buckets: list[Bucket]) -> Reservation:
+    """The Reservation a `reserve_call`'s reply says."""
     if out[0] == -1:
         return Reservation(False, blocked_by=out[1] - 1)
     states = []

@@ -14,6 +14,7 @@ from flask import Blueprint, Response, g, jsonify, request, stream_with_context
 from models.registry import ModelSpec
 from models.tokenizer import Tokenizer, bad_words_token_ids
 from web import access, metrics
+from web.api import admission
 from web.access.ownership import owner_of
 from web.access.quotas import Hold
 from web.api.models import served_models
@@ -100,8 +101,8 @@ def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
 def admit_completion(for_job: bool = False) -> Admitted:
     """The request path up to the queue (docs/architecture.md): authenticate, parse and validate,
     resolve the model, count its sequences, refuse a blocked caller (all before tokenizing), tokenize,
-    check the context, check the model's queue, admit (access limits and quotas), enqueue as the
-    caller's job."""
+    check the context, admit (the model's queue, access limits and quotas, in one round trip:
+    web/api/admission.py), enqueue as the caller's job."""
     g.caller = caller = access.authenticate(request)
     body = read_json_body()
     if isinstance(body, dict) and isinstance(body.get("user"), str) and len(body["user"]) <= MAX_USER:
@@ -111,28 +112,19 @@ def admit_completion(for_job: bool = False) -> Admitted:
     req, spec = parse_completion(body)
     access.check_blocked(caller, req.user)
     checked = check_prompts(req, spec)
-    jq = job_queue()
-    jq.check_capacity(spec.id)
-
-    hold = None if for_job else access.hold_open(caller)
+    jq, job, s = job_queue(), checked.to_job(), settings()
+    hold = None if for_job else access.hold_open(caller, take=False)
+    lapses = time.time() + s.queue_ttl_s + s.job_timeout_s * (s.job_retries + 1)
+    g.grant = grant = admission.admit(jq, caller, req.user, spec.id, checked.reserved_tokens, job.id, lapses, hold)
     follower = None
     try:
-        g.grant = grant = access.admit(caller, req.user, checked.reserved_tokens)
-        job = checked.to_job()
-        s = settings()
-        lapses = time.time() + s.queue_ttl_s + s.job_timeout_s * (s.job_retries + 1)
-        jobs = access.quota("jobs")
-        try:
-            jobs.take(access.redis_client(), access.quota_scope(caller), job.id, lapses, ended=jq.ended)
-            # the hub follows the stream from the job's enqueue on, woken in the same transaction
-            key = protocol.stream_key(job.id)
-            follower = None if for_job else jq.hub.register(key, "0-0")
-            jq.enqueue(job, spec.id, owner=owner_of(caller),
-                       also=None if follower is None else lambda pipe: jq.hub.queue_wake(pipe, key))
-        except Exception:
-            access.settle(grant, 0)
-            raise
+        # the hub follows the stream from the job's enqueue on, woken in the same transaction
+        key = protocol.stream_key(job.id)
+        follower = None if for_job else jq.hub.register(key, "0-0")
+        jq.enqueue(job, spec.id, owner=owner_of(caller),
+                   also=None if follower is None else lambda pipe: jq.hub.queue_wake(pipe, key))
     except Exception:
+        access.settle(grant, 0)
         if hold is not None:
             hold.release()
         if follower is not None:

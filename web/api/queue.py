@@ -22,7 +22,7 @@ from worker.protocol import APIError
 
 
 # A queue's live workers (its registered workers whose keys exist) and its length.
-_LOAD = """
+LOAD = """
 local live = 0
 for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   live = live + redis.call('EXISTS', key)
@@ -46,7 +46,7 @@ class JobQueue:
         # XREAD BLOCK waits up to one keepalive period; its socket must outlast that.
         self.blocking_redis = redis_pool.client(settings.redis_url, socket_timeout=settings.keepalive_s + 10)
         self.hub = StreamHub(settings.redis_url)
-        self._load = self.redis.register_script(_LOAD)
+        self._load = self.redis.register_script(LOAD)
 
     def queue(self, model_id: str) -> Queue:
         return Queue(protocol.queue_name(model_id), connection=self.redis, serializer=protocol.SERIALIZER)
@@ -55,9 +55,13 @@ class JobQueue:
         """(live workers, queued jobs) of a model's queue, in one round trip. Live: an rq worker
         registered on the queue whose key has not expired (it lives `worker_ttl` past the worker's
         last heartbeat, so a crashed worker drops out on its own)."""
-        queue = self.queue(model_id)
-        live, queued = self._load(keys=[WORKERS_BY_QUEUE_KEY % queue.name, queue.key])
+        live, queued = self._load(keys=self.load_keys(model_id))
         return int(live), int(queued)
+
+    def load_keys(self, model_id: str) -> list[str]:
+        """`LOAD`'s keys for a model's queue (web/api/admission.py runs it among other scripts)."""
+        queue = self.queue(model_id)
+        return [WORKERS_BY_QUEUE_KEY % queue.name, queue.key]
 
     def warming(self, model_id: str) -> int:
         """Of a model's live workers, how many belong to an engine that still compiles its graphs
@@ -68,16 +72,17 @@ class JobQueue:
                 pipe.hget(key, protocol.WARMING_FIELD)
             return sum(flag == b"1" for flag in pipe.execute())
 
-    def check_capacity(self, model_id: str) -> None:
-        """503 when no worker serves the model, 429 when its queue is full (both with Retry-After)."""
-        workers, queued = self.load(model_id)
+    def capacity_error(self, model_id: str, workers: int, queued: int) -> APIError | None:
+        """What a model's `load` refuses a new job with: 503 when no worker serves it, 429 when its
+        queue is full (both with Retry-After); None when it takes one."""
         retry = {"Retry-After": str(self.settings.retry_after_s)}
         if not workers:
-            raise APIError(503, f"No worker is serving the model `{model_id}` right now; try again later.",
-                           "server_error", None, "no_worker", retry)
+            return APIError(503, f"No worker is serving the model `{model_id}` right now; try again later.",
+                            "server_error", None, "no_worker", retry)
         if queued >= self.settings.max_queue_depth:
-            raise APIError(429, f"The queue for model `{model_id}` is full; try again later.",
-                           "rate_limit_error", None, "queue_full", retry)
+            return APIError(429, f"The queue for model `{model_id}` is full; try again later.",
+                            "rate_limit_error", None, "queue_full", retry)
+        return None
 
     def enqueue(self, job: protocol.CompletionJob, model_id: str, owner: str,
                 batch_window_left_s: float | None = None, also=None) -> Job:
