@@ -113,11 +113,13 @@ class Quota:
             if len(pipe):
                 pipe.execute()
 
-    def queue_give_back(self, pipe: redis.client.Pipeline, owner: str, *members: str) -> None:
-        """`give_back`'s commands, queued on `pipe` (to go with other commands in one round trip)."""
+    def queue_give_back(self, pipe: redis.client.Pipeline, owner: str, *members: str, sized: bool = True) -> None:
+        """`give_back`'s commands, queued on `pipe` (to go with other commands in one round trip);
+        `sized=False`: the members were taken without a size."""
         if members and (self.cap or self.byte_cap):
             pipe.zrem(self.key(owner), *members)
-            pipe.hdel(self.sizes_key(owner), *members)
+            if sized:
+                pipe.hdel(self.sizes_key(owner), *members)
 
     def _take(self, r: redis.Redis, owner: str, member: str, lapses_at: float, size: int,
               force: bool = False) -> tuple[bool, int]:
@@ -192,11 +194,11 @@ class Hold:
 
     def release(self) -> None:
         try:
-            with self.r.pipeline(transaction=True) as pipe:
-                self.quota.queue_give_back(pipe, self.owner, self.member)
-                if self._job is not None and self._job_ended:
+            with self.r.pipeline(transaction=False) as pipe:  # each place given back is whole on its own
+                self.quota.queue_give_back(pipe, self.owner, self.member, sized=False)
+                if self._job is not None and self._job_ended:  # a job's place is taken without a size too
                     quota, member = self._job
-                    quota.queue_give_back(pipe, self.owner, member)
+                    quota.queue_give_back(pipe, self.owner, member, sized=False)
                 if len(pipe):
                     pipe.execute()
         except redis.RedisError:
