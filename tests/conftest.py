@@ -2,10 +2,12 @@
 saved in Hugging Face format. Nothing here downloads anything."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,34 @@ def make_hf_checkpoint(directory: Path, *, n_layer=2, n_head=2, n_embd=64, n_pos
         write_gpt2_tokenizer(directory)
     return directory
 
+
+
+@contextlib.contextmanager
+def redis_commands(redis_url: str):
+    """The commands Redis runs meanwhile (MONITOR), each as its text, in the yielded list; complete
+    once the block ends."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=None)
+    commands, listening = [], threading.Event()
+
+    def listen():
+        with client.monitor() as m:
+            listening.set()
+            for command in m.listen():
+                if command["command"] == "PING nanoserve-test-end":
+                    return
+                commands.append(command["command"])
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    listening.wait(5)
+    try:
+        yield commands
+    finally:
+        redis.Redis.from_url(redis_url).execute_command("PING", "nanoserve-test-end")
+        thread.join(5)
+        client.close()
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers given here
 def pytest_collection_modifyitems(config, items):

@@ -23,7 +23,7 @@ from rq.serializers import PickleSerializer
 
 from models.tokenizer import load_tokenizer
 from tests import rq_json
-from tests.conftest import write_gpt2_tokenizer
+from tests.conftest import redis_commands, write_gpt2_tokenizer
 from web.access import keys
 from web.api.queue import job_queue
 from web.app import create_app
@@ -288,23 +288,8 @@ def test_admission_is_one_round_trip_and_a_refusal_takes_nothing_after_it(redis_
     assert error_of(complete(client, model="org/idle"), 503)["code"] == "no_worker"
     assert not r.exists(bucket) and not r.exists(jobs) and not r.zcard(opened)
     rq_json.worker(["completions:tiny"], r).register_birth()  # registered, never works
-    monitor = redis.Redis.from_url(redis_url, socket_timeout=None)
-    commands, listening = [], threading.Event()
-
-    def listen():
-        with monitor.monitor() as m:
-            listening.set()
-            for command in m.listen():
-                commands.append(command["command"])
-                if command["command"].startswith("PING"):
-                    return
-
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    listening.wait(5)
-    assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).status_code == 202
-    r.ping()
-    thread.join(5)
+    with redis_commands(redis_url) as commands:
+        assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).status_code == 202
     scripts = [c for c in commands if c.startswith(("EVAL", "EVALSHA"))]
     assert len(scripts) == 1, scripts  # the whole admission; the enqueue is its own transaction
     tokens = float(r.hget(bucket, "tok"))

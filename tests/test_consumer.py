@@ -14,6 +14,7 @@ from rq import Retry
 from rq.job import JobStatus
 
 from tests import rq_json
+from tests.conftest import redis_commands
 from worker import consumer, protocol
 from worker.consumer import Binding, CompletionRqJob, ForeignJob, WorkerPool
 from worker.engine import RequestHandle
@@ -232,30 +233,16 @@ def test_a_burst_of_jobs_starts_and_ends_in_a_few_transactions(redis_url, client
     them in a few round trips, not a dozen per job as rq's worker does (every one holds the GIL the
     engine's thread steps with)."""
     pool, engine = start_pool(redis_url, 16, heartbeat_interval=30)  # no beat meanwhile
-    monitor = redis.Redis.from_url(redis_url, socket_timeout=None)
-    commands, listening = [], threading.Event()
-
-    def listen():
-        with monitor.monitor() as m:
-            listening.set()
-            for command in m.listen():
-                commands.append(command["command"])
-                if command["command"].startswith("PING"):
-                    return
-
     try:
         wait_until(lambda: pool.workers[0] is not None, 5, "the consumer never registered")
         time.sleep(0.5)
-        thread = threading.Thread(target=listen, daemon=True)
-        thread.start()
-        listening.wait(5)
-        queue = rq_json.queue(protocol.queue_name(MODEL), client)
-        with client.pipeline() as pipe:
-            jobs = [enqueue(queue, 3, pipeline=pipe) for _ in range(16)]
-            pipe.execute()
-        wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10, "the burst never ended")
-        client.ping()
-        thread.join(5)
+        with redis_commands(redis_url) as commands:
+            queue = rq_json.queue(protocol.queue_name(MODEL), client)
+            with client.pipeline() as pipe:
+                jobs = [enqueue(queue, 3, pipeline=pipe) for _ in range(16)]
+                pipe.execute()
+            wait_until(lambda: all(job.get_status() == JobStatus.FINISHED for job in jobs), 10,
+                       "the burst never ended")
     finally:
         pool.stop()
         pool.join(idle_grace=5)
