@@ -407,7 +407,9 @@ def test_two_replicas_with_device_all(hf_checkpoint, tok, hf, tmp_path):
 def test_engine_bench_runs_on_cuda(hf_checkpoint, tmp_path):
     from bench import engine_bench
 
-    systems = ["transformers", "engine", "serial", "engine-compile", "engine-bf16", "engine-int8"]
+    # no engine-compile: the compiled step on a GPU is test_graphed_decode_gives_the_launched_tokens's,
+    # and a compile of its own here costs the CUDA tests' time limit minutes on an empty cache
+    systems = ["transformers", "engine", "serial", "engine-bf16", "engine-int8"]
     results = engine_bench.main([
         "--device", CUDA, "--checkpoint", str(hf_checkpoint), "--systems", ",".join(systems), "--repeats", "1",
         "--concurrency", "1,3", "--prompt-tokens", "8", "--new-tokens", "4", "--json", str(tmp_path / "bench.json"),
@@ -419,7 +421,7 @@ def test_engine_bench_runs_on_cuda(hf_checkpoint, tmp_path):
     summary = results["summary"]
     assert set(summary["by_system"]) == set(systems) - {"engine-int8"}
     greedy = summary["greedy_equals_transformers"]
-    assert all(greedy[name] for name in ("transformers", "engine", "serial", "engine-compile")), greedy
+    assert all(greedy[name] for name in ("transformers", "engine", "serial")), greedy
     # ceilings of the GPU's float32 and bfloat16 F.linear; no fractions of the host CPU's limits
     assert list(results["limits"]["ceilings"]) == ["float32", "bfloat16"]
     for name, by_c in summary["by_system"].items():
