@@ -18,7 +18,8 @@ that happens in.
 
 Cost on the request path: `authenticate` is one Redis round trip when keys are required (none when
 not); `admit` is one (blocklist entries of the key and the user, and the rate-limit reservation, in
-one Lua script); `settle` is one. Nothing is cached in the process, so a revoked key or a new
+one Lua script), and none of its own for a completion, whose admission runs its script with the
+queue's and the quotas' (`admission_call`, `granted`: web/api/admission.py); `settle` is one. Nothing is cached in the process, so a revoked key or a new
 blocklist entry takes effect on the very next request in every web process. Redis being down raises
 redis.ConnectionError, which the app answers with 503.
 

@@ -26,13 +26,13 @@ def _function(name: str, script: str) -> str:
 # reservation, the jobs' take; 0 and 0: a step with nothing to take), then the steps' arguments.
 # Returns {0, load, replies of the steps} or, refused, {the refusing step (1: the queue), load,
 # replies up to the refusing one's}.
-_ADMIT = _function("load", LOAD) + _function("take", quotas.TAKE) + _function("reserve", ratelimit.RESERVE) + """
+_ADMIT = _function("queue_load", LOAD) + _function("take", quotas.TAKE) + _function("reserve", ratelimit.RESERVE) + """
 local function slice(t, from, n)
   local out = {}
   for i = 1, n do out[i] = t[from + i - 1] end
   return out
 end
-local queue = load({KEYS[1], KEYS[2]}, {})
+local queue = queue_load({KEYS[1], KEYS[2]}, {})
 if tonumber(queue[1]) == 0 or tonumber(queue[2]) >= tonumber(ARGV[1]) then return {1, queue} end
 local out, k, a = {0, queue}, 3, 8
 for step = 1, 3 do
