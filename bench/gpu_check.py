@@ -776,7 +776,8 @@ def markdown(results: dict) -> str:
             if roles:
                 lines.append(f"\n{dtype}, the stack's CPU a request by role, ms, medians of the rounds (web / Redis "
                              "/ worker / the clients): " + "; ".join(
-                                 f"{c}: " + "/".join(str(_median_of(rs, key)) for key in ("web", "redis", "worker", "clients"))
+                                 f"{c}: " + "/".join(str(_median_of(rs, key))
+                                                     for key in ("web", "redis", "worker", "clients"))
                                  for c, rs in roles.items()) + ".")
             inside = entry.get("engine_in_stack")
             if inside:

@@ -19,9 +19,10 @@ that happens in.
 Cost on the request path: `authenticate` is one Redis round trip when keys are required (none when
 not); `admit` is one (blocklist entries of the key and the user, and the rate-limit reservation, in
 one Lua script), and none of its own for a completion, whose admission runs its script with the
-queue's and the quotas' (`admission_call`, `granted`: web/api/admission.py); `settle` is one. Nothing is cached in the process, so a revoked key or a new
-blocklist entry takes effect on the very next request in every web process. Redis being down raises
-redis.ConnectionError, which the app answers with 503.
+queue's and the quotas' (`admission_call`, `granted`: web/api/admission.py); `settle` is one.
+Nothing is cached in the process, so a revoked key or a new blocklist entry takes effect on the very
+next request in every web process. Redis being down raises redis.ConnectionError, which the app
+answers with 503.
 
 Settings: `auth_required`, `metrics_auth_required`, `key_rpm`/`key_tpm` (keys created without their
 own limits, and anonymous callers per client address), `user_rpm`/`user_tpm` (per end user), and the
@@ -147,7 +148,8 @@ def hold_open(caller: Caller, take: bool = True) -> quotas.Hold:
 def admit(caller: Caller, user: str | None, reserved_tokens: int, strike: bool = True) -> Grant:
     """`strike=False`: a refusal earns no abuse strike (a batch's dispatcher waiting on its caller's
     limits is no abuse)."""
-    reservation = ratelimit.reserve(_state().redis, admission_buckets(caller, user), reserved_tokens, _gates(caller, user))
+    reservation = ratelimit.reserve(_state().redis, admission_buckets(caller, user), reserved_tokens,
+                                    _gates(caller, user))
     return granted(reservation, caller, user, reserved_tokens, strike)
 
 
