@@ -478,7 +478,7 @@ class Consumer:
                 result_ttl = job.get_result_ttl(worker.default_result_ttl)
                 if result_ttl != 0:
                     # rq's Job._handle_success, but for its save: that rewrites every field of the job
-                    # (its payload compressed again) where a finish changes two, the half of its cost
+                    # (its payload compressed again) where a finish changes two
                     pipe.hset(job.key, mapping={"status": JobStatus.FINISHED, "ended_at": utcformat(job.ended_at)})
                     Result.create(job, Result.Type.SUCCESSFUL, return_value=value, ttl=result_ttl,
                                   worker_name=worker.name, pipeline=pipe, execution_id=run.execution.id,

@@ -6,7 +6,7 @@ its `jobs` quota, in that order, in one Lua script made of each concern's own sc
 The script stops at the first refusal, so a refused request takes nothing after it (a 503 for want
 of a worker spends none of the caller's rate limit); what the steps before it took is given back
 here as the modules would give it back (the hold released, the reservation settled). A request's
-checks cost one round trip instead of four, on the web tier's CPU and on its latency.
+checks cost one round trip of the web tier's CPU and latency.
 """
 from __future__ import annotations
 
