@@ -289,15 +289,68 @@ def test_admission_is_one_round_trip_and_a_refusal_takes_nothing_after_it(redis_
     assert not r.exists(bucket) and not r.exists(jobs) and not r.zcard(opened)
     rq_json.worker(["completions:tiny"], r).register_birth()  # registered, never works
     with redis_commands(redis_url) as commands:
-        assert client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"}).status_code == 202
-    scripts = [c for c in commands if c.startswith(("EVAL", "EVALSHA"))]
-    assert len(scripts) == 1, scripts  # the whole admission; the enqueue is its own transaction
+        posted = client.post("/v1/jobs", json={"model": "tiny", "prompt": "Hi"})
+    assert posted.status_code == 202
+    writes = [c for c in commands if c.startswith(("EVAL", "EVALSHA", "MULTI"))]
+    assert len(writes) == 1 and writes[0].startswith("EVAL"), writes  # admission and enqueue, one call
+    queue = Queue(protocol.queue_name("tiny"), connection=r, serializer=protocol.SERIALIZER)
+    assert queue.job_ids == [posted.get_json()["id"]]
     tokens = float(r.hget(bucket, "tok"))
     assert r.zcard(jobs) == 1 and float(r.hget(bucket, "req")) == pytest.approx(4, abs=0.01)
-    # the jobs quota refuses a synchronous request: its open hold and its tokens are given back
+    # the jobs quota refuses a synchronous request: its open hold and its tokens are given back, and
+    # nothing of it is queued
+    rq_keys = set(r.scan_iter("rq:job:*"))
     assert error_of(complete(client), 429)["code"] == "quota_exceeded"
     assert r.zcard(opened) == 0 and float(r.hget(bucket, "tok")) == pytest.approx(tokens, abs=2)
-    assert r.zcard(jobs) == 1
+    assert r.zcard(jobs) == 1 and queue.job_ids == [posted.get_json()["id"]] and set(r.scan_iter("rq:job:*")) == rq_keys
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_held_completion_settles_its_tokens_in_its_release(redis_url, models_file, r, monkeypatch, stream):
+    """A synchronous or streamed completion's token reservation is corrected by its usage in the
+    round trip that gives its hold back, not in one of its own."""
+    from web.access import ratelimit
+
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "key_tpm": 600})
+    own_trips = []
+    monkeypatch.setattr(ratelimit, "settle", lambda *args: own_trips.append(args))
+    with ScriptedWorker(redis_url, "tiny"):
+        response = complete(app.test_client(), prompt="Hello", max_tokens=40, stream=stream)
+        body = b"".join(response.response)  # a stream's generator runs, and ends, here
+    assert response.status_code == 200 and b"Hello" in body
+    # 40 completion tokens were reserved and 2 used: the deficit left is the 1-token prompt's and
+    # those 2 (the bucket refills 10 a second meanwhile); unsettled, it would be 41
+    deficit = 600 - float(r.hget("nanoserve:ratelimit:addr:127.0.0.1", "tok"))
+    assert deficit < 10 and own_trips == []
+
+
+def test_a_job_enqueued_by_the_admission_script_is_rqs_enqueue(app, r):
+    """The admission script runs rq's own enqueue commands (`JobQueue.prepare`): what it leaves in
+    Redis is what running them as rq's transaction leaves, and rq reads the job back whole."""
+    from web.api.admission import _ADMIT
+    from web.api.queue import commands
+
+    def enqueued(job_id: str, by_script: bool) -> dict:
+        job = protocol.CompletionJob(id=job_id, model="tiny", prompts=[[1, 2, 3]], max_tokens=4, seed=0)
+        with app.app_context():
+            jq = job_queue()
+            _, pipe = jq.prepare(job, "tiny", owner="key:k1", also=lambda p: jq.hub.queue_wake(p, "a-stream"))
+            if by_script:  # a queue with a live worker and room; no step to take
+                rq_json.worker(["completions:tiny"], r).register_birth()
+                assert r.eval(_ADMIT, 2, *jq.load_keys("tiny"), 100, 0, 0, 0, 0, 0, 0, *commands(pipe))[0] == 0
+            else:
+                with pipe:
+                    pipe.execute()
+        fetched = Queue(protocol.queue_name("tiny"), connection=r, serializer=protocol.SERIALIZER).fetch_job(job_id)
+        assert fetched.args[0]["prompts"] == [[1, 2, 3]] and fetched.meta == {"owner": "key:k1"}
+        assert fetched.get_status() == JobStatus.QUEUED and fetched.retries_left == jq.settings.job_retries
+        fields = {k: v for k, v in r.hgetall(fetched.key).items() if k not in (b"created_at", b"enqueued_at", b"data",
+                                                                                b"description")}
+        return {"fields": fields, "ttl": r.ttl(fetched.key) // 10, "queued": job_id.encode() in r.lrange(
+            f"rq:queue:{protocol.queue_name('tiny')}", 0, -1), "queues": r.smembers("rq:queues")}
+
+    by_script, by_transaction = enqueued("cmpl-a", True), enqueued("cmpl-b", False)
+    assert by_script == by_transaction and by_script["queued"] and by_script["fields"][b"status"] == b"queued"
 
 
 @pytest.mark.parametrize("retry_after", [None, "7"])

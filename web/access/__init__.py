@@ -202,10 +202,15 @@ def grant_for(caller: Caller, user: str | None, reserved_tokens: int) -> Grant:
     return Grant(caller, user, reserved_tokens, buckets=[b for b, _, _ in _limits(caller, user, _state().settings)])
 
 
-def settle(grant: Grant, used_tokens: int) -> None:
+def settle(grant: Grant, used_tokens: int, hold: quotas.Hold | None = None) -> None:
+    """Correct the grant's token reservation by what the request used; with `hold`, in the round
+    trip of its release."""
     if grant is None or grant.settled:
         return
     grant.settled = True
+    if hold is not None:
+        hold.with_release(lambda pipe: ratelimit.queue_settle(pipe, grant.buckets, grant.reserved_tokens - used_tokens))
+        return
     try:
         ratelimit.settle(_state().redis, grant.buckets, grant.reserved_tokens - used_tokens)
     except redis.RedisError:

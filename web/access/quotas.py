@@ -159,7 +159,8 @@ class Hold:
 
     The job it follows (`follow`) has a place of the same owner's in another quota (`jobs`): once the
     request has seen the job end (`job_ended`), the release gives that place back too, in the same
-    round trip, rather than leaving it to lapse or to be found over at the owner's cap."""
+    round trip, rather than leaving it to lapse or to be found over at the owner's cap; so does
+    what `with_release` queued (the settle of the request's tokens)."""
 
     def __init__(self, r: redis.Redis, quota: Quota, owner: str, stale_s: float, take: bool = True):
         """`take=False`: the place is taken by `take_call`'s script (web/api/admission.py)."""
@@ -168,6 +169,7 @@ class Hold:
         self._refreshed = time.monotonic()
         self._job: tuple[Quota, str] | None = None
         self._job_ended = False
+        self._also: list[Callable[[redis.client.Pipeline], None]] = []
         if take:
             quota.take(r, owner, self.member, time.time() + stale_s)
 
@@ -182,6 +184,10 @@ class Hold:
 
     def job_ended(self) -> None:
         self._job_ended = True
+
+    def with_release(self, queue: Callable[[redis.client.Pipeline], None]) -> None:
+        """`queue(pipe)` queues its commands on the release's pipeline, to go in its round trip."""
+        self._also.append(queue)
 
     def refresh(self) -> None:
         """Push the lapse back; cheap to call often (a round trip at most every third of stale_s)."""
@@ -199,6 +205,9 @@ class Hold:
                 if self._job is not None and self._job_ended:  # a job's place is taken without a size too
                     quota, member = self._job
                     quota.queue_give_back(pipe, self.owner, member, sized=False)
+                also, self._also = self._also, []  # queued once, however often it is released
+                for queue in also:
+                    queue(pipe)
                 if len(pipe):
                     pipe.execute()
         except redis.RedisError:

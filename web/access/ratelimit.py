@@ -161,6 +161,14 @@ def settle(r: redis.Redis, buckets: list[Bucket], refund: int) -> None:
         r.register_script(_SETTLE)(keys=keys, args=[refund])
 
 
+def queue_settle(pipe: redis.client.Pipeline, buckets: list[Bucket], refund: int) -> None:
+    """`settle`, queued on a pipeline (EVAL: a script object in a pipeline costs a round trip of its
+    own to check that Redis has it)."""
+    keys = [b.key for b in buckets if b.tpm > 0]
+    if keys and refund:
+        pipe.eval(_SETTLE, len(keys), *keys, refund)
+
+
 def reset_header(ms: int) -> str:
     """OpenAI's reset format: `20ms`, `1s`, `6.5s`, `1m30s`."""
     if ms < 1000:

@@ -61,7 +61,7 @@ def create_completion():
     jq, job, s, hold = job_queue(), admitted.job, settings(), admitted.hold
     deadline = None if job.stream else time.monotonic() + s.sync_timeout_s
     events = follow(jq, job.id, tick_s=s.keepalive_s, deadline=deadline, follower=admitted.follower)
-    events = _accounted(events, admitted.grant, job.model, started)
+    events = _accounted(events, admitted.grant, job.model, started, hold)
     hold.follow(access.quota("jobs"), job.id)
     if not job.stream:
         try:
@@ -82,9 +82,10 @@ def sse_response(frames: Iterator[str]) -> Response:
 
 
 def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
-               started: float) -> Iterator[Event | None]:
+               started: float, hold: Hold | None) -> Iterator[Event | None]:
     """Pass events through, recording the time to the first token and settling the token
-    reservation with the real usage (none for a request that failed or was cancelled)."""
+    reservation with the real usage (none for a request that failed or was cancelled), in the
+    round trip of `hold`'s release where there is one."""
     first_token = True
     for event in events:
         kind = event.type if event is not None else None
@@ -92,17 +93,17 @@ def _accounted(events: Iterator[Event | None], grant: access.Grant, model: str,
             first_token = False
             metrics.observe_ttft(model, time.perf_counter() - started)
         elif kind == "usage":
-            access.settle(grant, event.data["total_tokens"])
+            access.settle(grant, event.data["total_tokens"], hold)
         elif kind in ("error", "cancelled"):
-            access.settle(grant, 0)
+            access.settle(grant, 0, hold)
         yield event
 
 
 def admit_completion(for_job: bool = False) -> Admitted:
     """The request path up to the queue (docs/architecture.md): authenticate, parse and validate,
     resolve the model, count its sequences, refuse a blocked caller (all before tokenizing), tokenize,
-    check the context, admit (the model's queue, access limits and quotas, in one round trip:
-    web/api/admission.py), enqueue as the caller's job."""
+    check the context, admit and enqueue as the caller's job (the model's queue, access limits and
+    quotas, then rq's enqueue, in one round trip: web/api/admission.py)."""
     g.caller = caller = access.authenticate(request)
     body = read_json_body()
     if isinstance(body, dict) and isinstance(body.get("user"), str) and len(body["user"]) <= MAX_USER:
@@ -115,18 +116,15 @@ def admit_completion(for_job: bool = False) -> Admitted:
     jq, job, s = job_queue(), checked.to_job(), settings()
     hold = None if for_job else access.hold_open(caller, take=False)
     lapses = time.time() + s.queue_ttl_s + s.job_timeout_s * (s.job_retries + 1)
-    g.grant = grant = admission.admit(jq, caller, req.user, spec.id, checked.reserved_tokens, job.id, lapses, hold)
-    follower = None
+    # the hub follows the stream from the job's enqueue on, woken by a write that goes with it
+    key = protocol.stream_key(job.id)
+    follower = None if for_job else jq.hub.register(key, "0-0")
     try:
-        # the hub follows the stream from the job's enqueue on, woken in the same transaction
-        key = protocol.stream_key(job.id)
-        follower = None if for_job else jq.hub.register(key, "0-0")
-        jq.enqueue(job, spec.id, owner=owner_of(caller),
-                   also=None if follower is None else lambda pipe: jq.hub.queue_wake(pipe, key))
+        _, enqueue = jq.prepare(job, spec.id, owner=owner_of(caller),
+                                also=None if follower is None else lambda pipe: jq.hub.queue_wake(pipe, key))
+        g.grant = grant = admission.admit(jq, caller, req.user, spec.id, checked.reserved_tokens, job.id, lapses,
+                                          hold, enqueue)
     except Exception:
-        access.settle(grant, 0)
-        if hold is not None:
-            hold.release()
         if follower is not None:
             jq.hub.leave(follower)
         raise

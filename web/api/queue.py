@@ -8,6 +8,7 @@ id (`cmpl-…`), so one id works for the completion, its event stream and `/v1/j
 """
 from __future__ import annotations
 
+import redis
 from flask import Flask, current_app
 from rq import Queue, Retry
 from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
@@ -31,6 +32,26 @@ return {live, redis.call('LLEN', KEYS[2])}
 """
 
 OWNER = "owner"  # the rq job's meta field holding who the job belongs to
+
+# Runs the commands that `commands` laid out as ARGV, in order (web/api/admission.py runs it once a
+# job is admitted). The keys they touch are not declared: rq's, on the one Redis rq runs on.
+RUN = """
+local at = 1
+for _ = 1, tonumber(ARGV[1]) do
+  local n = tonumber(ARGV[at + 1])
+  redis.call(unpack(ARGV, at + 2, at + 1 + n))
+  at = at + 1 + n
+end
+"""
+
+
+def commands(pipe: redis.client.Pipeline) -> list:
+    """A pipeline's queued commands as `RUN`'s arguments: their number, then each one's length and
+    words."""
+    out = [len(pipe.command_stack)]
+    for args, _options in pipe.command_stack:
+        out += [len(args), *args]
+    return out
 
 
 def owner(job: Job) -> str | None:
@@ -86,33 +107,44 @@ class JobQueue:
 
     def enqueue(self, job: protocol.CompletionJob, model_id: str, owner: str,
                 batch_window_left_s: float | None = None, also=None) -> Job:
-        """Queue the job as `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives
-        and expires with the job, and the worker never reads it. A batch's line (its batch's window
-        ends in `batch_window_left_s`) goes to the model's batch queue, which workers take from only
-        when this one is empty, and may wait there until the window ends.
+        """Queue the job as `owner`'s: `prepare`'s commands, run as one transaction."""
+        queued, pipe = self.prepare(job, model_id, owner, batch_window_left_s, also)
+        with pipe:
+            pipe.execute()
+        return queued
+
+    def prepare(self, job: protocol.CompletionJob, model_id: str, owner: str,
+                batch_window_left_s: float | None = None, also=None) -> tuple[Job, redis.client.Pipeline]:
+        """rq's enqueue of the job, its commands queued on a transaction that is not run yet: run it
+        (`enqueue`), or hand its commands to a script (`commands`: web/api/admission.py runs them once
+        the job is admitted). The rq job is returned as rq made it.
+
+        The job is `owner`'s (web/access/ownership.py), kept in the rq job's meta: it lives and
+        expires with the job, and the worker never reads it. A batch's line (its batch's window ends
+        in `batch_window_left_s`) goes to the model's batch queue, which workers take from only when
+        this one is empty, and may wait there until the window ends.
 
         A line's job outlives its window by the queue's ttl: its batch's dispatcher is what ends it
         (it cancels the lines still queued when the window closes). Were the job to expire first, the
         dispatcher would take the line for lost and queue it again. A line queued again leaves no
         stale entry behind: the same id twice in the queue would run twice at once. `also(pipe)`
-        queues more commands of the caller's in the enqueue's transaction."""
+        queues more commands of the caller's after rq's."""
         s = self.settings
         queue, ttl = self.queue(model_id), s.queue_ttl_s
         if batch_window_left_s is not None:
             queue = Queue(protocol.batch_queue_name(model_id), connection=self.redis, serializer=protocol.SERIALIZER)
             ttl = max(0, int(batch_window_left_s)) + s.queue_ttl_s
             queue.remove(job.id)
-        with self.redis.pipeline() as pipe:  # rq's registration of the queue and the job's, one transaction
-            queued = queue.enqueue_call(
-                protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
-                timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
-                # a retried job (its worker crashed) goes to the front: its client may be mid-stream
-                retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
-                description=f"completion {job.id} ({job.model})", pipeline=pipe)
-            if also is not None:
-                also(pipe)
-            pipe.execute()
-        return queued
+        pipe = self.redis.pipeline()  # rq's registration of the queue and the job's
+        queued = queue.enqueue_call(
+            protocol.JOB_FUNCTION, args=(job.to_payload(),), job_id=job.id, meta={OWNER: owner},
+            timeout=s.job_timeout_s, ttl=ttl, result_ttl=s.result_ttl_s, failure_ttl=s.result_ttl_s,
+            # a retried job (its worker crashed) goes to the front: its client may be mid-stream
+            retry=Retry(max=s.job_retries, enqueue_at_front=True) if s.job_retries > 0 else None,
+            description=f"completion {job.id} ({job.model})", pipeline=pipe)
+        if also is not None:
+            also(pipe)
+        return queued, pipe
 
     def jobs(self) -> list[Job]:
         """Every completion job rq still knows, on every model's queue: waiting, running and ended
