@@ -130,8 +130,8 @@ class Plan:
     large: str = "gpt-j-6b"
     large_concurrency: tuple[int, ...] = (1, 8)
     # the worker's default (its engine in a process of its own on a GPU), that against the engine in the
-    # worker's own process, then float32
-    stack_dtypes: tuple[str, ...] = ("bfloat16", "bfloat16+thread", "float32")
+    # worker's own process and against twice the web tier's processes, then float32
+    stack_dtypes: tuple[str, ...] = ("bfloat16", "bfloat16+thread", "bfloat16+web8", "float32")
     stack_mode: str = ""  # the worker's default decode step; "eager" or "compile" (serving_bench.server)
     stack_concurrency: tuple[int, ...] = (1, 8, 32, 64)
     stack_repeats: int = 2
@@ -150,18 +150,32 @@ class Plan:
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              large="tiny", large_concurrency=(1,),
-             stack_dtypes=("float32+process", "float32+thread"), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
+             stack_dtypes=("float32+process", "float32+thread+web1"), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
              stream_at=2, steady=2,
              client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
-# A stack variant is a dtype, or a dtype and how its worker runs the engine: `+thread` in the worker's
-# own process, `+process` in one of its own (processor.py --engine-process; default: on a GPU).
+# A stack variant is a dtype, then any of: how its worker runs the engine, `+thread` in the worker's
+# own process, `+process` in one of its own (processor.py --engine-process; default: on a GPU);
+# `+webN`, N gunicorn processes instead of --web-workers.
 WORKER_ARGS = {"": [], "thread": ["--no-engine-process"], "process": ["--engine-process"]}
 
 
 def variant_dtype(variant: str) -> str:
     return variant.partition("+")[0]
+
+
+def variant_options(variant: str, web_workers: int) -> tuple[list[str], int]:
+    """A stack variant's processor.py options and gunicorn processes."""
+    worker_args = []
+    for option in variant.split("+")[1:]:
+        if option in WORKER_ARGS:
+            worker_args += WORKER_ARGS[option]
+        elif option.startswith("web") and option[3:].isdigit() and int(option[3:]) > 0:
+            web_workers = int(option[3:])
+        else:
+            raise SystemExit(f"unknown stack variant {variant!r}: DTYPE, then +thread, +process or +webN")
+    return worker_args, web_workers
 
 
 # ---- running a phase ---------------------------------------------------------------------------
@@ -1028,10 +1042,9 @@ def stack_main(argv: list[str]) -> None:
                "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens}, "dtypes": {}}
     failed = False
     for variant in args.dtypes.split(","):
-        dtype, _, how = variant.partition("+")
-        if how not in WORKER_ARGS:
-            raise SystemExit(f"unknown stack variant {variant!r}: DTYPE, DTYPE+thread or DTYPE+process")
-        entry = results["dtypes"][variant] = {}
+        dtype = variant_dtype(variant)
+        worker_args, web_workers = variant_options(variant, args.web_workers)
+        entry = results["dtypes"][variant] = {"web_workers": web_workers}
         workdir = Path(args.workdir) / variant
         workdir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
@@ -1040,7 +1053,7 @@ def stack_main(argv: list[str]) -> None:
                        if v != variant and variant_dtype(v) == dtype and e.get("engine_as_served")), None)
         try:
             measure_stack(entry, dtype, args, concurrency, workdir, lambda: write_json(args.json, results),
-                          WORKER_ARGS[how], served)
+                          worker_args, served, web_workers)
         except Exception:
             failed = True
             entry["error"] = traceback.format_exc()[-TAIL:]
@@ -1070,7 +1083,7 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save,
-                  worker_args: list[str] = (), served: dict | None = None) -> None:
+                  worker_args: list[str] = (), served: dict | None = None, web_workers: int | None = None) -> None:
     import gc
 
     import torch
@@ -1102,7 +1115,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
     started = time.perf_counter()
     with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
                    workdir, compile=COMPILE_MODES[args.mode], device=args.device,
-                   web_workers=args.web_workers, worker_args=worker_args) as web, \
+                   web_workers=web_workers or args.web_workers, worker_args=worker_args) as web, \
             contextlib.ExitStack() as stack:
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started
@@ -1113,6 +1126,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
         runs: dict[str, list[dict]] = {str(c): [] for c in concurrency}
         entry["runs"] = runs
         worker = WorkerCPU(web.info["worker_pid"])
+        entry["web_processes"] = len(descendants(web.pid))  # gunicorn's workers, under its arbiter
         roles = StackCPU({"web": web.pid, "redis": web.info["redis_pid"], "worker": web.info["worker_pid"]},
                          clients=lambda: clients.cpu_s)
         entry["worker_cpu_ms"], entry["stack_cpu_ms"], entry["engine_in_stack"] = {}, {}, {}

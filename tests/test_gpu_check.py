@@ -165,6 +165,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     stack = phases["stack"]["result"]["dtypes"]["float32+process"]
     assert phases["stack"]["result"]["client_processes"] == gpu_check.QUICK.client_processes
     assert phases["stack"]["result"]["web_workers"] == gpu_check.QUICK.web_workers
+    assert stack["web_workers"] == stack["web_processes"] == gpu_check.QUICK.web_workers
     new_tokens = gpu_check.QUICK.new_tokens
     # a round of one request is timed again up to min_requests (2) requests; one of two is enough
     assert {c: len(runs) for c, runs in stack["runs"].items()} == {"1": 2, "2": 1}
@@ -235,13 +236,14 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "float32+process, the worker's engine as it said it built it: compiled" in summary
     assert "of that the worker's own process / its engine's process" in summary
     assert "the stack's CPU a request by role" in summary
-    # the same dtype with the engine on a thread of the worker: held against the first variant's engine
-    # as served (not measured again), its CPU all in the worker's process
-    thread = phases["stack"]["result"]["dtypes"]["float32+thread"]
+    # the same dtype with the engine on a thread of the worker and one web process: held against the
+    # first variant's engine as served (not measured again), its CPU all in the worker's process
+    thread = phases["stack"]["result"]["dtypes"]["float32+thread+web1"]
     assert thread["engine_as_served"] == stack["engine_as_served"]
+    assert thread["web_workers"] == thread["web_processes"] == 1
     assert all(run["errors"] == 0 for runs in thread["runs"].values() for run in runs)
     assert all("engine_processes" not in cpu for cpus in thread["worker_cpu_ms"].values() for cpu in cpus)
-    assert "float32+thread, the worker's engine as it said it built it" in summary
+    assert "float32+thread+web1, the worker's engine as it said it built it" in summary
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     assert f"the steady state (C clients, {steady} requests each" in summary and "(TPOT) p50" in summary
     assert "the engine as the worker builds it (2 slots" in summary
