@@ -1083,7 +1083,7 @@ def _no_control_socket() -> None:
 
 
 def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir: Path, save,
-                  worker_args: list[str] = (), served: dict | None = None, web_workers: int | None = None) -> None:
+                  worker_args: list[str], served: dict | None, web_workers: int) -> None:
     import gc
 
     import torch
@@ -1115,7 +1115,7 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
     started = time.perf_counter()
     with nanoserve(Path(args.checkpoint), args.model, dtype, max(concurrency), args.prompt_tokens + args.new_tokens,
                    workdir, compile=COMPILE_MODES[args.mode], device=args.device,
-                   web_workers=web_workers or args.web_workers, worker_args=worker_args) as web, \
+                   web_workers=web_workers, worker_args=worker_args) as web, \
             contextlib.ExitStack() as stack:
         url = web.url + "/v1"
         entry["ready_s"] = time.perf_counter() - started

@@ -56,7 +56,6 @@ def make_hf_checkpoint(directory: Path, *, n_layer=2, n_head=2, n_embd=64, n_pos
     return directory
 
 
-
 @contextlib.contextmanager
 def redis_commands(redis_url: str):
     """The commands Redis runs meanwhile (MONITOR), each as its text, in the yielded list; complete
@@ -83,6 +82,7 @@ def redis_commands(redis_url: str):
         redis.Redis.from_url(redis_url).execute_command("PING", "nanoserve-test-end")
         thread.join(5)
         client.close()
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the markers given here
 def pytest_collection_modifyitems(config, items):

@@ -311,7 +311,7 @@ def test_a_held_completion_settles_its_tokens_in_its_release(redis_url, models_f
     round trip that gives its hold back, not in one of its own."""
     from web.access import ratelimit
 
-    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "key_tpm": 600})
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS, "key_tpm": 60})
     own_trips = []
     monkeypatch.setattr(ratelimit, "settle", lambda *args: own_trips.append(args))
     with ScriptedWorker(redis_url, "tiny"):
@@ -319,8 +319,8 @@ def test_a_held_completion_settles_its_tokens_in_its_release(redis_url, models_f
         body = b"".join(response.response)  # a stream's generator runs, and ends, here
     assert response.status_code == 200 and b"Hello" in body
     # 40 completion tokens were reserved and 2 used: the deficit left is the 1-token prompt's and
-    # those 2 (the bucket refills 10 a second meanwhile); unsettled, it would be 41
-    deficit = 600 - float(r.hget("nanoserve:ratelimit:addr:127.0.0.1", "tok"))
+    # those 2; unsettled, it would be 41 (less the token a second the bucket refills meanwhile)
+    deficit = 60 - float(r.hget("nanoserve:ratelimit:addr:127.0.0.1", "tok"))
     assert deficit < 10 and own_trips == []
 
 

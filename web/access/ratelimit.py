@@ -156,7 +156,7 @@ def reservation(out: list, buckets: list[Bucket]) -> Reservation:
 
 def settle(r: redis.Redis, buckets: list[Bucket], refund: int) -> None:
     """Give `refund` tokens back to the token-limited buckets (negative: charge the excess)."""
-    keys = [b.key for b in buckets if b.tpm > 0]
+    keys = _token_keys(buckets)
     if keys and refund:
         r.register_script(_SETTLE)(keys=keys, args=[refund])
 
@@ -164,9 +164,13 @@ def settle(r: redis.Redis, buckets: list[Bucket], refund: int) -> None:
 def queue_settle(pipe: redis.client.Pipeline, buckets: list[Bucket], refund: int) -> None:
     """`settle`, queued on a pipeline (EVAL: a script object in a pipeline costs a round trip of its
     own to check that Redis has it)."""
-    keys = [b.key for b in buckets if b.tpm > 0]
+    keys = _token_keys(buckets)
     if keys and refund:
         pipe.eval(_SETTLE, len(keys), *keys, refund)
+
+
+def _token_keys(buckets: list[Bucket]) -> list[str]:
+    return [b.key for b in buckets if b.tpm > 0]
 
 
 def reset_header(ms: int) -> str:
