@@ -150,15 +150,17 @@ class Plan:
 QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_systems=("transformers", "engine"),
              engine_concurrency=(1, 2), engine_repeats=1, xl_systems=("engine",), xl_concurrency=(1,),
              large="tiny", large_concurrency=(1,),
-             stack_dtypes=("float32+process", "float32+thread+web1"), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
+             stack_dtypes=("float32+process+overlap", "float32+thread+web1"), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
              stream_at=2, steady=2,
              client_processes=2, web_workers=2,
              profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
 # A stack variant is a dtype, then any of: how its worker runs the engine, `+thread` in the worker's
 # own process, `+process` in one of its own (processor.py --engine-process; default: on a GPU);
+# `+overlap`, a GPU worker's steps on any device (a step ahead, 4 decode forwards a step);
 # `+webN`, N gunicorn processes instead of --web-workers.
-WORKER_ARGS = {"": [], "thread": ["--no-engine-process"], "process": ["--engine-process"]}
+WORKER_ARGS = {"": [], "thread": ["--no-engine-process"], "process": ["--engine-process"],
+               "overlap": ["--overlap", "--decode-steps", "4"]}
 
 
 def variant_dtype(variant: str) -> str:
@@ -174,7 +176,7 @@ def variant_options(variant: str, web_workers: int) -> tuple[list[str], int]:
         elif option.startswith("web") and option[3:].isdigit() and int(option[3:]) > 0:
             web_workers = int(option[3:])
         else:
-            raise SystemExit(f"unknown stack variant {variant!r}: DTYPE, then +thread, +process or +webN")
+            raise SystemExit(f"unknown stack variant {variant!r}: DTYPE, then +thread, +process, +overlap or +webN")
     return worker_args, web_workers
 
 

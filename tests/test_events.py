@@ -5,10 +5,12 @@ flag read with each write and at least every CHECK_S between writes. The writer'
 writes: `step` hands a step's events over as the engine does and waits for what was due."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import redis
+from rq.job import Job
 
 from worker import protocol
 from web.dev.local_redis import start_redis
@@ -191,6 +193,44 @@ def test_once_a_newer_attempt_opens_an_older_ones_writes_are_refused(client):
         step(older, [delta(job_id, 50), (job_id, "done", {"completion": {}})])
         step(newer, [delta(job_id, written_before)])
         assert [data["token_ids"] for _, data in events(client, job_id)] == [[t] for t in range(written_before + 1)]
+
+
+def test_a_jobs_first_attempt_wakes_no_reader_and_its_next_one_fences_the_first_out(client, redis_url):
+    """A job's first attempt has no earlier one to fence out: it leaves the stream to its first
+    write, so a reader blocked on the stream (the web tier's hub) waits on for that write instead of
+    waking for nothing. A second attempt fences the first out, though the first wrote nothing."""
+    client.hset(Job.key_for("j"), mapping={"status": "started"})  # the job's rq hash, which keeps its attempts' ms
+    reader = redis.Redis.from_url(redis_url, socket_timeout=None)
+    woken = []
+
+    def read() -> None:
+        reply = reader.xread({protocol.stream_key("j"): "0-0"}, block=10_000)
+        woken.append((time.monotonic(), reply))
+
+    blocked = threading.Thread(target=read)
+    blocked.start()
+    wait_until(lambda: client.info("clients")["blocked_clients"] == 1)
+    first = open_attempt(client, "j")
+    assert first.attempt_ms is not None and not client.exists(protocol.stream_key("j"))
+    opened = time.monotonic()
+    older = StreamWriter(client)
+    older.track("j", first.attempt_ms)
+    time.sleep(0.2)
+    step(older, [delta("j", 0)])
+    blocked.join()
+    (at, reply), = woken
+    assert at - opened >= 0.2 and [fields[b"type"] for _, fields in reply[0][1]] == [b"delta"]  # the write woke it
+    assert 0 < client.ttl(protocol.stream_key("j")) <= protocol.STREAM_TTL
+    fresh = "k"  # a first attempt that wrote nothing, then a second one
+    client.hset(Job.key_for(fresh), mapping={"status": "started"})
+    quiet = StreamWriter(client)
+    quiet.track(fresh, open_attempt(client, fresh).attempt_ms)
+    newer = StreamWriter(client)
+    newer.track(fresh, open_attempt(client, fresh).attempt_ms)
+    step(quiet, [delta(fresh, 50), (fresh, "done", {"completion": {}})])
+    step(newer, [delta(fresh, 0)])
+    assert [data["token_ids"] for _, data in events(client, fresh)] == [[0]]
+    reader.close()
 
 
 def test_an_attempts_fence_is_no_entry_and_a_finished_job_gets_none(client):

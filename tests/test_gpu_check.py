@@ -162,7 +162,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert set(phases["engine-xl"]["result"]["summary"]["by_system"]["engine"]) == {"1"}
 
     # the quick plan's stack runs its engine in a process of its own, as a GPU worker does by default
-    stack = phases["stack"]["result"]["dtypes"]["float32+process"]
+    stack = phases["stack"]["result"]["dtypes"]["float32+process+overlap"]
     assert phases["stack"]["result"]["client_processes"] == gpu_check.QUICK.client_processes
     assert phases["stack"]["result"]["web_workers"] == gpu_check.QUICK.web_workers
     assert stack["web_workers"] == stack["web_processes"] == gpu_check.QUICK.web_workers
@@ -173,7 +173,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     for c in ("1", "2"):
         for run in stack["runs"][c]:
             assert run["errors"] == 0 and run["completion_tokens"] == int(c) * new_tokens
-        assert results["stack_over_engine"]["float32+process"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
+        assert results["stack_over_engine"]["float32+process+overlap"][c] == stack["tokens_per_s"][c] / small["engine"][c]["tokens_per_s"]
     # the engine as the worker builds it, alone, the same rounds: what the stack's rounds are held against
     assert {c: len(runs) for c, runs in stack["engine_as_served"].items()} == {"1": 2, "2": 1}
     for c in ("1", "2"):
@@ -194,7 +194,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
         assert run["errors"] == 0 and run["requests"] == int(c) * steady
         assert run["completion_tokens"] == int(c) * steady * new_tokens
         assert run["engine_in_stack"]["forwards_per_request"] > 0
-        assert results["steady_over_engine"]["float32+process"][c] == run["tokens_per_s"] / small["engine"][c]["tokens_per_s"]
+        assert results["steady_over_engine"]["float32+process+overlap"][c] == run["tokens_per_s"] / small["engine"][c]["tokens_per_s"]
     # where one request's time goes, and what requests cost the worker's CPU
     path = stack["request_path_ms"]
     assert set(path) == {"web", "pickup", "engine", "first_token", "decode", "reply", "rq_after_done"}
@@ -217,10 +217,11 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
             assert sum(inside["step_phase_ms"].values()) == pytest.approx(inside["ms_per_forward"], rel=1e-3)
             alone = phases["engine-small"]["result"]["summary"]["by_system"]["engine"][c]["step_phase_ms"]
             assert set(alone) == set(inside["step_phase_ms"]) and alone["forward"] > 0
-    # the worker's own account of the engine it built, from its log: on the CPU no CUDA graphs, and
-    # its slots those the stack phase asked of it
+    # the worker's own account of the engine it built, from its log: on the CPU no CUDA graphs, its
+    # slots those the stack phase asked of it, and its steps a GPU worker's (+overlap)
     ready = stack["worker_log"]["engine_ready"]
     assert ready["cuda_graphs"] == 0 and ready["draw_graphs"] == 0 and ready["max_batch"] == 2, ready
+    assert ready["overlap"] is True and ready["decode_steps"] == 4, ready
     assert ready["device"] == "cpu" and ready["dtype"] == "float32" and isinstance(stack["worker_log"]["warnings"], list)
     pickup = phases["stack"]["result"]["pickup_ms"]  # this host's consumer taking a burst of jobs
     assert 0 < pickup["first_in_engine_ms"] <= pickup["last_in_engine_ms"] < pickup["all_finished_ms"]
@@ -233,7 +234,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "first token at 1 (ms)" in summary
-    assert "float32+process, the worker's engine as it said it built it: compiled" in summary
+    assert "float32+process+overlap, the worker's engine as it said it built it: compiled" in summary
     assert "of that the worker's own process / its engine's process" in summary
     assert "the stack's CPU a request by role" in summary
     # the same dtype with the engine on a thread of the worker and one web process: held against the

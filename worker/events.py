@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import redis
+from rq.job import Job
 
 from worker import protocol
 
@@ -375,7 +376,10 @@ def _replay(entries) -> History:
 # last id becomes <ms>-0 (XSETID: no entry is added), ms past both Redis's clock and every id the
 # stream has given, so the attempt's own entries <ms>-1, <ms>-2... are accepted and those of any
 # earlier attempt still running (a worker wrongly thought dead) are refused from now on. Redis's
-# clock, not the workers': hosts' clocks may disagree.
+# clock, not the workers': hosts' clocks may disagree. Each attempt's ms is kept in the job's rq hash
+# (KEYS[3]), and a later attempt's ms is past it: the job's first attempt, with no stream yet and no
+# earlier attempt to fence out, leaves the stream to its first write, since creating it would wake
+# every reader blocked on it (the web tier's stream hub) for an empty reply.
 _OPEN_ATTEMPT = """
 local entries = redis.call('XRANGE', KEYS[1], '-', '+')
 for _, entry in ipairs(entries) do
@@ -390,6 +394,9 @@ for _, entry in ipairs(entries) do
 end
 local now = redis.call('TIME')
 local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local job = redis.call('EXISTS', KEYS[3]) == 1
+local earlier = job and redis.call('HGET', KEYS[3], 'nanoserve_attempt_ms')
+if earlier and tonumber(earlier) >= ms then ms = tonumber(earlier) + 1 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local info = redis.call('XINFO', 'STREAM', KEYS[1])
   for i = 1, #info, 2 do
@@ -399,12 +406,14 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
     end
   end
   redis.call('XSETID', KEYS[1], string.format('%d-0', ms))
-else  -- an empty stream, with no entry (a reader already blocked on it gets one empty reply)
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
+elseif earlier or not job then  -- an empty stream, with no entry (a reader already blocked on it gets one empty reply)
   redis.call('XGROUP', 'CREATE', KEYS[1], 'fence', '$', 'MKSTREAM')
   redis.call('XGROUP', 'DESTROY', KEYS[1], 'fence')
   redis.call('XSETID', KEYS[1], string.format('%d-0', ms))
+  redis.call('EXPIRE', KEYS[1], ARGV[1])
 end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+if job then redis.call('HSET', KEYS[3], 'nanoserve_attempt_ms', ms) end
 return {ms, entries, redis.call('EXISTS', KEYS[2])}
 """
 
@@ -419,8 +428,8 @@ def queue_attempt(client, job_id: str):
     """`open_attempt`'s script call: on a pipeline, queued with the pipeline's other commands (its
     reply, among the pipeline's, goes to `attempt_opened`); on a client, its reply. EVAL rather
     than a registered script's EVALSHA, which costs a pipeline a round trip of its own (SCRIPT EXISTS)."""
-    return client.eval(_OPEN_ATTEMPT, 2, protocol.stream_key(job_id), protocol.cancel_key(job_id),
-                       protocol.STREAM_TTL, *protocol.TERMINAL_EVENTS)
+    return client.eval(_OPEN_ATTEMPT, 3, protocol.stream_key(job_id), protocol.cancel_key(job_id),
+                       Job.key_for(job_id), protocol.STREAM_TTL, *protocol.TERMINAL_EVENTS)
 
 
 def attempt_opened(reply) -> History:
