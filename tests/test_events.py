@@ -195,6 +195,25 @@ def test_once_a_newer_attempt_opens_an_older_ones_writes_are_refused(client):
         assert [data["token_ids"] for _, data in events(client, job_id)] == [[t] for t in range(written_before + 1)]
 
 
+def test_a_streams_ttl_is_set_by_its_first_write_and_its_end_and_refreshed_every_ttl_refresh_s(client):
+    writer = StreamWriter(client)
+    writer.TTL_REFRESH_S = 0.5
+    writer.track("s", streamed=True)
+    key = protocol.stream_key("s")
+    step(writer, [delta("s", 0)])
+    assert protocol.STREAM_TTL - 2 <= client.ttl(key) <= protocol.STREAM_TTL
+    client.expire(key, 100)
+    step(writer, [delta("s", 1)])
+    assert client.ttl(key) <= 100  # within TTL_REFRESH_S of the last EXPIRE: the XADD alone
+    time.sleep(writer.TTL_REFRESH_S)
+    step(writer, [delta("s", 2)])
+    assert protocol.STREAM_TTL - 2 <= client.ttl(key) <= protocol.STREAM_TTL
+    client.expire(key, 100)
+    step(writer, [delta("s", 3), ("s", "done", {"completion": {}})])
+    assert protocol.STREAM_TTL - 2 <= client.ttl(key) <= protocol.STREAM_TTL  # from its end
+    assert [kind for kind, _ in events(client, "s")] == ["delta"] * 4 + ["done"]
+
+
 def test_a_jobs_first_attempt_wakes_no_reader_and_its_next_one_fences_the_first_out(client, redis_url):
     """A job's first attempt has no earlier one to fence out: it leaves the stream to its first
     write, so a reader blocked on the stream (the web tier's hub) waits on for that write instead of

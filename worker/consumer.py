@@ -484,7 +484,10 @@ class Consumer:
                                   worker_name=worker.name, pipeline=pipe, execution_id=run.execution.id,
                                   execution_started_at=run.execution.created_at, execution_ended_at=job.ended_at)
                     job.finished_job_registry.add(job, result_ttl, pipe)
-                job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+                if result_ttl and result_ttl > 0:  # rq's Job.cleanup, less its EXPIREs of the dependency keys no job of ours has
+                    pipe.expire(job.key, result_ttl)
+                else:
+                    job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
                 run.execution.delete(job=job, pipeline=pipe)
             pipe.hincrby(worker.key, "successful_job_count", len(finished))
             pipe.execute()

@@ -70,17 +70,23 @@ class StreamWriter:
     - `wait_written` waits for what was handed over to be written: the consumer records a job
       finished in rq only once its terminal event is in its stream (web takes a job rq calls
       finished that left no terminal event for a failed one).
+    - A stream's TTL (protocol.STREAM_TTL) is set with an attempt's first write and its terminal
+      one, and between them at most every `TTL_REFRESH_S`: a streamed job's every step would
+      otherwise cost an EXPIRE beside its XADD. While the job runs its stream has at least
+      STREAM_TTL - TTL_REFRESH_S left; from its end, STREAM_TTL.
     """
 
     DEFER_S = 1.0  # how long the tokens of a job nobody reads token by token may wait
     CHECK_S = 0.1  # how long a cancel may wait to be seen between writes
     RETRY_S = 0.5  # how often writes are tried while Redis does not answer
+    TTL_REFRESH_S = protocol.STREAM_TTL / 10  # how often a running job's stream has its TTL set again
 
     def __init__(self, client: redis.Redis, max_pending: int = 100_000):
         self.client = client
         self.max_pending = max_pending
         self._streamed: set[str] = set()  # jobs whose every step is written at once
         self._written_at: dict[str, float] = {}  # job id -> time.monotonic() of its last write
+        self._ttl_set_at: dict[str, float] = {}  # job id -> time.monotonic() of its stream's last EXPIRE
         self._checked_at = 0.0  # time.monotonic() of the last read of the cancel flags
         # job id -> its events waiting to be written, in order, with their entry ids
         self._pending: dict[str, list[tuple[str, dict[str, Any], str]]] = {}
@@ -106,6 +112,7 @@ class StreamWriter:
         with self._lock:
             self._next_id[job_id] = [attempt_ms if attempt_ms is not None else int(time.time() * 1000), 1]
             self._open.pop(job_id, None)  # a new attempt's deltas never join an earlier attempt's
+            self._ttl_set_at.pop(job_id, None)
             self._active.add(job_id)
             if streamed:
                 self._streamed.add(job_id)
@@ -145,6 +152,7 @@ class StreamWriter:
                 elif terminal:
                     del self._silenced[job_id]
                     self._written_at.pop(job_id, None)
+                    self._ttl_set_at.pop(job_id, None)
                     ended.set()
                 if terminal:
                     self._next_id.pop(job_id, None)
@@ -281,13 +289,17 @@ class StreamWriter:
             for job_id in taken:
                 self._open.pop(job_id, None)
             self._writing = set(taken)
+            started = time.monotonic()  # no later than the EXPIREs below
+            expiring = {job_id for job_id, events in taken.items() if events[-1][0] in protocol.TERMINAL_EVENTS
+                        or started - self._ttl_set_at.get(job_id, -math.inf) >= self.TTL_REFRESH_S}
         try:
             with self.client.pipeline(transaction=True) as pipe:
                 for job_id, events in taken.items():
                     key = protocol.stream_key(job_id)
                     for event_type, data, entry_id in events:
                         pipe.xadd(key, protocol.encode_event(event_type, data), id=entry_id)
-                    pipe.expire(key, protocol.STREAM_TTL)
+                    if job_id in expiring:
+                        pipe.expire(key, protocol.STREAM_TTL)
                 if active:
                     pipe.mget([protocol.cancel_key(job_id) for job_id in active])
                 replies = pipe.execute(raise_on_error=False)
@@ -309,10 +321,14 @@ class StreamWriter:
             for job_id, events in taken.items():
                 if events[-1][0] in protocol.TERMINAL_EVENTS:
                     self._written_at.pop(job_id, None)
+                    self._ttl_set_at.pop(job_id, None)
                 else:
                     self._written_at[job_id] = now
+                    if job_id in expiring:
+                        self._ttl_set_at[job_id] = started
             self._writing = set()
-        written = [(job_id, event) for job_id, events in taken.items() for event in [*events, None]]  # None: EXPIRE
+        written = [(job_id, event) for job_id, events in taken.items()
+                   for event in [*events, *([None] if job_id in expiring else [])]]  # None: EXPIRE
         refused = [(job_id, reply) for (job_id, event), reply in zip(written, replies)
                    if event is not None and isinstance(reply, Exception)]
         if refused:  # already written (a resent step), or a newer attempt owns the stream
