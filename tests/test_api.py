@@ -21,6 +21,7 @@ from rq.exceptions import DequeueTimeout
 from rq.job import JobStatus
 from rq.serializers import PickleSerializer
 
+from models import tokenizer as tokenizer_module
 from models.tokenizer import load_tokenizer
 from tests import rq_json
 from tests.conftest import redis_commands, write_gpt2_tokenizer
@@ -180,6 +181,19 @@ def test_models_list_and_retrieve(client):
     assert client.get("/v1/models/tiny").get_json()["id"] == "tiny"
     assert client.get("/v1/models/org/idle").get_json()["id"] == "org/idle"  # ids may contain '/'
     assert client.get("/v1/models/tiny-alias").get_json()["context_length"] == CONTEXT
+
+
+def test_every_models_tokenizer_loads_as_the_app_starts_not_on_its_first_request(redis_url, models_file):
+    """A GPT-2 vocabulary takes about half a second to load: a web process loads each served
+    model's as it starts, so that its first request does not wait for it."""
+    tokenizer_module._load.cache_clear()  # loaded afresh, not shared from another test's app
+    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS})
+    served = app.extensions["nanoserve.models"]
+    deadline = time.monotonic() + 30
+    while len(served._tokenizers) < len(served.registry.models()):  # no request sent
+        assert time.monotonic() < deadline, served._tokenizers
+        time.sleep(0.05)
+    assert set(served._tokenizers) == {spec.id for spec in served.registry.models()}
 
 
 

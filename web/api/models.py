@@ -44,6 +44,15 @@ class ServedModels:
                                    None, "model_unavailable") from None
             return self._tokenizers[spec.id]
 
+    def load_tokenizers(self) -> None:
+        """Load every served model's tokenizer (one that cannot be loaded is logged, and refused at
+        its requests)."""
+        for spec in self.registry.models():
+            try:
+                self.tokenizer(spec)
+            except APIError:
+                pass
+
     def model_object(self, spec: ModelSpec) -> dict:
         try:
             context_length = spec.context_length
@@ -55,6 +64,9 @@ class ServedModels:
 
 def init_app(app: Flask, settings: Settings) -> ServedModels:
     app.extensions["nanoserve.models"] = served = ServedModels(settings)
+    # each model's tokenizer loaded as the process starts, not on its first request (a GPT-2
+    # vocabulary takes about half a second); a request that comes first waits for it as before
+    threading.Thread(target=served.load_tokenizers, name="tokenizers", daemon=True).start()
     return served
 
 
