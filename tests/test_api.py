@@ -9,7 +9,9 @@ and the `openai` client are in test_e2e_openai.py.
 """
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 import threading
 import time
 from typing import Callable, Iterable
@@ -183,18 +185,26 @@ def test_models_list_and_retrieve(client):
     assert client.get("/v1/models/tiny-alias").get_json()["context_length"] == CONTEXT
 
 
-def test_every_models_tokenizer_loads_as_the_app_starts_not_on_its_first_request(redis_url, models_file):
-    """A GPT-2 vocabulary takes about half a second to load: a web process loads each served
-    model's as it starts, so that its first request does not wait for it."""
-    tokenizer_module._load.cache_clear()  # loaded afresh, not shared from another test's app
-    app = create_app({"redis_url": redis_url, "models_path": str(models_file), **SETTINGS})
-    served = app.extensions["nanoserve.models"]
-    deadline = time.monotonic() + 30
-    while len(served._tokenizers) < len(served.registry.models()):  # no request sent
-        assert time.monotonic() < deadline, served._tokenizers
-        time.sleep(0.05)
-    assert set(served._tokenizers) == {spec.id for spec in served.registry.models()}
-
+def test_a_gunicorn_process_loads_every_models_tokenizer_as_it_starts(redis_url, models_file, monkeypatch):
+    """A GPT-2 vocabulary takes about half a second to load: `wsgi.py` has a process that gunicorn
+    serves from (it says so in SERVER_SOFTWARE) load each served model's as it starts, so that its
+    first request does not wait for it; the admin CLI (`flask --app wsgi`) loads none."""
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("NANOSERVE_MODELS", str(models_file))
+    for server, loads in (("gunicorn/25.0.0", True), (None, False)):
+        if server is None:
+            monkeypatch.delenv("SERVER_SOFTWARE", raising=False)
+        else:
+            monkeypatch.setenv("SERVER_SOFTWARE", server)
+        tokenizer_module._load.cache_clear()  # loaded afresh, not shared from another test's app
+        sys.modules.pop("wsgi", None)
+        served = importlib.import_module("wsgi").app.extensions["nanoserve.models"]
+        if not loads:
+            assert served.loading is None and served._tokenizers == {}
+            continue
+        served.loading.join(30)  # no request sent
+        assert set(served._tokenizers) == {spec.id for spec in served.registry.models()}
+    sys.modules.pop("wsgi", None)
 
 
 def test_models_need_a_key_when_auth_is_required(redis_url, models_file, monkeypatch):

@@ -22,6 +22,7 @@ class ServedModels:
         self.registry = Registry.from_file(settings.models_path)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._lock = threading.Lock()
+        self.loading: threading.Thread | None = None  # `start_loading`'s
 
     def get(self, name: str) -> ModelSpec:
         """The model by id or alias; 404 `model_not_found` in OpenAI's words otherwise."""
@@ -44,14 +45,21 @@ class ServedModels:
                                    None, "model_unavailable") from None
             return self._tokenizers[spec.id]
 
-    def load_tokenizers(self) -> None:
-        """Load every served model's tokenizer (one that cannot be loaded is logged, and refused at
-        its requests)."""
-        for spec in self.registry.models():
-            try:
-                self.tokenizer(spec)
-            except APIError:
-                pass
+    def start_loading(self) -> threading.Thread:
+        """Load every served model's tokenizer on a thread of its own, so that a serving process's
+        first request does not (a GPT-2 vocabulary takes about half a second); a request that comes
+        sooner waits for its model's. One that cannot be loaded is logged, and refused at its requests."""
+
+        def load() -> None:
+            for spec in self.registry.models():
+                try:
+                    self.tokenizer(spec)
+                except APIError:
+                    pass
+
+        self.loading = threading.Thread(target=load, name="tokenizers", daemon=True)
+        self.loading.start()
+        return self.loading
 
     def model_object(self, spec: ModelSpec) -> dict:
         try:
@@ -64,9 +72,6 @@ class ServedModels:
 
 def init_app(app: Flask, settings: Settings) -> ServedModels:
     app.extensions["nanoserve.models"] = served = ServedModels(settings)
-    # each model's tokenizer loaded as the process starts, not on its first request (a GPT-2
-    # vocabulary takes about half a second); a request that comes first waits for it as before
-    threading.Thread(target=served.load_tokenizers, name="tokenizers", daemon=True).start()
     return served
 
 
