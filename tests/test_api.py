@@ -185,12 +185,16 @@ def test_models_list_and_retrieve(client):
     assert client.get("/v1/models/tiny-alias").get_json()["context_length"] == CONTEXT
 
 
-def test_a_gunicorn_process_loads_every_models_tokenizer_as_it_starts(redis_url, models_file, monkeypatch):
+def test_a_gunicorn_process_loads_every_models_tokenizer_as_it_starts(redis_url, models_file, monkeypatch,
+                                                                     tmp_path, caplog):
     """A GPT-2 vocabulary takes about half a second to load: `wsgi.py` has a process that gunicorn
     serves from (it says so in SERVER_SOFTWARE) load each served model's as it starts, so that its
-    first request does not wait for it; the admin CLI (`flask --app wsgi`) loads none."""
+    first request does not wait for it; one it cannot load is said in a line, and its requests are
+    refused as before. The admin CLI (`flask --app wsgi`) loads none."""
+    registry = tmp_path / "models.toml"
+    registry.write_text(models_file.read_text() + f'\n[models.gone]\ncheckpoint = "{tmp_path / "missing"}"\n')
     monkeypatch.setenv("REDIS_URL", redis_url)
-    monkeypatch.setenv("NANOSERVE_MODELS", str(models_file))
+    monkeypatch.setenv("NANOSERVE_MODELS", str(registry))
     for server, loads in (("gunicorn/25.0.0", True), (None, False)):
         if server is None:
             monkeypatch.delenv("SERVER_SOFTWARE", raising=False)
@@ -203,7 +207,12 @@ def test_a_gunicorn_process_loads_every_models_tokenizer_as_it_starts(redis_url,
             assert served.loading is None and served._tokenizers == {}
             continue
         served.loading.join(30)  # no request sent
-        assert set(served._tokenizers) == {spec.id for spec in served.registry.models()}
+        assert set(served._tokenizers) == {"tiny", "org/idle"}
+        said = [r for r in caplog.records if r.name == "web.api.models"]
+        assert [r.getMessage() for r in said] == ["model gone has no usable tokenizer; its requests are refused"]
+        assert said[0].exc_info is None and "missing" in said[0].error
+        client = importlib.import_module("wsgi").app.test_client()
+        assert error_of(complete(client, model="gone"), 503)["code"] == "model_unavailable"
     sys.modules.pop("wsgi", None)
 
 

@@ -48,14 +48,19 @@ class ServedModels:
     def start_loading(self) -> threading.Thread:
         """Load every served model's tokenizer on a thread of its own, so that a serving process's
         first request does not (a GPT-2 vocabulary takes about half a second); a request that comes
-        sooner waits for its model's. One that cannot be loaded is logged, and refused at its requests."""
+        sooner waits for its model's. One that cannot be loaded is said in a line here, and refused at
+        its requests (which log why)."""
 
         def load() -> None:
             for spec in self.registry.models():
-                try:
-                    self.tokenizer(spec)
-                except APIError:
-                    pass
+                with self._lock:
+                    if spec.id in self._tokenizers:
+                        continue
+                    try:
+                        self._tokenizers[spec.id] = load_tokenizer(spec)
+                    except (RegistryError, TokenizerError) as err:
+                        log.warning("model %s has no usable tokenizer; its requests are refused", spec.id,
+                                    extra={"error": str(err)})
 
         self.loading = threading.Thread(target=load, name="tokenizers", daemon=True)
         self.loading.start()
