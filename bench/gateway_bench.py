@@ -314,20 +314,26 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
-def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
-    """CPU seconds each role's processes have used: this process's from getrusage (its client
-    threads end with each run), the others' their threads' (`thread_cpu_seconds`)."""
+def cpu_seconds(pids: dict[int, str]) -> dict[str, dict[tuple[int, int], float]]:
+    """CPU seconds each role's processes have used, by (pid, thread): this process's as one, from
+    getrusage (its client threads end with each run), the others' threads' (`thread_cpu_seconds`)."""
     import resource
 
-    used: dict[str, float] = {}
+    used: dict[str, dict[tuple[int, int], float]] = {}
     for pid, role in pids.items():
         if pid == os.getpid():
             own = resource.getrusage(resource.RUSAGE_SELF)
-            seconds = own.ru_utime + own.ru_stime
+            used.setdefault(role, {})[pid, 0] = own.ru_utime + own.ru_stime
         else:
-            seconds = sum(thread_cpu_seconds(pid).values())
-        used[role] = used.get(role, 0.0) + seconds
+            used.setdefault(role, {}).update({(pid, tid): s for tid, s in thread_cpu_seconds(pid).items()})
     return used
+
+
+def used_since(before: dict, after: dict) -> float:
+    """CPU seconds from `before` to `after` (`cpu_seconds`' maps of one role): those of the threads
+    alive at `after`. A thread that ended in between is left out, with what it used since `before`;
+    summing the live threads' totals instead would count its whole life as negative."""
+    return sum(seconds - before.get(key, 0.0) for key, seconds in after.items())
 
 
 def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path, log=print,
@@ -377,7 +383,7 @@ def pinned(concurrency: list[int], repeats: int, max_tokens: int, workdir: Path,
                 after = cpu_seconds(roles)
                 if report["errors"]:
                     raise RuntimeError(f"{report['errors']} requests failed: {report['first_error']}")
-                report["cpu_ms_per_request"] = {role: 1000 * (after[role] - before[role]) / len(bodies[c])
+                report["cpu_ms_per_request"] = {role: 1000 * used_since(before.get(role, {}), after[role]) / len(bodies[c])
                                                 for role in after}
                 report["engine"] = busy_share(busy_before, engine_busy(web.info["worker_metrics_url"]),
                                               report["wall_s"], len(bodies[c]))

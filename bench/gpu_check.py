@@ -1258,19 +1258,25 @@ class StackCPU:
     def __init__(self, roots: dict[str, int], clients):
         self.roots, self.clients = roots, clients
 
-    def sample(self) -> dict[str, float]:
-        """role -> CPU seconds."""
+    def sample(self) -> dict:
+        """role -> CPU seconds by (pid, thread); `clients` -> CPU seconds."""
         from bench.gateway_bench import thread_cpu_seconds
 
-        out = {role: sum(sum(thread_cpu_seconds(pid).values()) for pid in [root, *descendants(root)])
-               for role, root in self.roots.items()}
+        out: dict = {role: {(pid, tid): seconds for pid in [root, *descendants(root)]
+                            for tid, seconds in thread_cpu_seconds(pid).items()}
+                     for role, root in self.roots.items()}
         out["clients"] = self.clients()
         return out
 
-    def per_request(self, before: dict[str, float], requests: int) -> dict[str, float]:
-        """ms of CPU per request since `before`, by role."""
+    def per_request(self, before: dict, requests: int) -> dict[str, float]:
+        """ms of CPU per request since `before`, by role (gateway_bench.used_since: a thread that
+        ended meanwhile, such as a web process's tokenizer loading, never counts as negative)."""
+        from bench.gateway_bench import used_since
+
         after = self.sample()
-        return {role: round(1000 * (after[role] - before.get(role, 0.0)) / max(requests, 1), 2) for role in after}
+        used = {role: after[role] - before.get(role, 0.0) if role == "clients" else used_since(before.get(role, {}), after[role])
+                for role in after}
+        return {role: round(1000 * seconds / max(requests, 1), 2) for role, seconds in used.items()}
 
 
 def descendants(pid: int) -> list[int]:
