@@ -112,7 +112,8 @@ def engine_busy(metrics_url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    out = {"busy_s": 0.0, "forwards": 0.0, "phases_s": {}}
+    out = {"busy_s": 0.0, "forwards": 0.0, "phases_s": {}, "kinds": {}}
+    kinds = {f"nanoserve_worker_step_kind_{key}_total": key for key in ("steps", "forwards", "seconds")}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "nanoserve_worker_busy_seconds_total":
@@ -122,21 +123,34 @@ def engine_busy(metrics_url: str) -> dict[str, float]:
             elif sample.name == "nanoserve_worker_step_phase_seconds_total":
                 phase = sample.labels["phase"]
                 out["phases_s"][phase] = out["phases_s"].get(phase, 0.0) + sample.value
+            elif sample.name in kinds:
+                counts = out["kinds"].setdefault(sample.labels["kind"], {})
+                counts[kinds[sample.name]] = counts.get(kinds[sample.name], 0.0) + sample.value
     return out
 
 
 def busy_share(before: dict[str, float], after: dict[str, float], wall_s: float, requests: int) -> dict[str, float]:
     """Between two `engine_busy` reads over `wall_s` seconds of `requests`: the engine's busy share
     of the wall clock, its busy ms a request, its ms a forward and its forwards a request (more than
-    alone where a burst's requests reach it spread out: its batch runs part full for longer)."""
+    alone where a burst's requests reach it spread out: its batch runs part full for longer); and by
+    what its steps ran (worker/engine.py STEP_KINDS), their share of the forwards, their forwards a
+    step and their ms a forward: steps that feed arriving prompts run one forward, where steps that
+    only decode run several."""
     from bench.engine_bench import phase_ms_per_forward
 
     busy, forwards = after["busy_s"] - before["busy_s"], after["forwards"] - before["forwards"]
     phases = {phase: s - before.get("phases_s", {}).get(phase, 0.0) for phase, s in after.get("phases_s", {}).items()}
+    kinds = {}
+    for kind, counts in after.get("kinds", {}).items():
+        was = before.get("kinds", {}).get(kind, {})
+        steps, kind_forwards, seconds = (counts[key] - was.get(key, 0.0) for key in ("steps", "forwards", "seconds"))
+        if steps:
+            kinds[kind] = {"forward_share": kind_forwards / forwards if forwards else 0.0,
+                           "forwards_per_step": kind_forwards / steps, "ms_per_forward": 1000 * seconds / kind_forwards}
     return {"busy_share": busy / wall_s if wall_s else 0.0, "busy_ms_per_request": 1000 * busy / max(requests, 1),
             "ms_per_forward": 1000 * busy / forwards if forwards else 0.0,
             "forwards_per_request": forwards / max(requests, 1),
-            "step_phase_ms": phase_ms_per_forward(phases, forwards)}
+            "step_phase_ms": phase_ms_per_forward(phases, forwards), "step_kinds": kinds}
 
 
 def median_busy(shares: list[dict]) -> dict:
@@ -144,17 +158,19 @@ def median_busy(shares: list[dict]) -> dict:
     from bench.engine_bench import median_phases
 
     return {key: median_phases(shares) if key == "step_phase_ms" else statistics.median(s[key] for s in shares)
-            for key in shares[0]}
+            for key in shares[0] if key != "step_kinds"}
 
 
 def engine_as_served(models_file: Path, name: str, device: str, compile: bool | None,
-                     schedule: list[tuple[int, int, int]], bodies) -> Iterator[tuple[int, dict]]:
+                     schedule: list[tuple[int, int, int]], bodies, steady: int = 0) -> Iterator[tuple[int, dict]]:
     """The engine of `models_file`'s model `name` built as the worker builds it
     (processor.build_engine: its precision, slots, context, kernels and compile), in this process,
     without an event sink; each body of `bodies(c)` put straight into it by `c` closed-loop threads.
     Yields, for each round (_, c, _) of `schedule` (bench.rounds), c and its loadgen report, with the
-    engine's busy share of it as `engine` (`busy_share`). A round of c bodies at every concurrency
-    warms it first; the engine is stopped after the last."""
+    engine's busy share of it as `engine` (`busy_share`); then, with `steady`, a round at each
+    concurrency c of c * `steady` bodies (each thread sending its next as its last ends), its report
+    marked `steady`. A round of c bodies at every concurrency warms it first; the engine is stopped
+    after the last."""
     from models.registry import Registry
     from processor import build_engine
 
@@ -162,16 +178,20 @@ def engine_as_served(models_file: Path, name: str, device: str, compile: bool | 
 
     def busy() -> dict[str, float]:  # as `engine_busy` reads the worker's
         stats = engine.stats()
-        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"], "phases_s": stats["step_phase_seconds"]}
+        return {"busy_s": stats["busy_seconds"], "forwards": stats["steps"], "phases_s": stats["step_phase_seconds"],
+                "kinds": stats["step_kinds"]}
 
     try:
         send = engine_sender(engine, name)
         for c in sorted({c for _, c, _ in schedule}):
             run(send, bodies(c)[:c], c)
-        for _, c, _ in schedule:
-            batch, before = bodies(c), busy()
+        steady_rounds = [(c, True) for c in sorted({c for _, c, _ in schedule})] if steady else []
+        for c, is_steady in [(c, False) for _, c, _ in schedule] + steady_rounds:
+            batch, before = bodies(c * steady if is_steady else c), busy()
             report = run(send, batch, c)
             report["engine"] = busy_share(before, busy(), report["wall_s"], len(batch))
+            if is_steady:
+                report["steady"] = True
             yield c, report
     finally:
         engine.stop()

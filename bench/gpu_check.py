@@ -655,6 +655,13 @@ def _num(value, digits: int = 0) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
+def _step_kind(kind: dict | None) -> str:
+    """One step kind of `busy_share`'s: its share of the forwards, forwards a step, ms a forward."""
+    if not kind:
+        return "none"
+    return f"{100 * kind['forward_share']:.0f}% x{kind['forwards_per_step']:.1f} {kind['ms_per_forward']:.2f} ms"
+
+
 def _engine_table(result: dict, caption: str) -> list[str]:
     by_system = result.get("summary", {}).get("by_system", {})
     cs = sorted({int(c) for by_c in by_system.values() for c in by_c})
@@ -744,6 +751,22 @@ def markdown(results: dict) -> str:
                                  f"{c}: {_median_of(rs, 'tokens_per_s'):.0f} ("
                                  + "/".join(_num(over.get(kind, {}).get(c), 2) for kind in ("bursts", "steady")) + ")"
                                  for c, rs in served.items()) + ".")
+            alone_steady = entry.get("engine_steady")
+            if alone_steady:
+                lines.append(f"\n{dtype}, the engine as the worker builds it, alone, in the steady state (as the "
+                             "stack's below), tokens/s (the stack's steady state over it): " + "; ".join(
+                                 f"{c}: {_num(r['tokens_per_s'])} ("
+                                 + _num(entry.get("over_served", {}).get("steady_over_steady", {}).get(c), 2) + ")"
+                                 for c, r in alone_steady.items()) + ".")
+                kinds = []
+                for c, r in alone_steady.items():
+                    parts = (r.get("engine", {}), entry.get("steady", {}).get(c, {}).get("engine_in_stack", {}))
+                    kinds.append(f"{c}: " + ", ".join(
+                        f"{kind} " + "/".join(_step_kind(part.get("step_kinds", {}).get(kind)) for part in parts)
+                        for kind in dict.fromkeys(k for part in parts for k in part.get("step_kinds", {}))))
+                lines.append(f"\n{dtype}, what the engine's steps ran in the steady state (worker/engine.py "
+                             "STEP_KINDS), alone / in the stack: the kind's share of the forwards, x its forwards a "
+                             "step, its ms a forward: " + "; ".join(kinds) + ".")
             steady = entry.get("steady")
             if steady:
                 over = results.get("steady_over_engine", {}).get(dtype, {})
@@ -1051,7 +1074,8 @@ def stack_main(argv: list[str]) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         # a variant of a dtype measured already is held against that dtype's engine as served
-        served = next((e["engine_as_served"] for v, e in results["dtypes"].items()
+        served = next(({key: e.get(key, {}) for key in ("engine_as_served", "engine_steady")}
+                       for v, e in results["dtypes"].items()
                        if v != variant and variant_dtype(v) == dtype and e.get("engine_as_served")), None)
         try:
             measure_stack(entry, dtype, args, concurrency, workdir, lambda: write_json(args.json, results),
@@ -1100,17 +1124,24 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
 
     # the engine as the worker builds it (its slots, context and compile), alone in this process: what
     # the stack is held against, where engine-small's engine has one slot a request and no more context
+    # and its steady state as the stack's is run, so that the stack's steady rounds are held against the
+    # engine's own under requests arriving as others end
     if served is not None:
-        entry["engine_as_served"] = alone = served
+        entry["engine_as_served"], entry["engine_steady"] = alone, alone_steady = (
+            served["engine_as_served"], served["engine_steady"])
     else:
         registry = served_models(Path(args.checkpoint), args.model, dtype, max(concurrency),
                                  args.prompt_tokens + args.new_tokens, workdir, args.device)
-        entry["engine_as_served"] = alone = {}
+        entry["engine_as_served"], entry["engine_steady"] = alone, alone_steady = {}, {}
         for c, report in engine_as_served(registry, args.model, args.device, COMPILE_MODES[args.mode],
                                           rounds(concurrency, args.repeats, args.min_requests),
-                                          lambda c: bodies(c, args.new_tokens)):
-            alone.setdefault(str(c), []).append(report)
-            print(f"{dtype} the engine as served C={c:<3} {report['tokens_per_s']:8.1f} tok/s", flush=True)
+                                          lambda count: bodies(count, args.new_tokens), steady=args.steady):
+            if report.get("steady"):
+                alone_steady[str(c)] = report
+            else:
+                alone.setdefault(str(c), []).append(report)
+            print(f"{dtype} the engine as served{' steady' if report.get('steady') else ''} C={c:<3} "
+                  f"{report['tokens_per_s']:8.1f} tok/s", flush=True)
         gc.collect()  # its model, cache and graphs, before the worker takes the device
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -1189,7 +1220,9 @@ def measure_stack(entry: dict, dtype: str, args, concurrency: list[int], workdir
     served = {c: statistics.median(r["tokens_per_s"] for r in rs) for c, rs in alone.items()}
     entry["over_served"] = {
         "bursts": {c: tok_s / served[c] for c, tok_s in entry["tokens_per_s"].items() if served.get(c)},
-        "steady": {c: r["tokens_per_s"] / served[c] for c, r in entry["steady"].items() if served.get(c)}}
+        "steady": {c: r["tokens_per_s"] / served[c] for c, r in entry["steady"].items() if served.get(c)},
+        "steady_over_steady": {c: r["tokens_per_s"] / alone_steady[c]["tokens_per_s"]
+                               for c, r in entry["steady"].items() if alone_steady.get(c, {}).get("tokens_per_s")}}
     errors = sum(r["errors"] + r["wrong_length"]
                  for r in [*(r for rs in entry["runs"].values() for r in rs), *entry["steady"].values()])
     if errors:

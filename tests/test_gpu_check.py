@@ -183,6 +183,17 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
         median = statistics.median(r["tokens_per_s"] for r in served)
         assert stack["over_served"]["bursts"][c] == stack["tokens_per_s"][c] / median
         assert stack["over_served"]["steady"][c] == stack["steady"][c]["tokens_per_s"] / median
+        # and in the steady state, as the stack's steady round is run: what that round is held against too
+        alone_steady = stack["engine_steady"][c]
+        assert alone_steady["errors"] == 0 and alone_steady["requests"] == int(c) * gpu_check.QUICK.steady
+        assert alone_steady["completion_tokens"] == int(c) * gpu_check.QUICK.steady * new_tokens
+        assert stack["over_served"]["steady_over_steady"][c] == (
+            stack["steady"][c]["tokens_per_s"] / alone_steady["tokens_per_s"])
+        # its steps by what they ran, alone and in the stack: the prompts' steps among them, the
+        # kinds' shares of the forwards whole
+        for kinds in (alone_steady["engine"]["step_kinds"], stack["steady"][c]["engine_in_stack"]["step_kinds"]):
+            assert kinds["prompt"]["forwards_per_step"] == 1 and kinds["prompt"]["ms_per_forward"] > 0, kinds
+            assert sum(k["forward_share"] for k in kinds.values()) == pytest.approx(1), kinds
     assert stack["streamed"]["errors"] == 0 and stack["streamed"]["itl_p50_s"] > 0
     # each request's time a token from its first chunk to its last
     streamed = stack["streamed"]  # first chunk to last, within each request's own time
@@ -240,7 +251,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     # the same dtype with the engine on a thread of the worker and one web process: held against the
     # first variant's engine as served (not measured again), its CPU all in the worker's process
     thread = phases["stack"]["result"]["dtypes"]["float32+thread+web1"]
-    assert thread["engine_as_served"] == stack["engine_as_served"]
+    assert thread["engine_as_served"] == stack["engine_as_served"] and thread["engine_steady"] == stack["engine_steady"]
     assert thread["web_workers"] == thread["web_processes"] == 1
     assert all(run["errors"] == 0 for runs in thread["runs"].values() for run in runs)
     assert all("engine_processes" not in cpu for cpus in thread["worker_cpu_ms"].values() for cpu in cpus)
@@ -248,6 +259,8 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "one request alone, ms" in summary and "the worker's CPU a request" in summary
     assert f"the steady state (C clients, {steady} requests each" in summary and "(TPOT) p50" in summary
     assert "the engine as the worker builds it (2 slots" in summary
+    assert "the engine as the worker builds it, alone, in the steady state" in summary
+    assert "what the engine's steps ran in the steady state" in summary
     assert "the worker's engine in the stack" in summary and "where a forward's ms went by phase" in summary
     assert "A burst of 2 jobs taken by this host's consumer" in summary
     log = (out / "gpu_check.log").read_text()

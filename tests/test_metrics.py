@@ -15,7 +15,7 @@ from tests import rq_json
 from tests.stack import spawn_gunicorn, write_models_toml
 from web.dev.local_redis import free_port
 from worker import protocol
-from worker.engine import STEP_PHASES
+from worker.engine import STEP_KINDS, STEP_PHASES
 from worker.metrics import EngineCollector, batch_size_histogram, start
 
 
@@ -239,6 +239,13 @@ def test_worker_metrics_of_a_real_engine(models_toml):
         assert sum(phases.values()) == pytest.approx(value(text, "nanoserve_worker_busy_seconds_total", **labels),
                                                      rel=1e-6)
         assert value(text, "nanoserve_worker_steps_total", **labels) >= 7  # a prefill and six decode forwards at least
+        # the steps by what they ran: the prefill's step fed prompt tokens, a CPU's decode steps one forward each
+        kinds = {kind: {key: value(text, f"nanoserve_worker_step_kind_{key}_total", kind=kind, **labels)
+                        for key in ("steps", "forwards", "seconds")} for kind in STEP_KINDS}
+        assert kinds["prompt"]["steps"] >= 1 and kinds["other"]["steps"] >= 6 and kinds["decode"]["steps"] == 0
+        assert sum(k["forwards"] for k in kinds.values()) == value(text, "nanoserve_worker_steps_total", **labels)
+        assert sum(k["seconds"] for k in kinds.values()) == pytest.approx(
+            value(text, "nanoserve_worker_busy_seconds_total", **labels), rel=1e-6)
         assert value(text, "nanoserve_worker_tokens_generated_total", **labels) == usage["completion_tokens"] == 14
         assert value(text, "nanoserve_worker_prompt_tokens_total", **labels) == usage["prompt_tokens"]
         assert value(text, "nanoserve_worker_kv_slots_total", **labels) == 4

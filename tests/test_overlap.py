@@ -378,13 +378,18 @@ def test_a_request_arriving_is_admitted_at_the_next_step(model, tok):
     long = several.submit(job(tok, [PROMPTS[1]], max_tokens=60, logit_bias={tok.eos_token_id: -100}))
     for _ in range(3):
         several.step()
-    forwards = several.stats()["steps"]
+    forwards, kinds = several.stats()["steps"], several.stats()["step_kinds"]
     several.step()
     assert several.stats()["steps"] - forwards == 4  # only decoding: four forwards
+    # counted as such by what the step ran (the metrics' step kinds)
+    decode = several.stats()["step_kinds"]["decode"]
+    assert (decode["steps"] - kinds["decode"]["steps"], decode["forwards"] - kinds["decode"]["forwards"]) == (1, 4)
     arriving = job(tok, [PROMPTS[3]], max_tokens=3)
     handle = several.submit(arriving)
     several.step()
     assert several.stats()["steps"] - forwards == 5  # its first prefill step: one forward
+    prompt = several.stats()["step_kinds"]["prompt"]
+    assert (prompt["steps"] - kinds["prompt"]["steps"], prompt["forwards"] - kinds["prompt"]["forwards"]) == (1, 1)
     scheduler = several.scheduler
     started = [u.seqs[0].request.job.id for u in scheduler.prefilling] + [s.request.job.id for s in scheduler.decoding]
     assert arriving.id in started  # its prefill began (a CPU may feed a prompt beside decoding rows in chunks)
@@ -395,6 +400,9 @@ def test_a_request_arriving_is_admitted_at_the_next_step(model, tok):
         several.step()
     with pytest.raises(RequestCancelled):
         long.result()
+    stats = several.stats()  # every step of one kind: the kinds add up to the forwards and busy time
+    assert sum(k["forwards"] for k in stats["step_kinds"].values()) == stats["steps"]
+    assert sum(k["seconds"] for k in stats["step_kinds"].values()) == pytest.approx(stats["busy_seconds"], rel=1e-9)
     sync = Engine(model, tok, max_batch=4, overlap=False)
     assert_same([handle.result()], [sync.generate(arriving)])
 

@@ -70,6 +70,10 @@ DECODE_STEPS = {False: 1, True: 4}
 # launched (on a CPU, computed); waiting for a GPU's draws to reach the host; taking tokens in
 # (text, stops, finishes); the step's events collected and handed to the sink.
 STEP_PHASES = ("schedule", "forward", "wait", "take_in", "events")
+# What a step ran (Engine.stats' step_kinds): only decode forwards, launched back to back running ahead
+# (`_forwards`); a forward that fed prompt tokens, with or beside decoding rows; any other one forward
+# (a step at a time, a sequence admitted or started without prompt tokens to feed, beam search).
+STEP_KINDS = ("decode", "prompt", "other")
 
 
 class RequestHandle:
@@ -181,6 +185,7 @@ class Engine:
         # where that time went (STEP_PHASES), in seconds: what a profiler would say, at the cost of a
         # few clock reads a step, so that a worker's steps can be held against an engine's alone
         self._phase_s = dict.fromkeys(STEP_PHASES, 0.0)
+        self._kinds = {kind: {"steps": 0, "forwards": 0, "seconds": 0.0} for kind in STEP_KINDS}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -271,7 +276,8 @@ class Engine:
     def stats(self) -> dict:
         """A snapshot for metrics (read from any thread)."""
         return {"device": str(self.device), **self.scheduler.stats(), **self.runner.stats(), "steps": self._steps,
-                "busy_seconds": self._busy_s, "step_phase_seconds": dict(self._phase_s)}
+                "busy_seconds": self._busy_s, "step_phase_seconds": dict(self._phase_s),
+                "step_kinds": {kind: dict(counts) for kind, counts in self._kinds.items()}}
 
     def _cancel(self, job_id: str) -> None:
         self.scheduler.cancels.append(job_id)
@@ -357,6 +363,7 @@ class Engine:
         taken_in.append(phases["take_in"] + phases["wait"])
         batch = self.scheduler.schedule(events)
         forwards = self._forwards(batch)
+        kind = "decode" if forwards else "prompt" if batch.chunks else "other"
         launching = time.perf_counter()
         try:
             with torch.no_grad():
@@ -383,6 +390,10 @@ class Engine:
         phases["schedule"] += launching - started - (taken_in[1] - taken_in[0])
         phases["forward"] += collecting - launching - (taken_in[2] - taken_in[1])
         phases["events"] += ended - collecting
+        counts = self._kinds[kind]
+        counts["steps"] += 1
+        counts["forwards"] += max(forwards, 1)
+        counts["seconds"] += took
         self.scheduler.timed(batch, took / max(forwards, 1))
 
     def _forwards(self, batch: Batch) -> int:

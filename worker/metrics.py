@@ -23,13 +23,17 @@ pays nothing for them:
 - `nanoserve_worker_batch_size{model,device}`: histogram of the batch size of every decode step
 - `nanoserve_worker_step_phase_seconds_total{model,device,phase}`: where the busy seconds went
   (worker/engine.py STEP_PHASES: schedule, forward, wait, take_in, events)
+- `nanoserve_worker_step_kind_steps_total{model,device,kind}`, `…_forwards_total`, `…_seconds_total`:
+  the steps, their forwards and busy seconds by what they ran (worker/engine.py STEP_KINDS: decode
+  forwards back to back, a forward that fed prompt tokens, any other)
 
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
      "tokens_generated": int, "prompt_tokens": int, "steps": int, "busy_seconds": float,
      "batch_size_counts": {size: steps},
      "prefix_cache_queried_tokens": int, "prefix_cache_hit_tokens": int, "warming_up": int,
-     "compiled_graphs_live": int, "step_phase_seconds": {phase: float}}
+     "compiled_graphs_live": int, "step_phase_seconds": {phase: float},
+     "step_kinds": {kind: {"steps": int, "forwards": int, "seconds": float}}}
 The `model` label comes from passing `(model_id, engine)` pairs to `start` (or a "model" key).
 """
 from __future__ import annotations
@@ -63,6 +67,8 @@ _COUNTERS = {
                                 "Prompt tokens whose keys and values came from the prefix cache."),
 }
 LABELS = ["model", "device"]
+_KIND_COUNTERS = {"steps": "Engine steps, by what they ran.", "forwards": "Batched forwards, by what their step ran.",
+                  "seconds": "Seconds of the engine's steps, by what they ran."}
 
 
 def _named(engines: Iterable[Any]) -> list[tuple[str | None, Any]]:
@@ -99,6 +105,8 @@ class EngineCollector:
                                       labels=LABELS)
         phases = CounterMetricFamily("nanoserve_worker_step_phase_seconds",
                                      "Seconds of the engine's steps, by phase.", labels=[*LABELS, "phase"])
+        kinds = {key: CounterMetricFamily(f"nanoserve_worker_step_kind_{key}", doc, labels=[*LABELS, "kind"])
+                 for key, doc in _KIND_COUNTERS.items()}
         with self._lock:
             for i, (model, engine) in enumerate(self.engines):
                 stats = engine.stats()
@@ -118,9 +126,13 @@ class EngineCollector:
                     batch.add_metric(labels, buckets, total)
                 for phase, seconds in stats.get("step_phase_seconds", {}).items():
                     phases.add_metric([*labels, phase], float(seconds))
+                for kind, counts in stats.get("step_kinds", {}).items():
+                    for key, family in kinds.items():
+                        family.add_metric([*labels, kind], float(counts[key]))
         yield from gauges.values()
         yield from counters.values()
         yield from (rate, batch, phases)
+        yield from kinds.values()
 
 
 def start(engines: Iterable[Any], port: int, addr: str = "0.0.0.0"):
