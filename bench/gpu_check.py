@@ -42,7 +42,8 @@ The phases, in this order, each a subprocess with a time limit of its own, cut t
   request; last of the benchmarks: the longest, so a budget that runs out costs its rows rather
   than the stack's);
 - profile: torch.profiler over decode forwards of the bfloat16 engine at 1 and 64 requests, stepped
-  in one thread: kernels per forward, the GPU's busy time per forward against its wall time;
+  in one thread: kernels per forward, the GPU's busy time per forward against its wall time; then
+  over a burst's steps until every first token, and over one request arriving among them;
 - engine-6b, only when --phases names it (a call of its own: its checkpoint is 12 GB): the bfloat16
   engine on GPT-J-6B's shape at 1 and 8 requests, its weights' reads against the copy's bandwidth.
 
@@ -879,6 +880,19 @@ def markdown(results: dict) -> str:
                           f"{burst['busy_ms_per_step']:.2f} ms; the host's own time a step: "
                           + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
                                       for t in burst["host_top"][:6])]
+            arrival = row.get("arrival_profile")
+            if arrival:
+                lines += ["", f"One request arriving among the {c} (profiled, one of them cancelled to make room), "
+                          f"until its first token: {arrival['steps']} steps ("
+                          + ", ".join(f"{kind} {k['steps']} of {k['forwards']} forwards"
+                                      for kind, k in arrival["kinds"].items())
+                          + f"), {arrival['step_ms']:.2f} ms a step, {arrival['events_per_step']:.0f} "
+                          f"{profiled['event_kind']} a step, busy {arrival['busy_ms_per_step']:.2f} ms; top: "
+                          + "; ".join(f"{t['name'][:40]} {t['ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
+                                      for t in arrival["top"][:4])
+                          + "; the host's own time a step: "
+                          + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
+                                      for t in arrival["host_top"][:4])]
 
     failed = {name: e for name, e in phases.items() if e["status"] in ("failed", "timed_out")}
     if failed:
@@ -1449,11 +1463,11 @@ def profile_main(argv: list[str]) -> None:
         for n, attempt in enumerate(("warm-up", "measured", "burst profiled")):
             begun.clear()
             # prompts of their own each time: none of them finds its prefix cached
-            handles = [engine.submit(CompletionJob(id=f"{attempt}-{c}-{i}", model="profile",
-                                                   prompts=[prompt_ids(10_000 * n + i, args.prompt_tokens)],
-                                                   max_tokens=new_tokens, temperature=0.0, logit_bias={eos: -100.0},
-                                                   seed=0))
-                       for i in range(c)]
+            template = CompletionJob(id=f"{attempt}-{c}", model="profile", prompts=[[0]], max_tokens=new_tokens,
+                                     temperature=0.0, logit_bias={eos: -100.0}, seed=0)
+            handles = [engine.submit(template.model_copy(update={
+                "id": f"{attempt}-{c}-{i}", "prompts": [prompt_ids(10_000 * n + i, args.prompt_tokens)]}))
+                for i in range(c)]
             sync()
             started, steps = time.perf_counter(), 0
             profiling = torch.profiler.profile(activities=activities) if attempt == "burst profiled" else nullcontext()
@@ -1479,7 +1493,9 @@ def profile_main(argv: list[str]) -> None:
                 # the host's own time by operator a forward: which of it or the GPU bounds the forward
                 results["by_concurrency"][str(c)] = {**step_profile(prof, device.type, forwards, step_s),
                                                      "host_top": host_profile(prof, forwards),
-                                                     "until_every_first_token": burst}
+                                                     "until_every_first_token": burst,
+                                                     "arrival_profile": arrival_profile(
+                                                         engine, handles, begun, template, args.prompt_tokens)}
             while not all(h.done for h in handles):
                 engine.step()
             for h in handles:
@@ -1489,6 +1505,42 @@ def profile_main(argv: list[str]) -> None:
         print(f"{c} requests: step {row['step_ms']:.2f} ms, {row['events_per_step']:.0f} {results['event_kind']} "
               f"busy {row['busy_ms_per_step']:.2f} ms; every first token after {row['until_every_first_token']['steps']} "
               f"steps, {row['until_every_first_token']['ms']:.1f} ms", flush=True)
+
+
+def arrival_profile(engine, handles: list, begun: set[str], template, prompt_tokens: int) -> dict:
+    """torch.profiler over the steps from one request's arrival among `handles` running (the first
+    cancelled to make room, and dropped from them) to its first token: its prompt fed beside their
+    decoding rows, as in a steady state where requests arrive as others end. Per step, as
+    `step_profile`, with the steps by what they ran (worker/engine.py STEP_KINDS). The request,
+    `template` with a prompt of its own of `prompt_tokens`, joins `handles`."""
+    import torch
+
+    from bench import prompt_ids
+
+    device = engine.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    first = handles.pop(0)
+    first.cancel()
+    while not first.done:
+        engine.step()
+    arriving = engine.submit(template.model_copy(update={
+        "id": f"arriving-{template.id}", "prompts": [prompt_ids(20_000 + len(handles), prompt_tokens)]}))
+    handles.append(arriving)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    kinds = engine.stats()["step_kinds"]
+    sync()
+    started, steps = time.perf_counter(), 0
+    with torch.profiler.profile(activities=activities) as prof:
+        while arriving.job_id not in begun and not arriving.done:
+            engine.step()
+            steps += 1
+        sync()
+    took = time.perf_counter() - started
+    ran = {kind: {key: counts[key] - kinds[kind][key] for key in ("steps", "forwards")}
+           for kind, counts in engine.stats()["step_kinds"].items() if counts["steps"] > kinds[kind]["steps"]}
+    return {**step_profile(prof, device.type, steps, took / max(steps, 1)), "steps": steps, "kinds": ran,
+            "host_top": host_profile(prof, steps)}
 
 
 def run_forwards(engine, n: int) -> int:

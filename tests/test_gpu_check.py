@@ -239,11 +239,17 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
 
     step = phases["profile"]["result"]["by_concurrency"]["2"]
     assert step["events_per_step"] > 0 and 0 < step["busy_ms_per_step"] and step["step_ms"] > 0 and step["top"]
+    # one request arriving among those running: its prompt's step profiled until its first token
+    arrival = step["arrival_profile"]
+    assert arrival["kinds"]["prompt"]["steps"] >= 1 and arrival["steps"] == sum(
+        k["steps"] for k in arrival["kinds"].values()), arrival  # on a CPU its prompt may be fed in chunks
+    assert arrival["events_per_step"] > 0 and arrival["busy_ms_per_step"] > 0 and arrival["host_top"]
 
     assert json.loads((out / "gpu_check.json").read_text())["phases"].keys() == phases.keys()
     summary = (out / "gpu_check.md").read_text()
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
+    assert "One request arriving among the 2 (profiled" in summary
     assert "first token at 1 (ms)" in summary
     assert "float32+process+overlap, the worker's engine as it said it built it: compiled" in summary
     assert "of that the worker's own process / its engine's process" in summary
