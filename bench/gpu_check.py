@@ -794,7 +794,8 @@ def markdown(results: dict) -> str:
                     + ".")
             path = entry.get("request_path_ms")
             if path:
-                lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR): "
+                lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR; client_floor: "
+                             "the client's GET /v1/models, medians of 15): "
                              + ", ".join(f"{name} {ms}" for name, ms in path.items()) + ".")
             burst = entry.get("burst_path")
             if burst:
@@ -1354,7 +1355,9 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
     ms: web (from the client's send to the job in the queue), pickup (queue to the worker's attempt
     opened), engine (attempt to the `done` event), split into first_token (attempt to its first
     token's write) and decode (that write to `done`), reply (`done` to the client's answer), and
-    rq's bookkeeping after `done`."""
+    rq's bookkeeping after `done`. At one request at a time, also `client_floor`: the same client's
+    `GET /v1/models` (HTTP, gunicorn and Flask, no Redis, no worker), what any HTTP server measured
+    through this client adds to its engine's time at least."""
     import openai
     import redis
 
@@ -1390,6 +1393,11 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
     stop.set()
     redis.Redis.from_url(redis_url).ping()  # one more command, so the listener sees the stop
     thread.join(timeout=5)
+    floor = []
+    for _ in range(4 * requests if concurrency == 1 else 0):
+        start = time.perf_counter()
+        client.models.list()
+        floor.append(1000 * (time.perf_counter() - start))
 
     def first(job_id: str, *needles: str) -> float | None:
         return next((t for t, c in seen if job_id in c and all(n in c for n in needles)), None)
@@ -1407,6 +1415,7 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
                              "first_token": (opened, token), "decode": (token, done),
                              "reply": (done, end), "rq_after_done": (done, finished)}.items():
             parts[name].append(1000 * (b - a))
+    parts["client_floor"] = floor[requests:]  # the first ones warm the client's connection
     return {name: round(statistics.median(xs), 2) for name, xs in parts.items() if xs}
 
 
