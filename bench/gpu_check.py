@@ -652,6 +652,60 @@ def stack_over_engine(phases: dict, steady: bool = False) -> dict:
 
 # ---- the summary -------------------------------------------------------------------------------
 
+# The GPU path's targets (docs/performance.md#gpu): GPT-2 small's bfloat16 engine in tokens/s at 1 and
+# 64 requests; GPT-2 XL's at 1 request, its weights read against a device-to-device copy; the whole
+# stack over the engine as the worker builds it; streamed tokens' pace over the engine's at 8 requests.
+TARGETS = {"small_1": 2000.0, "small_64": 30000.0, "xl_bandwidth": 0.5, "stack": 0.9, "streamed": 1.2}
+
+
+def targets(results: dict) -> list[dict]:
+    """Each GPU target against what this check measured (None where a phase did not measure it):
+    `target`, `measured` (text), `met`."""
+    phases, env = results["phases"], results.get("environment") or {}
+
+    def result(name: str) -> dict:
+        return (phases.get(name) or {}).get("result") or {}
+
+    small = result("engine-small").get("summary", {}).get("by_system", {})
+    bf16 = small.get("engine-bf16", {})
+    rows = []
+    for c, key in (("1", "small_1"), ("64", "small_64")):
+        tok_s = bf16.get(c, {}).get("tokens_per_s")
+        rows.append({"target": f"GPT-2 small, bfloat16, engine at {c} request{'s' * (c != '1')}: "
+                               f"≥ {TARGETS[key]:.0f} tokens/s",
+                     "measured": _num(tok_s), "met": None if tok_s is None else tok_s >= TARGETS[key]})
+    xl = result("engine-xl").get("summary", {}).get("by_system", {}).get("engine-bf16", {})
+    gbps, copy = xl.get("1", {}).get("weight_gbps"), env.get("copy_gbps")
+    share = gbps / copy if gbps and copy else None
+    rows.append({"target": f"GPT-2 XL shape, bfloat16, engine at 1 request: weights read at ≥ "
+                           f"{100 * TARGETS['xl_bandwidth']:.0f}% of a device-to-device copy",
+                 "measured": "" if share is None else f"{100 * share:.0f}% ({gbps:.0f} of {copy:.0f} GB/s)",
+                 "met": None if share is None else share >= TARGETS["xl_bandwidth"]})
+    entry = result("stack").get("dtypes", {}).get("bfloat16", {})
+    over = entry.get("over_served", {}).get("bursts", {})
+    alone = results.get("stack_over_engine", {}).get("bfloat16", {})
+    cs = sorted(over, key=int)
+    rows.append({"target": f"whole stack, bfloat16, ≥ {TARGETS['stack']}x the engine as the worker builds it at "
+                           + " / ".join(cs) + " requests (and over the engine alone)",
+                 "measured": " / ".join(f"{over[c]:.2f}" for c in cs)
+                 + (" (" + " / ".join(_num(alone.get(c), 2) for c in cs) + ")" if alone else ""),
+                 "met": all(over[c] >= TARGETS["stack"] for c in cs) if cs else None})
+    streamed = entry.get("streamed") or {}
+    step = engine_step(result("engine-small"), "bfloat16", streamed.get("concurrency", 0))
+    pace = streamed["tpot_p50_s"] / step if streamed.get("tpot_p50_s") and step else None
+    rows.append({"target": f"streamed at {streamed.get('concurrency', 8)} requests, bfloat16: a token's time p50 ≤ "
+                           f"{TARGETS['streamed']}x the engine alone's",
+                 "measured": "" if pace is None else f"{pace:.2f}x ({1000 * streamed['tpot_p50_s']:.2f} against "
+                                                     f"{1000 * step:.2f} ms)",
+                 "met": None if pace is None else pace <= TARGETS["streamed"]})
+    ahead = {(name, c): row["x_transformers"] for name, by_c in small.items() if name != "transformers"
+             for c, row in by_c.items() if row.get("x_transformers") is not None}
+    behind = sorted(f"{name} at {c}" for (name, c), x in ahead.items() if x <= 1)
+    rows.append({"target": "every engine row ahead of transformers at every concurrency",
+                 "measured": (f"least {min(ahead.values()):.2f}x" + (f"; behind: {', '.join(behind)}" if behind else ""))
+                 if ahead else "", "met": not behind if ahead else None})
+    return rows
+
 def _num(value, digits: int = 0) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
@@ -708,6 +762,10 @@ def markdown(results: dict) -> str:
     if chosen:
         lines += ["The kernels' choice at load on the machine's first start (a one-block GPT-2 small, beside the CUDA "
                   "tests): " + "; ".join(f"{dtype} {entry.get('seconds', 0):.1f} s" for dtype, entry in chosen.items()) + "."]
+
+    lines += ["", "## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
+    lines += [f"| {row['target']} | {row['measured'] or 'not measured'} | "
+              f"{'' if row['met'] is None else 'yes' if row['met'] else 'no'} |" for row in targets(results)]
 
     tests = (phases.get("cuda-tests") or {}).get("result")
     if tests:

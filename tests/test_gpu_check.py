@@ -137,6 +137,28 @@ def test_the_stack_is_held_against_the_engine_of_its_dtype():
     assert steady == {"bfloat16": {"8": 0.9, "1": 0.9}}
 
 
+def test_the_targets_are_judged_from_what_the_check_measured():
+    """Each GPU target's row reads its phase's results; a phase that measured nothing leaves its row unjudged."""
+    small = {"summary": {"by_system": {
+        "transformers": {"1": {"tokens_per_s": 100.0}, "64": {"tokens_per_s": 3000.0}},
+        "engine-bf16": {"1": {"tokens_per_s": 2500.0, "x_transformers": 25.0},
+                        "8": {"tokens_per_s": 16000.0, "x_transformers": 9.0},
+                        "64": {"tokens_per_s": 20000.0, "x_transformers": 6.7}},
+        "engine": {"1": {"tokens_per_s": 90.0, "x_transformers": 0.9}}}}}
+    xl = {"summary": {"by_system": {"engine-bf16": {"1": {"tokens_per_s": 800.0, "weight_gbps": 2500.0}}}}}
+    stack = {"dtypes": {"bfloat16": {"over_served": {"bursts": {"1": 0.95, "8": 0.85}},
+                                     "streamed": {"concurrency": 8, "tpot_p50_s": 0.00055}}}}
+    results = {"environment": {"copy_gbps": 4000.0}, "stack_over_engine": {"bfloat16": {"1": 0.9, "8": 0.8}},
+               "phases": {"engine-small": {"result": small}, "engine-xl": {"result": xl}, "stack": {"result": stack}}}
+    rows = gpu_check.targets(results)
+    assert [row["met"] for row in rows] == [True, False, True, False, True, False]
+    assert rows[2]["measured"].startswith("62%") and rows[3]["measured"] == "0.95 / 0.85 (0.90 / 0.80)"
+    assert rows[4]["measured"].startswith("1.10x")  # 0.55 ms a token against the engine's 8 / 16000 s
+    assert rows[5]["measured"].endswith("behind: engine at 1")
+    unmeasured = gpu_check.targets({"phases": {}})
+    assert all(row["met"] is None for row in unmeasured)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
@@ -249,6 +271,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     summary = (out / "gpu_check.md").read_text()
     assert "| cuda-tests | failed |" in summary and "## Failures" in summary and "no_such_test" in summary
     assert "## Whole stack" in summary and "## One decode step" in summary
+    assert "## Targets" in summary and "| every engine row ahead of transformers at every concurrency |" in summary
     assert "One request arriving among the 2 (profiled" in summary
     assert "first token at 1 (ms)" in summary
     assert "float32+process+overlap, the worker's engine as it said it built it: compiled" in summary
