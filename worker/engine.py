@@ -70,9 +70,9 @@ DECODE_STEPS = {False: 1, True: 4}
 # launched (on a CPU, computed); waiting for a GPU's draws to reach the host; taking tokens in
 # (text, stops, finishes); the step's events collected and handed to the sink.
 STEP_PHASES = ("schedule", "forward", "wait", "take_in", "events")
-# What a step ran (Engine.stats' step_kinds): only decode forwards, launched back to back running ahead
-# (`_forwards`); a forward that fed prompt tokens, with or beside decoding rows; any other one forward
-# (a step at a time, a sequence admitted or started without prompt tokens to feed, beam search).
+# What a step ran (Engine.stats' step_kinds): only decoding rows (one forward, or several back to back
+# running ahead: `_forwards`); a forward that fed prompt tokens, alone or beside decoding rows; anything
+# else (sequences admitted or started with no prompt token to feed).
 STEP_KINDS = ("decode", "prompt", "other")
 
 
@@ -363,7 +363,8 @@ class Engine:
         taken_in.append(phases["take_in"] + phases["wait"])
         batch = self.scheduler.schedule(events)
         forwards = self._forwards(batch)
-        kind = "decode" if forwards else "prompt" if batch.chunks else "other"
+        kind = "prompt" if batch.chunks else "decode" if batch.decoding and not (batch.ready or batch.admitted) \
+            else "other"
         launching = time.perf_counter()
         try:
             with torch.no_grad():

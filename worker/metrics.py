@@ -24,8 +24,8 @@ pays nothing for them:
 - `nanoserve_worker_step_phase_seconds_total{model,device,phase}`: where the busy seconds went
   (worker/engine.py STEP_PHASES: schedule, forward, wait, take_in, events)
 - `nanoserve_worker_step_kind_steps_total{model,device,kind}`, `…_forwards_total`, `…_seconds_total`:
-  the steps, their forwards and busy seconds by what they ran (worker/engine.py STEP_KINDS: decode
-  forwards back to back, a forward that fed prompt tokens, any other)
+  the steps, their forwards and busy seconds by what they ran (worker/engine.py STEP_KINDS: only
+  decoding rows, prompt tokens fed, anything else)
 
 The snapshot is a dict; keys it lacks are simply not reported:
     {"device": str, "running": int, "waiting": int, "kv_slots_used": int, "kv_slots_total": int,
