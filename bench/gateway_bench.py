@@ -134,8 +134,8 @@ def busy_share(before: dict[str, float], after: dict[str, float], wall_s: float,
     of the wall clock, its busy ms a request, its ms a forward and its forwards a request (more than
     alone where a burst's requests reach it spread out: its batch runs part full for longer); and by
     what its steps ran (worker/engine.py STEP_KINDS), their share of the forwards, their forwards a
-    step and their ms a forward: steps that feed arriving prompts run one forward, where steps that
-    only decode run several."""
+    step and their ms a forward: a step that feeds arriving prompts runs one forward, where one that
+    only decodes runs several when the engine runs ahead (a GPU's)."""
     from bench.engine_bench import phase_ms_per_forward
 
     busy, forwards = after["busy_s"] - before["busy_s"], after["forwards"] - before["forwards"]

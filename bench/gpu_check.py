@@ -1562,7 +1562,8 @@ def profile_main(argv: list[str]) -> None:
                                                      "host_top": host_profile(prof, forwards),
                                                      "until_every_first_token": burst,
                                                      "arrival_profile": arrival_profile(
-                                                         engine, handles, begun, template, args.prompt_tokens)}
+                                                         engine, handles, begun, template, args.prompt_tokens,
+                                                         sync, activities)}
             while not all(h.done for h in handles):
                 engine.step()
             for h in handles:
@@ -1574,18 +1575,18 @@ def profile_main(argv: list[str]) -> None:
               f"steps, {row['until_every_first_token']['ms']:.1f} ms", flush=True)
 
 
-def arrival_profile(engine, handles: list, begun: set[str], template, prompt_tokens: int) -> dict:
+def arrival_profile(engine, handles: list, begun: set[str], template, prompt_tokens: int, sync,
+                    activities: list) -> dict:
     """torch.profiler over the steps from one request's arrival among `handles` running (the first
     cancelled to make room, and dropped from them) to its first token: its prompt fed beside their
     decoding rows, as in a steady state where requests arrive as others end. Per step, as
     `step_profile`, with the steps by what they ran (worker/engine.py STEP_KINDS). The request,
-    `template` with a prompt of its own of `prompt_tokens`, joins `handles`."""
+    `template` with a prompt of its own of `prompt_tokens`, joins `handles`. `sync` waits for the
+    device; `activities`: what torch.profiler records (profile_main's)."""
     import torch
 
     from bench import prompt_ids
 
-    device = engine.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     first = handles.pop(0)
     first.cancel()
     while not first.done:
@@ -1593,8 +1594,6 @@ def arrival_profile(engine, handles: list, begun: set[str], template, prompt_tok
     arriving = engine.submit(template.model_copy(update={
         "id": f"arriving-{template.id}", "prompts": [prompt_ids(20_000 + len(handles), prompt_tokens)]}))
     handles.append(arriving)
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     kinds = engine.stats()["step_kinds"]
     sync()
     started, steps = time.perf_counter(), 0
@@ -1606,7 +1605,7 @@ def arrival_profile(engine, handles: list, begun: set[str], template, prompt_tok
     took = time.perf_counter() - started
     ran = {kind: {key: counts[key] - kinds[kind][key] for key in ("steps", "forwards")}
            for kind, counts in engine.stats()["step_kinds"].items() if counts["steps"] > kinds[kind]["steps"]}
-    return {**step_profile(prof, device.type, steps, took / max(steps, 1)), "steps": steps, "kinds": ran,
+    return {**step_profile(prof, engine.device.type, steps, took / max(steps, 1)), "steps": steps, "kinds": ran,
             "host_top": host_profile(prof, steps)}
 
 

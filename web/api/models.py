@@ -47,9 +47,8 @@ class ServedModels:
 
     def start_loading(self) -> threading.Thread:
         """Load every served model's tokenizer on a thread of its own, so that a serving process's
-        first request does not wait for it; a request that comes
-        sooner waits for its model's. One that cannot be loaded is said in a line here, and refused at
-        its requests (which log why)."""
+        first request does not wait for it (a request that comes sooner waits for its model's). One
+        that cannot be loaded is said in a line here, and refused at its requests (which log why)."""
 
         def load() -> None:
             for spec in self.registry.models():
