@@ -101,12 +101,12 @@ TARGET_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--plat
                    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
 
 # the measuring phases, which --phases chooses from, and those that prepare them, which always run
-MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile", "engine-6b")
+MEASURED = ("cuda-tests", "engine-small", "stack", "engine-xl", "profile", "profile-xl", "engine-6b")
 DEFAULT = tuple(name for name in MEASURED if name != "engine-6b")  # engine-6b: a call of its own
 PHASES = ("install", "environment", "checkpoints", "kernels", *MEASURED)
 # Each phase's own limit on a GPU (seconds), with room over what its pieces took on an H200.
 LIMITS = {"install": 120, "environment": 60, "checkpoints": 300, "kernels": 150, "cuda-tests": 330, "engine-small": 180,
-          "stack": 330, "engine-xl": 220, "profile": 90, "engine-6b": 300}
+          "stack": 330, "engine-xl": 220, "profile": 90, "profile-xl": 120, "engine-6b": 300}
 MIN_START = 20.0  # a phase with less left than this is skipped
 STOP_GRACE = 15.0  # SIGTERM to SIGKILL: a stack's services stop on SIGTERM
 RESERVE = STOP_GRACE + 5.0  # kept from the budget for stopping the last phase and writing the results
@@ -144,6 +144,8 @@ class Plan:
     profile_dtype: str = "bfloat16"
     profile_concurrency: tuple[int, ...] = (1, 64)
     profile_steps: int = 32
+    xl_profile_concurrency: tuple[int, ...] = (1,)  # where XL's target is: its weights read at 1 request
+    xl_profile_steps: int = 16
     copy_mib: int = 1024
 
 
@@ -154,7 +156,8 @@ QUICK = Plan(small="tiny", xl="tiny", prompt_tokens=8, new_tokens=4, engine_syst
              stack_dtypes=("float32+process+overlap", "float32+thread+web1"), stack_mode="eager", stack_concurrency=(1, 2), stack_repeats=1, min_requests=2,
              stream_at=2, steady=2,
              client_processes=2, web_workers=2,
-             profile_dtype="float32", profile_concurrency=(2,), profile_steps=2, copy_mib=16)
+             profile_dtype="float32", profile_concurrency=(2,), profile_steps=2,
+             xl_profile_concurrency=(1,), xl_profile_steps=2, copy_mib=16)
 ENGINE_OF_DTYPE = {"float32": "engine", "bfloat16": "engine-bf16"}  # the stack's engine-alone row
 # A stack variant is a dtype, then any of: how its worker runs the engine, `+thread` in the worker's
 # own process, `+process` in one of its own (processor.py --engine-process; default: on a GPU);
@@ -534,7 +537,7 @@ def phases(check: Check) -> None:
     checkpoints = work / "checkpoints.json"
     shapes = list(dict.fromkeys(s for s, wanted in ((plan.small, check.wanted("engine-small") or check.wanted("stack")
                                                      or check.wanted("profile")),
-                                                    (plan.xl, check.wanted("engine-xl")),
+                                                    (plan.xl, check.wanted("engine-xl") or check.wanted("profile-xl")),
                                                     (plan.large, check.wanted("engine-6b"))) if wanted))
     if shapes and check.runnable("checkpoints"):
         check.start_background("checkpoints", check.python(*me, "checkpoints", "--cache", str(check.cache),
@@ -595,10 +598,14 @@ def phases(check: Check) -> None:
         "--prompt-tokens", str(plan.prompt_tokens), "--new-tokens", str(plan.new_tokens),
         "--workdir", str(work / "stack"), "--json", str(path)))
     engine("engine-xl", plan.xl, plan.xl_systems, plan.xl_concurrency, plan.xl_repeats)
-    measure("profile", plan.small, lambda ckpt, path: (
-        *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
-        "--concurrency", ",".join(map(str, plan.profile_concurrency)), "--steps", str(plan.profile_steps),
-        "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)))
+    def profile(name: str, shape: str, concurrency, steps: int) -> None:
+        measure(name, shape, lambda ckpt, path: (
+            *me, "profile", "--checkpoint", ckpt, "--device", args.device, "--dtype", plan.profile_dtype,
+            "--concurrency", ",".join(map(str, concurrency)), "--steps", str(steps),
+            "--prompt-tokens", str(plan.prompt_tokens), "--json", str(path)))
+
+    profile("profile", plan.small, plan.profile_concurrency, plan.profile_steps)
+    profile("profile-xl", plan.xl, plan.xl_profile_concurrency, plan.xl_profile_steps)
     engine("engine-6b", plan.large, plan.xl_systems, plan.large_concurrency, plan.xl_repeats)
     for name, path in (("kernels", kernels), ("checkpoints", checkpoints)):
         if name in check.background:  # no phase needed them after all
@@ -918,40 +925,10 @@ def markdown(results: dict) -> str:
                          f"{env['copy_gbps']:.0f} GB/s" if env.get("copy_gbps") else "")
                 lines.append(f"\n{name} at 1 request reads its weights at {gbps:.0f} GB/s{share}.")
 
-    profiled = (phases.get("profile") or {}).get("result")
-    if profiled:
-        lines += ["", f"## One decode step, {profiled['dtype']}, {profiled['event_kind']} (torch.profiler over "
-                  f"{profiled['steps']} steps)", "",
-                  "| requests | step (ms) | events a step | busy (ms a step) | busy share | until every first token |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for c, row in profiled["by_concurrency"].items():
-            burst = row.get("until_every_first_token")
-            lines.append(f"| {c} | {row['step_ms']:.2f} | {row['events_per_step']:.0f} | {row['busy_ms_per_step']:.2f} "
-                         f"| {100 * row['busy_ms_per_step'] / row['step_ms']:.0f}% | "
-                         + (f"{burst['steps']} steps, {burst['ms']:.1f} ms |" if burst else "|"))
-        for c, row in profiled["by_concurrency"].items():
-            lines += ["", f"Top at {c}: " + "; ".join(f"{t['name'][:60]} {t['ms_per_step']:.3f} ms "
-                                                       f"({t['per_step']:.0f}x)" for t in row["top"][:6])]
-            burst = row.get("burst_profile")
-            if burst:
-                lines += ["", f"Until every first token at {c} (profiled): {burst['step_ms']:.2f} ms a step, "
-                          f"{burst['events_per_step']:.0f} {profiled['event_kind']} a step, busy "
-                          f"{burst['busy_ms_per_step']:.2f} ms; the host's own time a step: "
-                          + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
-                                      for t in burst["host_top"][:6])]
-            arrival = row.get("arrival_profile")
-            if arrival:
-                lines += ["", f"One request arriving among the {c} (profiled, one of them cancelled to make room), "
-                          f"until its first token: {arrival['steps']} steps ("
-                          + ", ".join(f"{kind} {k['steps']} of {k['forwards']} forwards"
-                                      for kind, k in arrival["kinds"].items())
-                          + f"), {arrival['step_ms']:.2f} ms a step, {arrival['events_per_step']:.0f} "
-                          f"{profiled['event_kind']} a step, busy {arrival['busy_ms_per_step']:.2f} ms; top: "
-                          + "; ".join(f"{t['name'][:40]} {t['ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
-                                      for t in arrival["top"][:4])
-                          + "; the host's own time a step: "
-                          + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
-                                      for t in arrival["host_top"][:4])]
+    for name in ("profile", "profile-xl"):
+        profiled = (phases.get(name) or {}).get("result")
+        if profiled:
+            lines += _profile_lines(profiled, env.get("copy_gbps"))
 
     failed = {name: e for name, e in phases.items() if e["status"] in ("failed", "timed_out")}
     if failed:
@@ -961,6 +938,57 @@ def markdown(results: dict) -> str:
                       f"{', ' + entry['reason'] if entry.get('reason') else ''})", "", "```",
                       "\n".join(entry.get("log_tail", "").splitlines()[-40:]), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _profile_lines(profiled: dict, copy_gbps: float | None) -> list[str]:
+    """The summary's section of one profile phase's results (profile_main's)."""
+    shape = profiled.get("shape") or {}
+    of = f"{shape['model_type']} {shape['n_layer']} layers x {shape['n_embd']}, " if shape else ""
+    lines = ["", f"## One decode step, {of}{profiled['dtype']}, {profiled['event_kind']} (torch.profiler over "
+             f"{profiled['steps']} steps)", "",
+             "| requests | step (ms) | events a step | busy (ms a step) | busy share | until every first token |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c, row in profiled["by_concurrency"].items():
+        burst = row.get("until_every_first_token")
+        lines.append(f"| {c} | {row['step_ms']:.2f} | {row['events_per_step']:.0f} | {row['busy_ms_per_step']:.2f} "
+                     f"| {100 * row['busy_ms_per_step'] / row['step_ms']:.0f}% | "
+                     + (f"{burst['steps']} steps, {burst['ms']:.1f} ms |" if burst else "|"))
+    for c, row in profiled["by_concurrency"].items():
+        lines += ["", f"Top at {c}: " + "; ".join(f"{t['name'][:60]} {t['ms_per_step']:.3f} ms "
+                                                   f"({t['per_step']:.0f}x)" for t in row["top"][:6])]
+        groups = row.get("groups_ms_per_step")
+        if groups:
+            pace = ""
+            if row.get("weight_gbps"):
+                share = f", {100 * row['weight_gbps'] / copy_gbps:.0f}% of a copy's" if copy_gbps else ""
+                pace = (f"; its {profiled['weight_bytes'] / 1e9:.2f} GB of weights read at {row['weight_gbps']:.0f} "
+                        f"GB/s over the forward{share}")
+                if row.get("matmul_weight_gbps"):  # none where the matmuls run outside torch's operators (a CPU's)
+                    pace += f", at {row['matmul_weight_gbps']:.0f} GB/s over its matmuls' own time"
+            lines += ["", f"A forward at {c} by kind of kernel, ms: "
+                      + ", ".join(f"{group} {ms:.3f}" for group, ms in groups.items())
+                      + f" (busy {row['busy_ms_per_step']:.3f} of {row['step_ms']:.3f}){pace}."]
+        burst = row.get("burst_profile")
+        if burst:
+            lines += ["", f"Until every first token at {c} (profiled): {burst['step_ms']:.2f} ms a step, "
+                      f"{burst['events_per_step']:.0f} {profiled['event_kind']} a step, busy "
+                      f"{burst['busy_ms_per_step']:.2f} ms; the host's own time a step: "
+                      + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
+                                  for t in burst["host_top"][:6])]
+        arrival = row.get("arrival_profile")
+        if arrival:
+            lines += ["", f"One request arriving among the {c} (profiled, one of them cancelled to make room), "
+                      f"until its first token: {arrival['steps']} steps ("
+                      + ", ".join(f"{kind} {k['steps']} of {k['forwards']} forwards"
+                                  for kind, k in arrival["kinds"].items())
+                      + f"), {arrival['step_ms']:.2f} ms a step, {arrival['events_per_step']:.0f} "
+                      f"{profiled['event_kind']} a step, busy {arrival['busy_ms_per_step']:.2f} ms; top: "
+                      + "; ".join(f"{t['name'][:40]} {t['ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
+                                  for t in arrival["top"][:4])
+                      + "; the host's own time a step: "
+                      + "; ".join(f"{t['name'][:40]} {t['self_ms_per_step']:.3f} ms ({t['per_step']:.0f}x)"
+                                  for t in arrival["host_top"][:4])]
+    return lines
 
 
 def _ms(seconds) -> str:
@@ -1501,6 +1529,7 @@ def profile_main(argv: list[str]) -> None:
     import torch
 
     from bench import model_shape, prompt_ids
+    from bench.engine_bench import weight_bytes_per_step
     from models.tokenizer import load_tokenizer
     from nanogpt.checkpoint import load_model
     from worker.engine import Engine
@@ -1511,17 +1540,20 @@ def profile_main(argv: list[str]) -> None:
     new_tokens = 2 * args.steps + 16  # the timed forwards, the profiled forwards, and room
     checkpoint = Path(args.checkpoint)
     model = load_model(checkpoint, device=args.device, dtype=getattr(torch, args.dtype))
-    eos = model_shape(checkpoint)["eos"]
+    shape = model_shape(checkpoint)
+    eos = shape["eos"]
     begun: set[str] = set()
 
     def sink(events):
         begun.update(job_id for job_id, kind, _ in events if kind == "delta")
         return ()
 
+    weight_bytes = weight_bytes_per_step(model)
     engine = Engine(model, load_tokenizer(checkpoint), max_batch=max(concurrency),
                     max_len=args.prompt_tokens + new_tokens, event_sink=sink)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     results = {"dtype": args.dtype, "device": args.device, "steps": args.steps, "decode_steps": engine.decode_steps,
+               "shape": shape, "weight_bytes": weight_bytes,
                "event_kind": "CUDA kernels and copies" if device.type == "cuda" else "CPU operators",
                "by_concurrency": {}}
     activities = [torch.profiler.ProfilerActivity.CPU] + (
@@ -1558,7 +1590,11 @@ def profile_main(argv: list[str]) -> None:
                     forwards = run_forwards(engine, args.steps)
                     sync()
                 # the host's own time by operator a forward: which of it or the GPU bounds the forward
-                results["by_concurrency"][str(c)] = {**step_profile(prof, device.type, forwards, step_s),
+                profiled = step_profile(prof, device.type, forwards, step_s)
+                # a forward reads every weight once whatever its rows: at what pace the step and its matmuls did
+                matmul_s = profiled["groups_ms_per_step"]["matmul"] / 1000
+                results["by_concurrency"][str(c)] = {**profiled, "weight_gbps": weight_bytes / step_s / 1e9,
+                                                     "matmul_weight_gbps": weight_bytes / matmul_s / 1e9 if matmul_s else None,
                                                      "host_top": host_profile(prof, forwards),
                                                      "until_every_first_token": burst,
                                                      "arrival_profile": arrival_profile(
@@ -1646,9 +1682,28 @@ def step_profile(prof, device_type: str, steps: int, step_s: float, top: int = 1
     for e in events:
         by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    groups = dict.fromkeys((*(group for group, _ in KERNEL_GROUPS), "other"), 0.0)
+    for name, times in by_name.items():
+        groups[kernel_group(name)] += sum(times) / 1000 / steps
     return {"step_ms": 1000 * step_s, "events_per_step": len(events) / steps, "busy_ms_per_step": busy / 1000 / steps,
+            "groups_ms_per_step": groups,
             "top": [{"name": name, "per_step": len(times) / steps, "ms_per_step": sum(times) / 1000 / steps}
                     for name, times in ranked]}
+
+
+# What a step's kernels (a CPU's operators) do, by their names: cuBLAS's, cuBLASLt's and the project's
+# few-row matmuls (its norm-fed one too: it reads a weight), the attention, the layer norms, copies.
+KERNEL_GROUPS = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "splitkreduce", "_one_row", "_few_rows",
+                             "_norm_rows", "linear", "aten::addmm", "aten::mm", "aten::matmul")),
+                 ("attention", ("attention", "fmha", "flash", "softmax")),
+                 ("norm", ("layer_norm",)),
+                 ("copy", ("memcpy", "memset", "aten::copy_")))
+
+
+def kernel_group(name: str) -> str:
+    """The KERNEL_GROUPS group of a kernel or operator named `name`, else "other"."""
+    lowered = name.lower()
+    return next((group for group, needles in KERNEL_GROUPS if any(n in lowered for n in needles)), "other")
 
 
 def wheel_requirements() -> list[str]:

@@ -159,6 +159,33 @@ def test_the_targets_are_judged_from_what_the_check_measured():
     assert all(row["met"] is None for row in unmeasured)
 
 
+def test_a_steps_kernels_are_grouped_by_what_they_do():
+    # kernel names as torch.profiler recorded them on an H200, and the project's own
+    names = {"nvjet_sm90_tst_64x8_64x16_4x1_v_bz_bias_TNT": "matmul",
+             "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16>": "matmul",
+             "void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_tn_align1>": "matmul",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float>": "matmul",
+             "_few_rows": "matmul", "_one_row": "matmul", "_norm_rows": "matmul", "nanoserve::linear": "matmul",
+             "_decode_attention": "attention", "void (anonymous namespace)::softmax_warp_forward<c10::BFloat16>": "attention",
+             "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>": "norm",
+             "_add_layer_norm": "norm", "Memcpy HtoD (Pinned -> Device)": "copy",
+             "void at::native::index_elementwise_kernel<128, 4>": "other",
+             "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "other"}
+    assert {name: gpu_check.kernel_group(name) for name in names} == names
+
+
+def test_a_profiled_forward_says_where_its_time_and_its_weights_went():
+    row = {"step_ms": 4.0, "events_per_step": 300, "busy_ms_per_step": 3.0, "top": [],
+           "groups_ms_per_step": {"matmul": 2.0, "attention": 0.5, "norm": 0.25, "copy": 0.0, "other": 0.25},
+           "weight_gbps": 775.0, "matmul_weight_gbps": 1550.0}
+    profiled = {"dtype": "bfloat16", "event_kind": "CUDA kernels and copies", "steps": 16, "weight_bytes": 3.1e9,
+                "shape": {"model_type": "gpt2", "n_layer": 48, "n_embd": 1600}, "by_concurrency": {"1": row}}
+    text = "\n".join(gpu_check._profile_lines(profiled, copy_gbps=3100.0))
+    assert "## One decode step, gpt2 48 layers x 1600, bfloat16" in text
+    assert "matmul 2.000, attention 0.500, norm 0.250, copy 0.000, other 0.250 (busy 3.000 of 4.000)" in text
+    assert "3.10 GB of weights read at 775 GB/s over the forward, 25% of a copy's, at 1550 GB/s" in text
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
@@ -266,6 +293,14 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert arrival["kinds"]["prompt"]["steps"] >= 1 and arrival["steps"] == sum(
         k["steps"] for k in arrival["kinds"].values()), arrival  # on a CPU its prompt may be fed in chunks
     assert arrival["events_per_step"] > 0 and arrival["busy_ms_per_step"] > 0 and arrival["host_top"]
+    # GPT-2 XL's shape profiled at 1 request (the quick plan's tiny one): its forward's time by kind of
+    # kernel, every operator in one of them, and the pace its weights were read at over the forward
+    xl = phases["profile-xl"]["result"]
+    one = xl["by_concurrency"]["1"]
+    assert set(one["groups_ms_per_step"]) == {"matmul", "attention", "norm", "copy", "other"}
+    assert sum(one["groups_ms_per_step"].values()) >= one["busy_ms_per_step"] * 0.99 > 0
+    assert one["weight_gbps"] == pytest.approx(xl["weight_bytes"] / one["step_ms"] / 1e6)
+    assert xl["shape"]["n_layer"] > 0 and xl["weight_bytes"] > 0
 
     assert json.loads((out / "gpu_check.json").read_text())["phases"].keys() == phases.keys()
     summary = (out / "gpu_check.md").read_text()
@@ -273,6 +308,7 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
     assert "## Whole stack" in summary and "## One decode step" in summary
     assert "## Targets" in summary and "| every engine row ahead of transformers at every concurrency |" in summary
     assert "One request arriving among the 2 (profiled" in summary
+    assert summary.count("## One decode step, gpt2") == 2 and "A forward at 1 by kind of kernel, ms: matmul" in summary
     assert "first token at 1 (ms)" in summary
     assert "float32+process+overlap, the worker's engine as it said it built it: compiled" in summary
     assert "of that the worker's own process / its engine's process" in summary
