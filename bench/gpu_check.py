@@ -859,13 +859,13 @@ def markdown(results: dict) -> str:
                     + ".")
             path = entry.get("request_path_ms")
             if path:
-                lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR; client_floor: "
-                             "the client's GET /v1/models, medians of 15): "
+                lines.append(f"\n{dtype}, one request alone, ms (medians of 5, from Redis's MONITOR; total_unmonitored: "
+                             "5 more with no MONITOR; client_floor: the client's GET /v1/models, medians of 15): "
                              + ", ".join(f"{name} {ms}" for name, ms in path.items()) + ".")
             burst = entry.get("burst_path")
             if burst:
                 lines.append(f"\n{dtype}, {burst['concurrency']} requests sent at once, ms (medians over 3 rounds' "
-                             "requests, from Redis's MONITOR): "
+                             "requests, from Redis's MONITOR, then 3 rounds with none): "
                              + ", ".join(f"{name} {ms}" for name, ms in burst["ms"].items()) + ".")
             cpu = entry.get("worker_cpu_ms")
             if cpu:
@@ -1441,44 +1441,54 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
     ms: web (from the client's send to the job in the queue), pickup (queue to the worker's attempt
     opened), engine (attempt to the `done` event), split into first_token (attempt to its first
     token's write) and decode (that write to `done`), reply (`done` to the client's answer), and
-    rq's bookkeeping after `done`. At one request at a time, also `client_floor`: the same client's
-    `GET /v1/models` (HTTP, gunicorn and Flask, no Redis, no worker), what any HTTP server measured
-    through this client adds to its engine's time at least."""
+    rq's bookkeeping after `done`; `total`, the client's send to its answer. MONITOR costs Redis and
+    its reader time: the reader is a process of its own (in the client's it would hold the GIL the
+    client's answer waits for), and `total_unmonitored` times as many requests again with no
+    MONITOR, what the split's total is held against. At one request at a time, also
+    `client_floor`: the same client's `GET /v1/models` (HTTP, gunicorn and Flask, no Redis, no
+    worker), what any HTTP server measured through this client adds to its engine's time at least."""
+    import multiprocessing
+    import tempfile
+
     import openai
     import redis
 
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-    monitor = redis.Redis.from_url(redis_url, socket_timeout=None)
-    seen: list[tuple[float, str]] = []
-    stop = threading.Event()
-
-    def listen() -> None:
-        with monitor.monitor() as m:
-            for command in m.listen():
-                seen.append((float(command["time"]), command["command"][:300]))
-                if stop.is_set():
-                    return
-
-    thread = threading.Thread(target=listen, daemon=True)
-    thread.start()
-    time.sleep(0.3)
-    sent = []
+    sent: list[tuple[str, float, float]] = []
 
     def send() -> None:
         start = time.time()
         answer = client.completions.create(model=args.model, **body)
         sent.append((answer.id, start, time.time()))
 
-    for _ in range(requests):
-        senders = [threading.Thread(target=send) for _ in range(concurrency)]
-        for sender in senders:
-            sender.start()
-        for sender in senders:
-            sender.join()
-    time.sleep(0.3)
-    stop.set()
-    redis.Redis.from_url(redis_url).ping()  # one more command, so the listener sees the stop
-    thread.join(timeout=5)
+    def rounds_of_requests() -> None:
+        for _ in range(requests):
+            senders = [threading.Thread(target=send) for _ in range(concurrency)]
+            for sender in senders:
+                sender.start()
+            for sender in senders:
+                sender.join()
+
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "monitor.tsv"
+        started, stop = context.Event(), context.Event()
+        listener = context.Process(target=_monitor, args=(redis_url, str(log_path), started, stop), daemon=True)
+        listener.start()
+        started.wait(30)
+        time.sleep(0.3)
+        rounds_of_requests()
+        time.sleep(0.3)
+        stop.set()
+        redis.Redis.from_url(redis_url).ping()  # one more command, so the listener sees the stop
+        listener.join(timeout=10)
+        if listener.is_alive():
+            listener.kill()
+        seen = [(float(t), command) for t, _, command in
+                (line.partition("\t") for line in log_path.read_text().splitlines())]
+    monitored, sent[:] = list(sent), []
+    rounds_of_requests()
+    unmonitored = [1000 * (end - start) for _, start, end in sent]
     floor = []
     for _ in range(4 * requests if concurrency == 1 else 0):
         start = time.perf_counter()
@@ -1489,8 +1499,8 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
         return next((t for t, c in seen if job_id in c and all(n in c for n in needles)), None)
 
     parts: dict[str, list[float]] = {"web": [], "pickup": [], "engine": [], "first_token": [], "decode": [],
-                                     "reply": [], "rq_after_done": []}
-    for job_id, start, end in sent:
+                                     "reply": [], "rq_after_done": [], "total": []}
+    for job_id, start, end in monitored:
         # the attempt's script replays the stream first (worker/events.py _OPEN_ATTEMPT)
         queued, opened = first(job_id, "RPUSH"), first(job_id, "XRANGE", "nanoserve:stream:")
         token = first(job_id, "XADD", "type delta")
@@ -1499,10 +1509,25 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
             continue
         for name, (a, b) in {"web": (start, queued), "pickup": (queued, opened), "engine": (opened, done),
                              "first_token": (opened, token), "decode": (token, done),
-                             "reply": (done, end), "rq_after_done": (done, finished)}.items():
+                             "reply": (done, end), "rq_after_done": (done, finished), "total": (start, end)}.items():
             parts[name].append(1000 * (b - a))
+    parts["total_unmonitored"] = unmonitored
     parts["client_floor"] = floor[requests:]  # the first ones warm the client's connection
     return {name: round(statistics.median(xs), 2) for name, xs in parts.items() if xs}
+
+
+def _monitor(redis_url: str, path: str, started, stop) -> None:
+    """Redis's MONITOR to `path` (its time, a tab, the command) until `stop` is set and one more
+    command is seen; `started` once it listens."""
+    import redis
+
+    with redis.Redis.from_url(redis_url, socket_timeout=None).monitor() as m, open(path, "w") as out:
+        started.set()
+        for command in m.listen():
+            # a script's text spans lines: one line a command
+            out.write(f"{command['time']}\t{' '.join(command['command'][:300].splitlines())}\n")
+            if stop.is_set():
+                return
 
 
 def _median_of(records: list[dict], key: str) -> float:

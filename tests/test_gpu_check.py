@@ -257,7 +257,10 @@ def test_every_phase_runs_on_the_cpu_and_a_failing_one_stops_none(tmp_path):
         assert results["steady_over_engine"]["float32+process+overlap"][c] == run["tokens_per_s"] / small["engine"][c]["tokens_per_s"]
     # where one request's time goes, and what requests cost the worker's CPU
     path = stack["request_path_ms"]
-    assert set(path) == {"web", "pickup", "engine", "first_token", "decode", "reply", "rq_after_done", "client_floor"}
+    assert set(path) == {"web", "pickup", "engine", "first_token", "decode", "reply", "rq_after_done", "total",
+                         "total_unmonitored", "client_floor"}
+    # the split adds up to the request's time, MONITOR's record read from a process of its own
+    assert path["web"] + path["pickup"] + path["engine"] + path["reply"] == pytest.approx(path["total"], rel=0.25)
     assert all(ms > 0 for ms in path.values())
     assert path["first_token"] < path["engine"] and path["decode"] < path["engine"]
     burst = stack["burst_path"]  # the same, for requests sent at once (the streamed measure's count)
