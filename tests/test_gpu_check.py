@@ -148,11 +148,16 @@ def test_the_targets_are_judged_from_what_the_check_measured():
     xl = {"summary": {"by_system": {"engine-bf16": {"1": {"tokens_per_s": 800.0, "weight_gbps": 2500.0}}}}}
     stack = {"dtypes": {"bfloat16": {"over_served": {"bursts": {"1": 0.95, "8": 0.85}},
                                      "streamed": {"concurrency": 8, "tpot_p50_s": 0.00055}}}}
+    profiled = {"by_concurrency": {"1": {"step_ms": 2.0, "groups_ms_per_step": {"matmul": 1.5},
+                                         "matmul_weight_gbps": 2000.0}}}
     results = {"environment": {"copy_gbps": 4000.0}, "stack_over_engine": {"bfloat16": {"1": 0.9, "8": 0.8}},
-               "phases": {"engine-small": {"result": small}, "engine-xl": {"result": xl}, "stack": {"result": stack}}}
+               "phases": {"engine-small": {"result": small}, "engine-xl": {"result": xl}, "stack": {"result": stack},
+                          "profile-xl": {"result": profiled}}}
     rows = gpu_check.targets(results)
     assert [row["met"] for row in rows] == [True, False, True, False, True, False]
     assert rows[2]["measured"].startswith("62%") and rows[3]["measured"] == "0.95 / 0.85 (0.90 / 0.80)"
+    # XL's miss or hit beside its profiled forward: the matmuls' share of it and their own pace
+    assert rows[2]["measured"].endswith("; profiled: matmuls 1.50 of 2.00 ms a forward, reading at 50%")
     assert rows[4]["measured"].startswith("1.10x")  # 0.55 ms a token against the engine's 8 / 16000 s
     assert rows[5]["measured"].endswith("behind: engine at 1")
     unmeasured = gpu_check.targets({"phases": {}})
