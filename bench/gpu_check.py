@@ -1479,7 +1479,9 @@ def request_path(redis_url: str, url: str, args, body: dict, requests: int = 5,
         started, stop = context.Event(), context.Event()
         listener = context.Process(target=_monitor, args=(redis_url, str(log_path), started, stop), daemon=True)
         listener.start()
-        started.wait(30)
+        if not started.wait(30):
+            listener.kill()
+            raise RuntimeError(f"Redis's MONITOR at {redis_url} did not start within 30 s")
         time.sleep(0.3)
         rounds_of_requests()
         time.sleep(0.3)
@@ -1721,7 +1723,8 @@ def step_profile(prof, device_type: str, steps: int, step_s: float, top: int = 1
 
 
 # What a step's kernels (a CPU's operators) do, by their names: cuBLAS's, cuBLASLt's and the project's
-# few-row matmuls (its norm-fed one too: it reads a weight), the attention, the layer norms, copies.
+# few-row matmuls (its norm-fed one too: it reads a weight), the attention (an eager one's softmax; a
+# sampler's softmax, for logprobs or top-p, would count there too), the layer norms, copies.
 KERNEL_GROUPS = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "splitkreduce", "_one_row", "_few_rows",
                              "_norm_rows", "linear", "aten::addmm", "aten::mm", "aten::matmul")),
                  ("attention", ("attention", "fmha", "flash", "softmax")),
